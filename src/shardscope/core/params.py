@@ -1,0 +1,170 @@
+"""Every parameter tensor a model has, in the order the reference implementation creates them.
+
+The count equals what transformers builds (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM,
+MixtralForCausalLM, Qwen2ForCausalLM) and what shardscope's own reference modules build; shapes follow torch's
+nn.Linear convention (out_features, in_features), which is what dim-0 sharding under FSDP2 pads.
+Tied embeddings are one tensor, counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from shardscope.specs import ModelSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamTensor:
+    """One parameter tensor."""
+
+    name: str
+    """Its name relative to its unit, e.g. 'attn.q_proj.weight'."""
+    shape: tuple[int, ...]
+    """Its shape; dim 0 is the one FSDP2 shards."""
+
+    @property
+    def numel(self) -> int:
+        """Elements in the tensor."""
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamLayout:
+    """A model's parameters grouped the way FSDP wraps them: a root unit, and one unit per transformer block."""
+
+    root: tuple[ParamTensor, ...]
+    """Embeddings, final norm and output head (the root unit)."""
+    block: tuple[ParamTensor, ...]
+    """The tensors of one transformer block; every block is identical."""
+    num_blocks: int
+    """How many blocks."""
+
+    @property
+    def block_numel(self) -> int:
+        """Parameters in one block."""
+        return sum(tensor.numel for tensor in self.block)
+
+    @property
+    def root_numel(self) -> int:
+        """Parameters outside the blocks."""
+        return sum(tensor.numel for tensor in self.root)
+
+    @property
+    def total_numel(self) -> int:
+        """Parameters in the model."""
+        return self.root_numel + self.num_blocks * self.block_numel
+
+    @property
+    def largest_unit_numel(self) -> int:
+        """Parameters in the largest FSDP unit (the root or one block)."""
+        return max(self.root_numel, self.block_numel)
+
+    @property
+    def largest_tensor_numel(self) -> int:
+        """Elements in the largest single tensor."""
+        return max(tensor.numel for tensor in self.root + self.block)
+
+    def tensors(self) -> tuple[ParamTensor, ...]:
+        """All tensors in creation order: embeddings, blocks, final norm and head."""
+        embeddings = tuple(t for t in self.root if t.name.startswith("embed"))
+        tail = tuple(t for t in self.root if not t.name.startswith("embed"))
+        blocks = tuple(
+            ParamTensor(name=f"layers.{index}.{t.name}", shape=t.shape)
+            for index in range(self.num_blocks)
+            for t in self.block
+        )
+        return embeddings + blocks + tail
+
+
+def _linear(name: str, out_features: int, in_features: int, bias: bool) -> tuple[ParamTensor, ...]:
+    weight = ParamTensor(name=f"{name}.weight", shape=(out_features, in_features))
+    if not bias:
+        return (weight,)
+    return weight, ParamTensor(name=f"{name}.bias", shape=(out_features,))
+
+
+def _gpt2_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
+    hidden, ffn = model.hidden_size, model.ffn_hidden_size
+    return (
+        ParamTensor(name="ln_1.weight", shape=(hidden,)),
+        ParamTensor(name="ln_1.bias", shape=(hidden,)),
+        *_linear("attn.c_attn", 3 * hidden, hidden, bias=True),
+        *_linear("attn.c_proj", hidden, hidden, bias=True),
+        ParamTensor(name="ln_2.weight", shape=(hidden,)),
+        ParamTensor(name="ln_2.bias", shape=(hidden,)),
+        *_linear("mlp.c_fc", ffn, hidden, bias=True),
+        *_linear("mlp.c_proj", hidden, ffn, bias=True),
+    )
+
+
+def _llama_attention(model: ModelSpec) -> tuple[ParamTensor, ...]:
+    hidden = model.hidden_size
+    q_width = model.num_heads * model.head_dim
+    kv_width = model.num_kv_heads * model.head_dim
+    bias = model.attention_bias
+    return (
+        *_linear("attn.q_proj", q_width, hidden, bias),
+        *_linear("attn.k_proj", kv_width, hidden, bias),
+        *_linear("attn.v_proj", kv_width, hidden, bias),
+        *_linear("attn.o_proj", hidden, q_width, bias=False),
+    )
+
+
+def _swiglu(prefix: str, hidden: int, ffn: int) -> tuple[ParamTensor, ...]:
+    return (
+        *_linear(f"{prefix}.gate_proj", ffn, hidden, bias=False),
+        *_linear(f"{prefix}.up_proj", ffn, hidden, bias=False),
+        *_linear(f"{prefix}.down_proj", hidden, ffn, bias=False),
+    )
+
+
+def _llama_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
+    hidden, ffn = model.hidden_size, model.ffn_hidden_size
+    if model.family == "moe":
+        # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts).
+        mlp: tuple[ParamTensor, ...] = (
+            *_linear("moe.router", model.num_experts, hidden, bias=False),
+            *(t for expert in range(model.num_experts) for t in _swiglu(f"moe.experts.{expert}", hidden, ffn)),
+        )
+    else:
+        mlp = _swiglu("mlp", hidden, ffn)
+    return (
+        ParamTensor(name="input_norm.weight", shape=(hidden,)),
+        *_llama_attention(model),
+        ParamTensor(name="post_attention_norm.weight", shape=(hidden,)),
+        *mlp,
+    )
+
+
+def _root(model: ModelSpec) -> tuple[ParamTensor, ...]:
+    hidden, vocab = model.hidden_size, model.vocab_size
+    tensors = [ParamTensor(name="embed_tokens.weight", shape=(vocab, hidden))]
+    if model.family == "gpt2":
+        tensors.append(ParamTensor(name="embed_positions.weight", shape=(model.max_positions, hidden)))
+        tensors += [ParamTensor(name="norm.weight", shape=(hidden,)), ParamTensor(name="norm.bias", shape=(hidden,))]
+    else:
+        tensors.append(ParamTensor(name="norm.weight", shape=(hidden,)))
+    if not model.tie_embeddings:
+        tensors.append(ParamTensor(name="lm_head.weight", shape=(vocab, hidden)))
+    return tuple(tensors)
+
+
+@cache
+def param_layout(model: ModelSpec) -> ParamLayout:
+    """The parameter tensors of a shaped model (not for family 'count')."""
+    if not model.has_shape:
+        raise ValueError(f"model {model.name!r} has only a parameter count, no shape")
+    block = _gpt2_block(model) if model.family == "gpt2" else _llama_block(model)
+    return ParamLayout(root=_root(model), block=block, num_blocks=model.num_layers)
+
+
+@cache
+def count_parameters(model: ModelSpec) -> int:
+    """Exact parameter count: from the shape, or the declared count for family 'count'."""
+    if not model.has_shape:
+        return model.declared_parameters
+    return param_layout(model).total_numel

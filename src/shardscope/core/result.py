@@ -1,0 +1,129 @@
+"""Result types shared by all three layers (predict, replay, run), so validate can lay them side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardscope.specs import Scenario, SpecError
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary", "overhead")
+PHASES = ("setup", "forward", "backward", "optimizer")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "host_to_device", "device_to_host")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes one rank holds, by category, and its peak.
+
+    Each category is that category's largest size during a step (activations at the end of forward, gradients
+    after backward, ...). The peak is the largest total at any one moment, so it is at most the plain sum.
+    """
+
+    parameters_bytes: int = 0
+    """Model parameters the rank keeps (its shard, or the whole model), in their stored dtype."""
+    gradients_bytes: int = 0
+    """Gradients the rank keeps."""
+    optimizer_state_bytes: int = 0
+    """Optimizer moments, the fp32 master copy under mixed precision, and step counters."""
+    activations_bytes: int = 0
+    """Tensors saved for backward, at the end of forward."""
+    buffers_bytes: int = 0
+    """Communication and bucket buffers, gathered parameter shards."""
+    temporary_bytes: int = 0
+    """Short-lived workspace: the loss and logits spike, optimizer step temporaries, autocast copies."""
+    overhead_bytes: int = 0
+    """Framework context and allocator headroom (an assumption, predicted only)."""
+    peak_bytes: int = 0
+    """The most bytes live at one moment of the step, overhead included."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Plain sum of the categories (an upper bound on the peak)."""
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
+                + self.buffers_bytes + self.temporary_bytes + self.overhead_bytes)
+
+    @property
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: what the ZeRO paper calls model states."""
+        return self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes
+
+    def category_bytes(self, category: str) -> int:
+        """Bytes of one category by its DESIGN.md name."""
+        if category not in CATEGORIES:
+            raise SpecError(f"category {category!r} is not known; allowed: {', '.join(CATEGORIES)}")
+        value: int = getattr(self, f"{category}_bytes")
+        return value
+
+    def to_json(self) -> dict[str, int]:
+        """The `per_rank` object of the estimate, trace and run schemas."""
+        data = {f"{category}_bytes": self.category_bytes(category) for category in CATEGORIES}
+        data["total_bytes"] = self.total_bytes
+        data["peak_bytes"] = self.peak_bytes
+        return data
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveRow:
+    """One kind of collective call in a step: which, where, how big, how often."""
+
+    phase: str
+    """'setup', 'forward', 'backward' or 'optimizer'."""
+    op: str
+    """'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast', or a host transfer under offload."""
+    group_size: int
+    """Ranks taking part."""
+    payload_bytes: int
+    """Bytes per rank per call: the full buffer for all_reduce and broadcast, the unsharded (gathered) size for
+    all_gather and reduce_scatter."""
+    count: int
+    """Calls of this shape in one step."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise SpecError(f"CollectiveRow.phase={self.phase!r} is not known; allowed: {', '.join(PHASES)}")
+        if self.op not in OPS:
+            raise SpecError(f"CollectiveRow.op={self.op!r} is not known; allowed: {', '.join(OPS)}")
+
+    @property
+    def total_payload_bytes(self) -> int:
+        """payload_bytes times count."""
+        return self.payload_bytes * self.count
+
+    def to_json(self) -> dict[str, object]:
+        """One ledger row of the JSON schemas."""
+        return {"phase": self.phase, "op": self.op, "group_size": self.group_size,
+                "payload_bytes": self.payload_bytes, "count": self.count}
+
+
+def merge_ledger(rows: list[CollectiveRow] | tuple[CollectiveRow, ...]) -> tuple[CollectiveRow, ...]:
+    """Add up rows of the same phase, op, group size and payload; order by phase, then first appearance."""
+    counts: dict[tuple[str, str, int, int], int] = {}
+    for row in rows:
+        key = (row.phase, row.op, row.group_size, row.payload_bytes)
+        counts[key] = counts.get(key, 0) + row.count
+    ordered = sorted(counts.items(), key=lambda item: PHASES.index(item[0][0]))
+    return tuple(CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=count)
+                 for (phase, op, group, payload), count in ordered if count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryEstimate:
+    """The core's answer for one scenario: memory per rank by category, host memory, and whether it fits."""
+
+    scenario: Scenario
+    """The question."""
+    per_rank: MemoryBreakdown
+    """The busiest rank's memory."""
+    host_bytes_per_node: int
+    """Host (CPU) memory per node under offload; 0 without offload."""
+    peak_moment: str
+    """When the peak happens: 'end of forward', 'backward', or 'optimizer step'."""
+    activations_estimated: bool
+    """False when the model has no shape (only --params), so activations are not counted."""
+    assumptions: tuple[str, ...]
+    """Plain-English statements of what was assumed."""
+
+    @property
+    def fits(self) -> bool:
+        """The peak fits in the GPU's memory."""
+        return self.per_rank.peak_bytes <= self.scenario.cluster.gpu.memory_bytes

@@ -1,0 +1,293 @@
+"""The vocabulary of a scenario: a model, a cluster, a training setup and a strategy.
+
+Every spec is a frozen dataclass with a docstring on each field and validation that names the field, the value and
+what is allowed. Derived values are properties. A `Scenario` joins the four; the core, the trace and the runtime all
+take one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FAMILIES = ("gpt2", "llama", "moe", "count")
+PRECISIONS = ("fp32", "fp64", "bf16-mixed", "fp16-mixed", "bf16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+CHECKPOINTING = ("none", "full", "selective")
+ATTENTION = ("eager", "sdpa")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+ENGINES = ("paper", "pytorch", "deepspeed")
+
+# Sanity bounds: anything past these is a typo, not a model (the largest published dense models are ~1e12).
+MAX_PARAMETERS = 10**15
+MAX_SEQUENCE_LENGTH = 10**8
+MAX_WORLD_SIZE = 10**6
+
+Family = Literal["gpt2", "llama", "moe", "count"]
+
+
+class SpecError(ValueError):
+    """A spec field holds a value that is not allowed; the message names the field, the value and what is allowed."""
+
+
+def _require_choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SpecError(f"{owner}.{name}={value!r} is not known; allowed: {', '.join(allowed)}")
+
+
+def _require_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{owner}.{name}={value!r} must be a whole number")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise SpecError(f"{owner}.{name}={value} must be {bound}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer's shape, enough to count its parameters and activations exactly."""
+
+    name: str
+    """Preset id or a free label, e.g. 'llama-3-8b'."""
+    family: Family
+    """'gpt2' (LayerNorm, GELU MLP, learned positions), 'llama' (RMSNorm, SwiGLU, RoPE, GQA), 'moe' (llama with
+    mixture-of-experts MLPs), or 'count' (only a parameter count is known, no shape)."""
+    hidden_size: int = 0
+    """Width of the residual stream (d_model)."""
+    num_layers: int = 0
+    """Number of transformer blocks."""
+    num_heads: int = 0
+    """Query attention heads."""
+    num_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); equal to num_heads for multi-head attention."""
+    head_dim: int = 0
+    """Width of one attention head; usually hidden_size // num_heads."""
+    ffn_hidden_size: int = 0
+    """Inner width of the MLP (per expert for 'moe')."""
+    vocab_size: int = 0
+    """Vocabulary size (rows of the embedding and of the output head)."""
+    max_positions: int = 0
+    """Learned position embeddings (gpt2 only); the context limit for the others."""
+    tie_embeddings: bool = False
+    """The output head shares the input embedding's weight."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2); gpt2 always has biases everywhere."""
+    num_experts: int = 0
+    """Experts per MoE layer ('moe' only)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to, top-k ('moe' only)."""
+    declared_parameters: int = 0
+    """The parameter count, for family 'count' only; shaped families derive it from the shape."""
+    source: str = ""
+    """Where the shape comes from (the published config it was read from)."""
+
+    def __post_init__(self) -> None:
+        owner = "ModelSpec"
+        _require_choice(owner, "family", self.family, FAMILIES)
+        if self.family == "count":
+            _require_int(owner, "declared_parameters", self.declared_parameters, 1, MAX_PARAMETERS)
+            return
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                     "vocab_size"):
+            _require_int(owner, name, getattr(self, name), 1, 10**7)
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"{owner}.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.family == "gpt2":
+            _require_int(owner, "max_positions", self.max_positions, 1, MAX_SEQUENCE_LENGTH)
+            if self.head_dim * self.num_heads != self.hidden_size:
+                raise SpecError(f"{owner}.head_dim={self.head_dim} times num_heads={self.num_heads} must equal "
+                                f"hidden_size={self.hidden_size} for gpt2")
+        if self.family == "moe":
+            _require_int(owner, "num_experts", self.num_experts, 1, 100_000)
+            _require_int(owner, "experts_per_token", self.experts_per_token, 1, self.num_experts)
+        elif self.num_experts or self.experts_per_token:
+            raise SpecError(f"{owner}.num_experts={self.num_experts} is only allowed for family 'moe'")
+
+    @property
+    def has_shape(self) -> bool:
+        """False when only a parameter count is known (activations cannot be estimated)."""
+        return self.family != "count"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuSpec:
+    """One accelerator model: its memory and peak dense throughput, as the vendor states them."""
+
+    id: str
+    """Preset id, e.g. 'h100-80gb'."""
+    name: str
+    """The vendor's product name."""
+    memory_bytes: int
+    """Device memory in bytes."""
+    peak_flops_per_s: tuple[tuple[str, float], ...] = ()
+    """Peak dense FLOP/s by dtype ('bf16', 'fp16', 'fp32', 'tf32', 'fp64'), from the vendor datasheet."""
+    source: str = ""
+    """The datasheet the numbers come from."""
+
+    def __post_init__(self) -> None:
+        _require_int("GpuSpec", "memory_bytes", self.memory_bytes, 1)
+
+    def peak_flops(self, dtype: str) -> float | None:
+        """Peak dense FLOP/s for a dtype, or None when the datasheet gives none."""
+        return dict(self.peak_flops_per_s).get(dtype)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    """The GPUs a job runs on: how many, of which kind, and how many share a node."""
+
+    gpu: GpuSpec
+    """The accelerator on every rank."""
+    world_size: int
+    """Total ranks (GPUs) in the job."""
+    gpus_per_node: int = 8
+    """GPUs in one node; the world is whole nodes, or one partly used node."""
+
+    def __post_init__(self) -> None:
+        _require_int("ClusterSpec", "world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        _require_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1, 1024)
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise SpecError(f"ClusterSpec.world_size={self.world_size} must be a multiple of "
+                            f"gpus_per_node={self.gpus_per_node} (whole nodes), or at most one node")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on one node: gpus_per_node, or the whole world when it fits on one node."""
+        return min(self.world_size, self.gpus_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the job spans."""
+        return self.world_size // self.ranks_per_node
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainingSpec:
+    """What one training step does on one rank."""
+
+    micro_batch_size: int = 1
+    """Sequences per rank per forward/backward."""
+    sequence_length: int = 2048
+    """Tokens per sequence."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    precision: str = "bf16-mixed"
+    """'fp32', 'fp64', 'bf16-mixed' or 'fp16-mixed' (16-bit compute, fp32 master weights), or 'bf16' (pure)."""
+    optimizer: str = "adamw"
+    """'adamw', 'adam', 'sgd' or 'sgd-momentum'."""
+    checkpointing: str = "none"
+    """Activation checkpointing: 'none', 'full' (keep only block inputs) or 'selective' (recompute attention)."""
+    attention: str = "sdpa"
+    """'eager' (materialises the score matrix) or 'sdpa' (fused flash/memory-efficient kernels)."""
+
+    def __post_init__(self) -> None:
+        owner = "TrainingSpec"
+        _require_int(owner, "micro_batch_size", self.micro_batch_size, 1, 10**6)
+        _require_int(owner, "sequence_length", self.sequence_length, 1, MAX_SEQUENCE_LENGTH)
+        _require_int(owner, "grad_accum_steps", self.grad_accum_steps, 1, 10**6)
+        _require_choice(owner, "precision", self.precision, PRECISIONS)
+        _require_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
+        _require_choice(owner, "checkpointing", self.checkpointing, CHECKPOINTING)
+        _require_choice(owner, "attention", self.attention, ATTENTION)
+
+    @property
+    def is_mixed(self) -> bool:
+        """16-bit compute with an fp32 master copy."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one rank processes per forward."""
+        return self.micro_batch_size * self.sequence_length
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Strategy:
+    """How the data-parallel ranks split the model states, and whose memory rules apply."""
+
+    name: str
+    """'ddp', 'zero1', 'zero2', 'zero3', 'fsdp' (read as zero3) or 'hsdp'."""
+    engine: str = "pytorch"
+    """Whose accounting: 'paper' (the ZeRO paper), 'pytorch' (DDP, ZeroRedundancyOptimizer, FSDP2) or 'deepspeed'."""
+    shard_group: int = 0
+    """hsdp only: ranks in one shard group; groups replicate each other."""
+    offload: str = "none"
+    """'none', 'optimizer' (optimizer state on the host) or 'optimizer+params' (zero3/hsdp: parameters too)."""
+    bucket_bytes: int = 25 * 1024 * 1024
+    """Gradient bucket size for DDP's all-reduce (torch's default is 25 MiB)."""
+    reshard_after_forward: bool = True
+    """zero3/hsdp under FSDP2: free gathered parameters after forward (False keeps them until backward)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: gradients are views into the buckets, so the bucket copy costs no extra memory."""
+
+    def __post_init__(self) -> None:
+        owner = "Strategy"
+        _require_choice(owner, "name", self.name, STRATEGIES)
+        _require_choice(owner, "engine", self.engine, ENGINES)
+        _require_choice(owner, "offload", self.offload, OFFLOADS)
+        _require_int(owner, "bucket_bytes", self.bucket_bytes, 1)
+        if self.name == "hsdp":
+            _require_int(owner, "shard_group", self.shard_group, 1, MAX_WORLD_SIZE)
+        elif self.shard_group:
+            raise SpecError(f"{owner}.shard_group={self.shard_group} is only used by hsdp; leave it unset for "
+                            f"{self.name}")
+        if self.offload == "optimizer+params" and self.stage < 3:
+            raise SpecError(f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), "
+                            f"not {self.name}")
+
+    @property
+    def canonical_name(self) -> str:
+        """'fsdp' is another name for 'zero3'."""
+        return "zero3" if self.name == "fsdp" else self.name
+
+    @property
+    def stage(self) -> int:
+        """ZeRO stage: 0 for ddp, 1 to 3, and 3 for hsdp inside a group."""
+        return {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}[self.name]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Overheads:
+    """Memory that is not a tensor of the model: stated assumptions, overridable, never folded into other categories."""
+
+    context_bytes: int = 512 * 1024 * 1024
+    """Framework and driver context per GPU (CUDA context, cuBLAS/NCCL workspaces); typical figure, not measured."""
+    allocator_headroom: float = 0.05
+    """Fraction of the tensor peak the caching allocator holds beyond live tensors (fragmentation)."""
+
+    def __post_init__(self) -> None:
+        _require_int("Overheads", "context_bytes", self.context_bytes, 0)
+        if not 0.0 <= self.allocator_headroom <= 1.0:
+            raise SpecError(f"Overheads.allocator_headroom={self.allocator_headroom} must be between 0 and 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scenario:
+    """One question: this model, on this cluster, trained this way, with this strategy."""
+
+    model: ModelSpec
+    """The model."""
+    cluster: ClusterSpec
+    """The GPUs."""
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    """The step."""
+    strategy: Strategy = field(default_factory=lambda: Strategy(name="ddp"))
+    """The data-parallel strategy."""
+    overheads: Overheads = field(default_factory=Overheads)
+    """Non-tensor memory assumptions."""
+
+    def __post_init__(self) -> None:
+        group = self.strategy.shard_group
+        if self.strategy.name == "hsdp" and (group > self.cluster.world_size or self.cluster.world_size % group):
+            raise SpecError(f"Strategy.shard_group={group} must divide world_size={self.cluster.world_size}")
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks that share one copy of the sharded states: the world, or the hsdp shard group."""
+        return self.strategy.shard_group if self.strategy.name == "hsdp" else self.cluster.world_size
+
+    @property
+    def replica_degree(self) -> int:
+        """Copies of the sharded states across the world (hsdp groups); 1 for the others."""
+        return self.cluster.world_size // self.shard_degree
