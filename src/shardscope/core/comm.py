@@ -1,0 +1,302 @@
+"""The collective ledger: every collective call and host transfer one rank makes in one training step.
+
+What to communicate is kept apart from when (picotron's habit): this module lists the calls in program order, each
+tagged with the compute stage it waits for (`CommEvent.trigger`, `CommEvent.stage`); `core.timeline` decides when they
+run, and `core.network` what they cost. The ledger (`collective_ledger`) is these events merged into rows of the
+shared schema, so a predicted ledger and one measured by `shardscope run` line up row for row.
+
+Payload convention (all layers agree): all_reduce and broadcast carry the buffer's bytes; all_gather and
+reduce_scatter carry the UNSHARDED (gathered, pre-scatter) buffer's bytes; host transfers carry the bytes one rank
+copies.
+
+Compute stages of one micro-batch, in forward order: 0 = embeddings, 1..L = the transformer blocks, L+1 = final norm,
+output head and loss. Backward visits them in reverse.
+
+Communication volumes follow "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (Rajbhandari et
+al.): DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x (Section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardscope.core.params import ParamLayout, ParamTensor, param_layout
+from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.sharding import ceil_div, dim0_unit_padded_numel, flat_shard_numel
+from shardscope.specs import Scenario, SpecError
+
+# torch DDP's first gradient bucket is 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES); later ones bucket_bytes.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+# DeepSpeed ZeRO-1/2 defaults: reduce_bucket_size and allgather_bucket_size are 5e8 elements (DeepSpeed config docs).
+DEEPSPEED_BUCKET_NUMEL = 500_000_000
+
+TRIGGERS = ("before_forward", "before_backward", "after_backward", "after_step")
+GROUPS = ("world", "shard", "replica", "host")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommEvent:
+    """One collective call or host copy, placed relative to the compute stage it serves."""
+
+    row: CollectiveRow
+    """What moves (count 1)."""
+    group: str
+    """'world' (all ranks), 'shard' (an hsdp shard group of consecutive ranks), 'replica' (ranks holding the same
+    shard, strided by the shard group size), or 'host' (a copy between this GPU and its host)."""
+    micro_batch: int
+    """The micro-batch it belongs to (the last one for optimizer-phase events)."""
+    stage: int
+    """The compute stage it waits for or feeds (see the module docstring); -1 for the optimizer step."""
+    trigger: str
+    """'before_forward' / 'before_backward' (must finish before that stage runs), 'after_backward' (may start once
+    that stage's backward is done), 'after_step' (after the optimizer step)."""
+    label: str
+    """A name for the trace, e.g. 'all_gather block 3'."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Unit:
+    """An FSDP unit: the tensors it gathers and the stages that use them."""
+
+    name: str
+    tensors: tuple[ParamTensor, ...]
+    first_stage: int
+    """The first stage in forward that uses it (the stage its forward all-gather precedes)."""
+    last_stage: int
+    """The last stage in forward that uses it (its first stage in backward)."""
+
+
+def _element_bytes(precision: str) -> int:
+    return {"fp32": 4, "fp64": 8}.get(precision, 2)
+
+
+def param_comm_bytes(scenario: Scenario) -> int:
+    """Bytes per element of the parameters the strategy gathers or broadcasts."""
+    training, strategy = scenario.training, scenario.strategy
+    if not training.is_mixed:
+        return _element_bytes(training.precision)
+    # Mixed precision: DDP and ZeroRedundancyOptimizer under autocast keep fp32 parameters; FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16) gathers 16-bit; the ZeRO paper and DeepSpeed keep 16-bit parameters.
+    if strategy.engine == "pytorch" and strategy.canonical_name in ("ddp", "zero1"):
+        return 4
+    return 2
+
+
+def grad_comm_bytes(scenario: Scenario) -> int:
+    """Bytes per element of the gradients the strategy reduces."""
+    training, strategy = scenario.training, scenario.strategy
+    if not training.is_mixed:
+        return _element_bytes(training.precision)
+    # pytorch: DDP reduces the fp32 gradients of fp32 parameters; FSDP2 is configured with reduce_dtype=fp32
+    # (torchtitan's default), so both reduce 4 bytes. The ZeRO paper and DeepSpeed reduce fp16/bf16 gradients.
+    return 4 if strategy.engine == "pytorch" else 2
+
+
+def _stage_of(tensor_name: str, num_blocks: int) -> int:
+    if tensor_name.startswith("layers."):
+        return 1 + int(tensor_name.split(".")[1])
+    return 0 if tensor_name.startswith("embed") else num_blocks + 1
+
+
+def _units(layout: ParamLayout) -> tuple[_Unit, ...]:
+    """FSDP wrapping: the root unit (embeddings, final norm, head) and one unit per block, in forward order."""
+    root = _Unit(name="root", tensors=layout.root, first_stage=0, last_stage=layout.num_blocks + 1)
+    blocks = tuple(
+        _Unit(name=f"block {index}", tensors=layout.block, first_stage=index + 1, last_stage=index + 1)
+        for index in range(layout.num_blocks)
+    )
+    return (root, *blocks)
+
+
+def _unit_gathered_numel(scenario: Scenario, tensors: tuple[ParamTensor, ...]) -> int:
+    """Elements of a unit once gathered, padding included, by the engine's sharding rule."""
+    degree = scenario.shard_degree
+    engine = scenario.strategy.engine
+    if engine == "pytorch":  # FSDP2 pads every tensor's dim 0 to a multiple of the degree
+        return dim0_unit_padded_numel(tensors, degree)
+    if engine == "deepspeed":  # DeepSpeed ZeRO-3 partitions each parameter flat, padded to the degree
+        return sum(ceil_div(tensor.numel, degree) * degree for tensor in tensors)
+    numel = sum(tensor.numel for tensor in tensors)  # the paper: one flat buffer per unit
+    return flat_shard_numel(numel, degree) * degree
+
+
+def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
+    """Gradient buckets in the order they fill in backward: (bytes, stage whose backward completes the bucket).
+
+    torch DDP (Reducer, `_compute_bucket_assignment_by_size`) walks the parameters in reverse and closes a bucket once
+    it holds at least the limit: 1 MiB for the first bucket, then bucket_bytes. The paper engine uses bucket_bytes
+    throughout; DeepSpeed its 5e8-element reduce bucket.
+    """
+    layout = param_layout(scenario.model)
+    element = grad_comm_bytes(scenario)
+    strategy = scenario.strategy
+    if strategy.engine == "deepspeed":
+        limits = [DEEPSPEED_BUCKET_NUMEL * element]
+    elif strategy.engine == "pytorch":
+        limits = [DDP_FIRST_BUCKET_BYTES, strategy.bucket_bytes]
+    else:
+        limits = [strategy.bucket_bytes]
+    buckets: list[tuple[int, int]] = []
+    size, ready_stage = 0, layout.num_blocks + 1
+    for tensor in reversed(layout.tensors()):
+        size += tensor.numel * element
+        ready_stage = min(ready_stage, _stage_of(tensor.name, layout.num_blocks))
+        if size >= limits[min(len(buckets), len(limits) - 1)]:
+            buckets.append((size, ready_stage))
+            size, ready_stage = 0, layout.num_blocks + 1
+    if size:
+        buckets.append((size, ready_stage))
+    return tuple(buckets)
+
+
+def _event(phase: str, op: str, size: int, payload: int, group: str, at: tuple[int, int, str], label: str) -> CommEvent:
+    """One call of `op` on a group of `size` ranks; `at` is (micro-batch, stage, trigger)."""
+    row = CollectiveRow(phase=phase, op=op, group_size=size, payload_bytes=payload, count=1)
+    micro_batch, stage, trigger = at
+    return CommEvent(row=row, group=group, micro_batch=micro_batch, stage=stage, trigger=trigger, label=label)
+
+
+def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
+    """DDP, ZeRO-1 and ZeRO-2: gradient buckets reduced in backward, then (ZeRO-1/2) the updated shards gathered."""
+    strategy, world = scenario.strategy, scenario.cluster.world_size
+    steps = scenario.training.grad_accum_steps
+    name = strategy.canonical_name
+    layout = param_layout(scenario.model)
+    events: list[CommEvent] = []
+    torch_ddp_based = name == "ddp" or (name == "zero1" and strategy.engine == "pytorch")
+    # DDP's no_sync (and ZeRO-1, which keeps whole gradients) reduce on the last micro-batch only; ZeRO-2 keeps only a
+    # gradient shard, so it must reduce every micro-batch.
+    reduced_batches = range(steps) if name == "zero2" else range(steps - 1, steps)
+    op = "all_reduce" if torch_ddp_based else "reduce_scatter"
+    for micro_batch in reduced_batches:
+        for index, (size, stage) in enumerate(gradient_buckets(scenario)):
+            payload = size if op == "all_reduce" else flat_shard_numel(size, world) * world
+            at = (micro_batch, stage, "after_backward")
+            events.append(_event("backward", op, world, payload, "world", at, f"{op} bucket {index}"))
+    after_step = (steps - 1, -1, "after_step")
+    if name == "ddp":
+        return events
+    element = param_comm_bytes(scenario)
+    if torch_ddp_based:
+        # ZeroRedundancyOptimizer.step: every rank broadcasts the parameters it updated, one call per tensor
+        # (parameters_as_bucket_view=False, torch's default).
+        for tensor in layout.tensors():
+            payload = tensor.numel * element
+            events.append(
+                _event("optimizer", "broadcast", world, payload, "world", after_step, f"broadcast {tensor.name}")
+            )
+        return events
+    total = layout.total_numel
+    bucket_numel = DEEPSPEED_BUCKET_NUMEL if strategy.engine == "deepspeed" else total
+    for start in range(0, total, bucket_numel):
+        payload = flat_shard_numel(min(bucket_numel, total - start), world) * world * element
+        events.append(_event("optimizer", "all_gather", world, payload, "world", after_step, "all_gather parameters"))
+    return events
+
+
+def _sharded_events(scenario: Scenario) -> list[CommEvent]:
+    """ZeRO-3, FSDP and HSDP: per-unit all-gathers before use, per-unit reduce-scatters after backward."""
+    strategy = scenario.strategy
+    degree, replicas = scenario.shard_degree, scenario.replica_degree
+    group = "shard" if strategy.name == "hsdp" else "world"
+    param_bytes, grad_bytes = param_comm_bytes(scenario), grad_comm_bytes(scenario)
+    offload_params = strategy.offload == "optimizer+params"
+    # FSDP2 keeps the root unit gathered from forward into backward (it is used again at once); the ZeRO paper and
+    # DeepSpeed regather everything. reshard_after_forward=False keeps every unit (ZeRO-2-like SHARD_GRAD_OP).
+    regather_root = strategy.engine != "pytorch"
+    units = _units(param_layout(scenario.model))
+    events: list[CommEvent] = []
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        for unit in units:
+            numel = _unit_gathered_numel(scenario, unit.tensors)
+            at = (micro_batch, unit.first_stage, "before_forward")
+            if offload_params:
+                events.append(
+                    _event(
+                        "forward", "host_to_device", 1, numel // degree * param_bytes, "host", at, f"h2d {unit.name}"
+                    )
+                )
+            events.append(
+                _event("forward", "all_gather", degree, numel * param_bytes, group, at, f"all_gather {unit.name}")
+            )
+        for unit in reversed(units):
+            numel = _unit_gathered_numel(scenario, unit.tensors)
+            at = (micro_batch, unit.last_stage, "before_backward")
+            if strategy.reshard_after_forward and (unit.name != "root" or regather_root):
+                if offload_params:
+                    events.append(
+                        _event(
+                            "backward",
+                            "host_to_device",
+                            1,
+                            numel // degree * param_bytes,
+                            "host",
+                            at,
+                            f"h2d {unit.name}",
+                        )
+                    )
+                events.append(
+                    _event("backward", "all_gather", degree, numel * param_bytes, group, at, f"all_gather {unit.name}")
+                )
+            at = (micro_batch, unit.first_stage, "after_backward")
+            events.append(
+                _event(
+                    "backward", "reduce_scatter", degree, numel * grad_bytes, group, at, f"reduce_scatter {unit.name}"
+                )
+            )
+            if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
+                events.append(
+                    _event(
+                        "backward",
+                        "all_reduce",
+                        replicas,
+                        numel // degree * grad_bytes,
+                        "replica",
+                        at,
+                        f"all_reduce {unit.name}",
+                    )
+                )
+            if offload_params:
+                events.append(
+                    _event(
+                        "backward",
+                        "device_to_host",
+                        1,
+                        numel // degree * grad_bytes,
+                        "host",
+                        at,
+                        f"d2h gradients {unit.name}",
+                    )
+                )
+    return events
+
+
+def _optimizer_offload_events(scenario: Scenario) -> list[CommEvent]:
+    """ZeRO-Offload ("ZeRO-Offload: Democratizing Billion-Scale Model Training"): the reduced gradient shard goes to
+    the host, the CPU optimizer steps, and the updated parameter shard comes back."""
+    layout = param_layout(scenario.model)
+    degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
+    shard_numel = flat_shard_numel(layout.total_numel, degree)
+    last = scenario.training.grad_accum_steps - 1
+    grads, params = shard_numel * grad_comm_bytes(scenario), shard_numel * param_comm_bytes(scenario)
+    return [
+        _event("backward", "device_to_host", 1, grads, "host", (last, 0, "after_backward"), "d2h gradients"),
+        _event("optimizer", "host_to_device", 1, params, "host", (last, -1, "after_step"), "h2d parameters"),
+    ]
+
+
+def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
+    """Every collective and host copy of one step, in the order rank 0 issues them."""
+    if not scenario.model.has_shape:
+        raise SpecError(f"model {scenario.model.name!r} has only a parameter count; the ledger needs its shape")
+    events = _sharded_events(scenario) if scenario.strategy.stage == 3 else _data_parallel_events(scenario)
+    if scenario.strategy.offload == "optimizer":
+        events += _optimizer_offload_events(scenario)
+    if scenario.cluster.world_size == 1:  # a single rank sends nothing; host copies remain
+        events = [event for event in events if event.group == "host"]
+    return tuple(events)
+
+
+def collective_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
+    """The step's ledger in the shared row schema (phase, op, group size, payload bytes, count)."""
+    return merge_ledger([event.row for event in comm_events(scenario)])

@@ -1,0 +1,186 @@
+"""Compute: FLOPs of every stage of a step, and the time they take on a GPU at a stated efficiency.
+
+FLOPs are counted from the matmul shapes of the model (2 FLOPs per multiply-add), as in "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM" (Narayanan et al., Section 5.1): a GPT block with an MLP of
+4h costs 24bsh^2 + 4bs^2h forward, the logits 2bshV, backward twice forward, and full recomputation one more forward,
+so a step is 96Bslh^2(1 + s/6h + V/16lh). Attention is counted over the full s x s square as that paper and PaLM
+("PaLM: Scaling Language Modeling with Pathways", Appendix B) do, even though causal kernels skip half of it.
+Selective recomputation recomputes only the attention core ("Reducing Activation Recomputation in Large Transformer
+Models", Section 4). Elementwise ops (norms, activations, residual adds) are not counted as FLOPs; they cost time
+through the per-kernel overhead.
+
+Time = FLOPs / (peak x efficiency) + kernels x overhead per kernel. The efficiency is an assumption, stated and
+overridable: 0.5 by default, the fraction of peak Megatron-LM reports for its large runs (52% at 1T parameters on
+A100). A calibrated profile replaces the datasheet peak by measured matmul throughput.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+from shardscope.core.params import ParamTensor, param_layout
+from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
+
+DEFAULT_EFFICIENCY = 0.5
+# Kernels one block launches in forward (matmuls, norms, activations, adds, views that copy), counted from the
+# reference modules in shardscope.runtime.models; backward launches about twice as many. An approximation that only
+# matters where kernels are tiny (CPU runs of tiny models): it is multiplied by the calibrated per-kernel overhead.
+KERNELS_PER_BLOCK = {"gpt2": 16, "llama": 30, "moe": 60}
+KERNELS_EMBED = 3
+KERNELS_HEAD = 10
+BACKWARD_KERNEL_FACTOR = 2.0
+# Adam(W) reads parameter, gradient and two moments and writes parameter and moments: 7 fp32 accesses per element
+# ("Adam: A Method for Stochastic Optimization", Algorithm 1); SGD with momentum 5, plain SGD 3.
+OPTIMIZER_ACCESSES = {"adamw": 7, "adam": 7, "sgd-momentum": 5, "sgd": 3}
+# Kernels per parameter tensor of a single-tensor (foreach=False) step, counted in torch.optim's _single_tensor_adam
+# and _single_tensor_sgd: AdamW's decay, two moment updates, bias corrections, sqrt, divide and update.
+OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 12, "adam": 11, "sgd-momentum": 3, "sgd": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeModel:
+    """How fast one rank computes: its matmul throughput, an efficiency, and a per-kernel overhead."""
+
+    peak_flops_per_s: float
+    """Peak dense FLOP/s for the step's dtype (datasheet), or measured matmul throughput (calibrated)."""
+    efficiency: float = DEFAULT_EFFICIENCY
+    """Fraction of the peak a training step's matmuls reach (an assumption; 1.0 when the peak was measured)."""
+    kernel_overhead_s: float = 0.0
+    """Launch and dispatch cost of one kernel (measured by calibrate; ~0 for a busy GPU)."""
+    memory_bandwidth_bytes_per_s: float = 0.0
+    """Device memory bandwidth for the optimizer step; 0 to ignore its cost."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_flops_per_s", "efficiency"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise SpecError(f"ComputeModel.{name}={value} must be a positive number")
+        if self.efficiency > 1:
+            raise SpecError(f"ComputeModel.efficiency={self.efficiency} must be at most 1")
+        if not (self.kernel_overhead_s >= 0 and self.memory_bandwidth_bytes_per_s >= 0):
+            raise SpecError("ComputeModel.kernel_overhead_s and memory_bandwidth_bytes_per_s must be zero or more")
+
+    def seconds(self, flops: float, kernels: float) -> float:
+        """Time of work of so many FLOPs in so many kernels."""
+        return flops / (self.peak_flops_per_s * self.efficiency) + kernels * self.kernel_overhead_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageFlops:
+    """FLOPs of one compute stage for one micro-batch."""
+
+    name: str
+    """'embed', 'block 0'.., or 'head'."""
+    forward_flops: float
+    """Forward FLOPs."""
+    backward_flops: float
+    """Backward FLOPs (twice forward)."""
+    recompute_flops: float
+    """FLOPs recomputed in backward under checkpointing."""
+    forward_kernels: float
+    """Kernels launched in forward."""
+    recompute_kernels: float
+    """Kernels launched to recompute."""
+
+
+def compute_dtype(training: TrainingSpec) -> str:
+    """The dtype matmuls run in: bf16/fp16 under mixed or pure 16-bit precision, else fp32 or fp64."""
+    return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(training.precision, training.precision)
+
+
+def _matmul_flops(tensors: tuple[ParamTensor, ...], tokens: int, experts_per_token: int, num_experts: int) -> float:
+    """2 x tokens x in x out for every weight matrix; each token uses experts_per_token of the experts' matrices."""
+    flops = 0.0
+    for tensor in tensors:
+        if len(tensor.shape) != 2:
+            continue
+        share = experts_per_token / num_experts if ".experts." in tensor.name else 1.0
+        flops += 2.0 * tokens * tensor.numel * share
+    return flops
+
+
+def _attention_core_flops(model: ModelSpec, training: TrainingSpec) -> float:
+    """QK^T and attention x V: 2 x 2bs^2 x (heads x head_dim), the full square (Megatron-LM's 4bs^2h)."""
+    seq = training.sequence_length
+    return 4.0 * training.micro_batch_size * seq * seq * model.num_heads * model.head_dim
+
+
+@cache
+def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, ...]:
+    """FLOPs of every stage in forward order: embeddings, the blocks, then final norm, head and loss."""
+    layout = param_layout(model)
+    tokens = training.tokens_per_micro_batch
+    block_matmuls = _matmul_flops(layout.block, tokens, model.experts_per_token, max(1, model.num_experts))
+    attention = _attention_core_flops(model, training)
+    block_forward = block_matmuls + attention
+    block_kernels = float(KERNELS_PER_BLOCK[model.family])
+    if training.checkpointing == "full":
+        recompute, recompute_kernels = block_forward, block_kernels
+    elif training.checkpointing == "selective":
+        recompute, recompute_kernels = attention, 1.0
+    else:
+        recompute, recompute_kernels = 0.0, 0.0
+    head_tensors = tuple(t for t in layout.root if not t.name.startswith("embed"))
+    head = _matmul_flops(head_tensors, tokens, 1, 1)
+    if model.tie_embeddings:  # the head is the embedding matrix used a second time
+        head += 2.0 * tokens * model.vocab_size * model.hidden_size
+    stages = [
+        StageFlops(
+            name="embed",
+            forward_flops=0.0,
+            backward_flops=0.0,
+            recompute_flops=0.0,
+            forward_kernels=KERNELS_EMBED,
+            recompute_kernels=0.0,
+        )
+    ]
+    stages += [
+        StageFlops(
+            name=f"block {index}",
+            forward_flops=block_forward,
+            backward_flops=2 * block_forward,
+            recompute_flops=recompute,
+            forward_kernels=block_kernels,
+            recompute_kernels=recompute_kernels,
+        )
+        for index in range(model.num_layers)
+    ]
+    stages.append(
+        StageFlops(
+            name="head",
+            forward_flops=head,
+            backward_flops=2 * head,
+            recompute_flops=0.0,
+            forward_kernels=KERNELS_HEAD,
+            recompute_kernels=0.0,
+        )
+    )
+    return tuple(stages)
+
+
+def model_flops_per_step(scenario: Scenario) -> float:
+    """FLOPs one rank's step needs without recomputation: what MFU counts (PaLM, Appendix B)."""
+    per_micro_batch = sum(
+        stage.forward_flops + stage.backward_flops for stage in stage_flops(scenario.model, scenario.training)
+    )
+    return per_micro_batch * scenario.training.grad_accum_steps
+
+
+def hardware_flops_per_step(scenario: Scenario) -> float:
+    """FLOPs one rank's step executes, recomputation included (hardware FLOPs utilisation counts these)."""
+    recompute = sum(stage.recompute_flops for stage in stage_flops(scenario.model, scenario.training))
+    return model_flops_per_step(scenario) + recompute * scenario.training.grad_accum_steps
+
+
+def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int, shard_tensors: int) -> float:
+    """The optimizer step over the rank's shard: memory-bound, fp32 state accesses over the memory bandwidth, plus
+    the kernels it launches per tensor."""
+    optimizer = scenario.training.optimizer
+    kernels = OPTIMIZER_KERNELS_PER_TENSOR[optimizer] * shard_tensors * compute.kernel_overhead_s
+    if compute.memory_bandwidth_bytes_per_s <= 0:
+        return kernels
+    state_bytes = 8 if scenario.training.precision == "fp64" else 4
+    accessed = OPTIMIZER_ACCESSES[optimizer] * state_bytes * shard_numel
+    return kernels + accessed / compute.memory_bandwidth_bytes_per_s

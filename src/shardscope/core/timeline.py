@@ -1,0 +1,288 @@
+"""One training step of one rank, simulated event by event on a compute stream, a communication stream and a host
+copy stream, so overlap (FSDP prefetch, DDP buckets reduced during backward) is counted, not assumed.
+
+Streams run their work in issue order, as CUDA streams do. Every piece of work starts when its stream is free and the
+work it depends on has finished: a gather finishes before the stage that uses it, a gradient reduction starts after
+the backward that produced it, the optimizer waits for every reduction. Prefetch is FSDP2's: a unit's all-gather is
+issued while the previous unit computes, at most one ahead ("PyTorch FSDP: Experiences on Scaling Fully Sharded
+Data Parallel", Section 3.3: backward and forward prefetching). Without overlap (CPU gloo, where torch runs every
+collective on the caller's thread) all three streams are one.
+
+Outputs: step time, exposed communication (the step's time beyond its compute), tokens per second, MFU as PaLM
+defines it ("PaLM: Scaling Language Modeling with Pathways", Appendix B: model FLOPs / (time x peak)), and the spans
+that `core.chrome_trace` turns into a Chrome trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardscope.core.comm import CommEvent, collective_ledger, comm_events
+from shardscope.core.compute import (
+    ComputeModel,
+    compute_dtype,
+    model_flops_per_step,
+    optimizer_step_s,
+    stage_flops,
+)
+from shardscope.core.network import Link, NetworkModel, event_cost
+from shardscope.core.params import param_layout
+from shardscope.core.result import CollectiveRow
+from shardscope.core.sharding import flat_shard_numel
+from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, default_profile
+from shardscope.specs import Scenario, SpecError
+
+STREAMS = ("compute", "comm", "host")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """One piece of work on one stream."""
+
+    name: str
+    """What it is, e.g. 'forward block 3' or 'all_gather block 3'."""
+    stream: str
+    """'compute', 'comm' or 'host'."""
+    category: str
+    """'forward', 'backward', 'recompute', 'optimizer', or the collective's op."""
+    start_s: float
+    """Start, from the beginning of the step."""
+    duration_s: float
+    """How long it runs."""
+    payload_bytes: int = 0
+    """Bytes moved (communication only)."""
+
+    @property
+    def end_s(self) -> float:
+        """When it finishes."""
+        return self.start_s + self.duration_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeEstimate:
+    """The time model's answer for one scenario on one piece of hardware."""
+
+    scenario: Scenario
+    """The question."""
+    hardware: HardwareProfile
+    """The hardware it was answered for."""
+    ledger: tuple[CollectiveRow, ...]
+    """Collectives and host copies of one step, merged rows."""
+    wire_bytes_per_rank: int
+    """Bytes one rank sends over links in one step, by the algorithm model."""
+    comm_time_s: float
+    """Sum of the durations of every collective and host copy."""
+    exposed_comm_s: float
+    """Step time beyond the compute stream's busy time: communication not hidden behind compute."""
+    compute_time_s: float
+    """Busy time of the compute stream (forward, backward, recompute, optimizer)."""
+    step_time_s: float
+    """One optimizer step, all micro-batches."""
+    model_flops: float
+    """FLOPs per rank per step without recomputation."""
+    peak_flops_per_s: float
+    """The peak MFU is measured against (datasheet, or measured matmul throughput)."""
+    spans: tuple[Span, ...]
+    """Every piece of work, for the trace."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens the whole job trains per second."""
+        training = self.scenario.training
+        tokens = training.tokens_per_micro_batch * training.grad_accum_steps * self.scenario.cluster.world_size
+        return tokens / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second per rank over the peak."""
+        return self.model_flops / (self.step_time_s * self.peak_flops_per_s)
+
+    def to_json(self) -> dict[str, object]:
+        """The time part of `estimate --time` for one strategy."""
+        return {
+            "communication": {
+                "ledger": [row.to_json() for row in self.ledger],
+                "wire_bytes_per_rank": self.wire_bytes_per_rank,
+                "time_s": self.comm_time_s,
+                "exposed_time_s": self.exposed_comm_s,
+            },
+            "compute_time_s": self.compute_time_s,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hardware": self.hardware.name,
+        }
+
+
+def _link(spec: InterconnectSpec) -> Link:
+    return Link(name=spec.name, bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s, latency_s=spec.latency_s)
+
+
+def network_model(profile: HardwareProfile) -> NetworkModel:
+    """The network half of a hardware profile."""
+    return NetworkModel(
+        intra_node=_link(profile.intra_node),
+        inter_node=_link(profile.inter_node),
+        host=_link(profile.host),
+        call_latency_s=profile.call_latency_s,
+        algorithm=profile.algorithm,
+    )
+
+
+def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
+    """The compute half: measured matmul throughput if the profile has it, else the GPU's datasheet peak."""
+    peak = profile.matmul_flops_per_s
+    if peak <= 0:
+        dtype = compute_dtype(scenario.training)
+        datasheet = scenario.cluster.gpu.peak_flops(dtype)
+        if datasheet is None:
+            raise SpecError(
+                f"GPU {scenario.cluster.gpu.id!r} has no datasheet peak for {dtype}; give a calibrated "
+                f"--hardware profile or choose a GPU preset"
+            )
+        peak = datasheet
+    return ComputeModel(
+        peak_flops_per_s=peak,
+        efficiency=profile.efficiency,
+        kernel_overhead_s=profile.kernel_overhead_s,
+        memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Task:
+    key: float
+    name: str
+    stream: str
+    category: str
+    duration_s: float
+    payload_bytes: int
+    after: tuple[int, ...]  # indices (into the task list) that must finish first
+
+
+def _compute_tasks(scenario: Scenario, compute: ComputeModel) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
+    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
+    stages = stage_flops(scenario.model, scenario.training)
+    tasks: list[_Task] = []
+    where: dict[tuple[str, int, int], int] = {}
+
+    def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
+        where[(kind, micro_batch, stage)] = len(tasks)
+        name = f"{kind} {stages[stage].name}" + (f" (micro-batch {micro_batch})" if micro_batch else "")
+        tasks.append(_Task(len(tasks), name, "compute", kind, seconds, 0, ()))
+
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        for index, stage in enumerate(stages):
+            add("forward", micro_batch, index, compute.seconds(stage.forward_flops, stage.forward_kernels))
+        for index in reversed(range(len(stages))):
+            stage = stages[index]
+            if stage.recompute_flops:
+                add("recompute", micro_batch, index, compute.seconds(stage.recompute_flops, stage.recompute_kernels))
+            add("backward", micro_batch, index, compute.seconds(stage.backward_flops, 2 * stage.forward_kernels))
+    layout = param_layout(scenario.model)
+    degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
+    shard_tensors = len(layout.tensors()) if degree == 1 else -(-len(layout.tensors()) // degree)
+    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
+    where[("optimizer", 0, -1)] = len(tasks)
+    tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
+    return tasks, where
+
+
+def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
+    """The compute task a gather must precede (the recompute when there is one)."""
+    kind = "forward" if event.trigger == "before_forward" else "backward"
+    recompute = where.get(("recompute", event.micro_batch, event.stage))
+    if kind == "backward" and recompute is not None:
+        return recompute
+    return where[(kind, event.micro_batch, event.stage)]
+
+
+def _comm_tasks(
+    scenario: Scenario, net: NetworkModel, compute_tasks: list[_Task], where: dict[tuple[str, int, int], int]
+) -> tuple[list[_Task], dict[int, list[int]]]:
+    """Communication tasks with their issue keys, and the gathers each compute task waits for."""
+    optimizer = where[("optimizer", 0, -1)]
+    tasks: list[_Task] = []
+    waits: dict[int, list[int]] = {}
+    previous: CommEvent | None = None
+    for event in comm_events(scenario):
+        duration = event_cost(event, scenario, net).time_s
+        stream = "host" if event.group == "host" else "comm"
+        after: list[int] = []
+        if event.trigger in ("before_forward", "before_backward"):
+            consumer = _consumer(event, where)
+            key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
+            if consumer >= 2:
+                after.append(consumer - 2)
+            waits.setdefault(consumer, []).append(len(compute_tasks) + len(tasks))
+        elif event.trigger == "after_backward":
+            producer = where[("backward", event.micro_batch, event.stage)]
+            key, after = producer + 0.5, [producer]
+        else:
+            key, after = optimizer + 0.5, [optimizer]
+        same_place = previous is not None and (previous.micro_batch, previous.stage, previous.trigger) == (
+            event.micro_batch,
+            event.stage,
+            event.trigger,
+        )
+        if same_place:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
+            after.append(len(compute_tasks) + len(tasks) - 1)
+        tasks.append(_Task(key, event.label, stream, event.row.op, duration, event.row.payload_bytes, tuple(after)))
+        previous = event
+    return tasks, waits
+
+
+def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
+    """Run the step's tasks through the streams and measure what comes out."""
+    compute = compute_model(scenario, profile)
+    net = network_model(profile)
+    compute_tasks, where = _compute_tasks(scenario, compute)
+    comm_tasks, waits = _comm_tasks(scenario, net, compute_tasks, where)
+    tasks = compute_tasks + comm_tasks
+    optimizer = where[("optimizer", 0, -1)]
+    waits[optimizer] = [
+        index for index, task in enumerate(tasks) if index >= len(compute_tasks) and task.key < optimizer
+    ]
+    # Issue order: by key; compute before communication issued at the same key; stable otherwise.
+    order = sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index >= len(compute_tasks), index))
+    free = dict.fromkeys(STREAMS, 0.0)
+    finish = [0.0] * len(tasks)
+    spans: list[Span] = []
+    for index in order:
+        task = tasks[index]
+        stream = task.stream if profile.overlap else "compute"
+        ready = max([finish[dep] for dep in (*task.after, *waits.get(index, ()))], default=0.0)
+        start = max(free[stream], ready)
+        finish[index] = free[stream] = start + task.duration_s
+        spans.append(
+            Span(
+                name=task.name,
+                stream=task.stream,
+                category=task.category,
+                start_s=start,
+                duration_s=task.duration_s,
+                payload_bytes=task.payload_bytes,
+            )
+        )
+    step = max(finish, default=0.0)
+    compute_busy = sum(task.duration_s for task in compute_tasks)
+    events = comm_events(scenario)
+    wire = sum(event_cost(event, scenario, net).wire_bytes for event in events)
+    return TimeEstimate(
+        scenario=scenario,
+        hardware=profile,
+        ledger=collective_ledger(scenario),
+        wire_bytes_per_rank=round(wire),
+        comm_time_s=sum(task.duration_s for task in comm_tasks),
+        exposed_comm_s=max(0.0, step - compute_busy),
+        compute_time_s=compute_busy,
+        step_time_s=step,
+        model_flops=model_flops_per_step(scenario),
+        peak_flops_per_s=compute.peak_flops_per_s,
+        spans=tuple(sorted(spans, key=lambda span: span.start_s)),
+    )
+
+
+def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -> TimeEstimate:
+    """Step time, communication and throughput of a scenario; the GPU preset's datasheet profile by default."""
+    return simulate(scenario, hardware or default_profile(scenario.cluster.gpu))
