@@ -7,8 +7,8 @@ take one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 FAMILIES = ("gpt2", "llama", "moe", "count")
 PRECISIONS = ("fp32", "fp64", "bf16-mixed", "fp16-mixed", "bf16")
@@ -88,16 +88,25 @@ class ModelSpec:
         if self.family == "count":
             _require_int(owner, "declared_parameters", self.declared_parameters, 1, MAX_PARAMETERS)
             return
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-                     "vocab_size"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+        ):
             _require_int(owner, name, getattr(self, name), 1, 10**7)
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"{owner}.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.family == "gpt2":
             _require_int(owner, "max_positions", self.max_positions, 1, MAX_SEQUENCE_LENGTH)
             if self.head_dim * self.num_heads != self.hidden_size:
-                raise SpecError(f"{owner}.head_dim={self.head_dim} times num_heads={self.num_heads} must equal "
-                                f"hidden_size={self.hidden_size} for gpt2")
+                raise SpecError(
+                    f"{owner}.head_dim={self.head_dim} times num_heads={self.num_heads} must equal "
+                    f"hidden_size={self.hidden_size} for gpt2"
+                )
         if self.family == "moe":
             _require_int(owner, "num_experts", self.num_experts, 1, 100_000)
             _require_int(owner, "experts_per_token", self.experts_per_token, 1, self.num_experts)
@@ -108,6 +117,10 @@ class ModelSpec:
     def has_shape(self) -> bool:
         """False when only a parameter count is known (activations cannot be estimated)."""
         return self.family != "count"
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object."""
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,6 +140,16 @@ class GpuSpec:
 
     def __post_init__(self) -> None:
         _require_int("GpuSpec", "memory_bytes", self.memory_bytes, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops_per_s": dict(self.peak_flops_per_s),
+            "source": self.source,
+        }
 
     def peak_flops(self, dtype: str) -> float | None:
         """Peak dense FLOP/s for a dtype, or None when the datasheet gives none."""
@@ -148,8 +171,10 @@ class ClusterSpec:
         _require_int("ClusterSpec", "world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _require_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1, 1024)
         if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
-            raise SpecError(f"ClusterSpec.world_size={self.world_size} must be a multiple of "
-                            f"gpus_per_node={self.gpus_per_node} (whole nodes), or at most one node")
+            raise SpecError(
+                f"ClusterSpec.world_size={self.world_size} must be a multiple of "
+                f"gpus_per_node={self.gpus_per_node} (whole nodes), or at most one node"
+            )
 
     @property
     def ranks_per_node(self) -> int:
@@ -160,6 +185,15 @@ class ClusterSpec:
     def num_nodes(self) -> int:
         """Nodes the job spans."""
         return self.world_size // self.ranks_per_node
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object."""
+        return {
+            "gpu": self.gpu.to_json(),
+            "world_size": self.world_size,
+            "gpus_per_node": self.gpus_per_node,
+            "num_nodes": self.num_nodes,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,6 +235,10 @@ class TrainingSpec:
         """Tokens one rank processes per forward."""
         return self.micro_batch_size * self.sequence_length
 
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON object."""
+        return asdict(self)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Strategy:
@@ -230,11 +268,13 @@ class Strategy:
         if self.name == "hsdp":
             _require_int(owner, "shard_group", self.shard_group, 1, MAX_WORLD_SIZE)
         elif self.shard_group:
-            raise SpecError(f"{owner}.shard_group={self.shard_group} is only used by hsdp; leave it unset for "
-                            f"{self.name}")
+            raise SpecError(
+                f"{owner}.shard_group={self.shard_group} is only used by hsdp; leave it unset for {self.name}"
+            )
         if self.offload == "optimizer+params" and self.stage < 3:
-            raise SpecError(f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), "
-                            f"not {self.name}")
+            raise SpecError(
+                f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), not {self.name}"
+            )
 
     @property
     def canonical_name(self) -> str:

@@ -56,7 +56,7 @@ def parse_count(text: str) -> int:
     count = value * _COUNT_SUFFIXES[suffix]
     if count != int(count) and abs(count - round(count)) > 1e-6 * max(1.0, count):
         raise UnitError(f"count {text!r} is not a whole number")
-    return int(round(count))
+    return round(count)
 
 
 def parse_bytes(text: str) -> int:
@@ -65,7 +65,7 @@ def parse_bytes(text: str) -> int:
     value, suffix = _split(text, "size", allowed)
     if suffix not in _BYTE_SUFFIXES:
         raise UnitError(f"size {text!r} has unknown unit {suffix!r}; use {allowed}")
-    return int(round(value * _BYTE_SUFFIXES[suffix]))
+    return round(value * _BYTE_SUFFIXES[suffix])
 
 
 def format_bytes(num_bytes: int | float, units: str = "GiB", digits: int = 2) -> str:

@@ -39,8 +39,15 @@ class MemoryBreakdown:
     @property
     def total_bytes(self) -> int:
         """Plain sum of the categories (an upper bound on the peak)."""
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_state_bytes + self.activations_bytes
-                + self.buffers_bytes + self.temporary_bytes + self.overhead_bytes)
+        return (
+            self.parameters_bytes
+            + self.gradients_bytes
+            + self.optimizer_state_bytes
+            + self.activations_bytes
+            + self.buffers_bytes
+            + self.temporary_bytes
+            + self.overhead_bytes
+        )
 
     @property
     def model_state_bytes(self) -> int:
@@ -91,8 +98,13 @@ class CollectiveRow:
 
     def to_json(self) -> dict[str, object]:
         """One ledger row of the JSON schemas."""
-        return {"phase": self.phase, "op": self.op, "group_size": self.group_size,
-                "payload_bytes": self.payload_bytes, "count": self.count}
+        return {
+            "phase": self.phase,
+            "op": self.op,
+            "group_size": self.group_size,
+            "payload_bytes": self.payload_bytes,
+            "count": self.count,
+        }
 
 
 def merge_ledger(rows: list[CollectiveRow] | tuple[CollectiveRow, ...]) -> tuple[CollectiveRow, ...]:
@@ -102,8 +114,11 @@ def merge_ledger(rows: list[CollectiveRow] | tuple[CollectiveRow, ...]) -> tuple
         key = (row.phase, row.op, row.group_size, row.payload_bytes)
         counts[key] = counts.get(key, 0) + row.count
     ordered = sorted(counts.items(), key=lambda item: PHASES.index(item[0][0]))
-    return tuple(CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=count)
-                 for (phase, op, group, payload), count in ordered if count)
+    return tuple(
+        CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=count)
+        for (phase, op, group, payload), count in ordered
+        if count
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -47,25 +47,36 @@ def read_hf_config(path: str | Path) -> ModelSpec:
         raise ConfigError(f"config file {path} holds a {type(config).__name__}, not a JSON object")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{path}: model_type {model_type!r} is not supported; supported: "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ConfigError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     name = path.stem if path.stem != "config" else f"{model_type} ({path.parent.name or path})"
     if model_type == "gpt2":
         hidden = _int_field(config, path, "n_embd", "hidden_size")
         heads = _int_field(config, path, "n_head", "num_attention_heads")
         return ModelSpec(
-            name=name, family="gpt2", hidden_size=hidden, num_layers=_int_field(config, path, "n_layer"),
-            num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads if heads else 0,
+            name=name,
+            family="gpt2",
+            hidden_size=hidden,
+            num_layers=_int_field(config, path, "n_layer"),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=hidden // heads if heads else 0,
             ffn_hidden_size=_int_field(config, path, "n_inner", default=4 * hidden),
             vocab_size=_int_field(config, path, "vocab_size"),
             max_positions=_int_field(config, path, "n_positions", "max_position_embeddings"),
-            tie_embeddings=bool(config.get("tie_word_embeddings", True)), source=str(path))
+            tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+            source=str(path),
+        )
     hidden = _int_field(config, path, "hidden_size")
     heads = _int_field(config, path, "num_attention_heads")
     is_moe = model_type == "mixtral"
     return ModelSpec(
-        name=name, family="moe" if is_moe else "llama", hidden_size=hidden,
-        num_layers=_int_field(config, path, "num_hidden_layers"), num_heads=heads,
+        name=name,
+        family="moe" if is_moe else "llama",
+        hidden_size=hidden,
+        num_layers=_int_field(config, path, "num_hidden_layers"),
+        num_heads=heads,
         num_kv_heads=_int_field(config, path, "num_key_value_heads", default=heads),
         head_dim=_int_field(config, path, "head_dim", default=hidden // heads if heads else 1),
         ffn_hidden_size=_int_field(config, path, "intermediate_size"),
@@ -75,4 +86,5 @@ def read_hf_config(path: str | Path) -> ModelSpec:
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         num_experts=_int_field(config, path, "num_local_experts") if is_moe else 0,
         experts_per_token=_int_field(config, path, "num_experts_per_tok") if is_moe else 0,
-        source=str(path))
+        source=str(path),
+    )

@@ -1,0 +1,64 @@
+"""The `shardscope` command: one thin module per subcommand, `main(argv) -> int` so tests call it directly.
+
+Each subcommand module defines `add_parser(subparsers)` and `run(args) -> int`. Bad input raises `CliError` (or a
+`SpecError`/`UnitError` from the layers below) and becomes one line on stderr and exit code 2, never a traceback.
+torch is imported only inside the subcommands that need it (trace, run, validate, calibrate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from shardscope.cli.errors import CliError, OneLineParser
+from shardscope.specs import SpecError
+from shardscope.units import UnitError
+
+# name -> module under shardscope.cli; imported lazily so a command never pays for another's imports.
+COMMANDS = {
+    "estimate": "estimate",
+    "demo": "demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand attached."""
+    parser = OneLineParser(
+        prog="shardscope",
+        description="Per-rank memory, communication and step time of DDP, ZeRO-1/2/3, FSDP and HSDP: "
+        "predicted, replayed on fake tensors, and measured on torch.distributed.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for _name, module in COMMANDS.items():
+        importlib.import_module(f"shardscope.cli.{module}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 a check failed, 2 bad input)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exit_:  # argparse prints its own one-line usage error
+        return int(exit_.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"shardscope.cli.{COMMANDS[args.command]}")
+    try:
+        code: int = module.run(args)
+    except (CliError, SpecError, UnitError) as error:
+        print(f"shardscope {args.command}: error: {error}", file=sys.stderr)
+        return getattr(error, "exit_code", 2)
+    except KeyboardInterrupt:
+        print(f"shardscope {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+def console_main() -> None:
+    """Entry point of the `shardscope` console script."""
+    raise SystemExit(main())

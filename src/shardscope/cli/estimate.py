@@ -1,0 +1,125 @@
+"""`shardscope estimate`: per-rank memory by category for one or more strategies, in microseconds, without torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardscope.cli.scenario_args import (
+    add_cluster_arguments,
+    add_model_arguments,
+    add_strategy_arguments,
+    add_training_arguments,
+    scenarios_from_args,
+)
+from shardscope.cli.tables import bar, render_table
+from shardscope.core.memory import estimate_memory
+from shardscope.core.params import count_parameters
+from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.units import format_bytes, format_count
+
+SCHEMA = "shardscope.estimate/v1"
+
+EXAMPLES = """examples:
+  shardscope estimate --model llama-3-8b --gpus 8 --strategy all
+  shardscope estimate --model llama-3-70b --gpus 64 --gpu h100-80gb --seq-len 4096 --checkpointing full
+  shardscope estimate --params 7.5B --gpus 64 --engine paper --strategy ddp,zero1,zero2,zero3 --units GB
+  shardscope estimate --config path/to/config.json --gpus 16 --strategy hsdp --shard-group 8 --json
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `estimate` to the CLI."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="predict per-rank memory by category for DDP, ZeRO-1/2/3, FSDP and HSDP",
+        description="Predict what each GPU holds, category by category, and whether it fits.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser)
+    add_cluster_arguments(parser)
+    add_training_arguments(parser)
+    add_strategy_arguments(parser)
+    parser.add_argument("--units", choices=("GiB", "GB"), default="GiB", help="printed units (default GiB)")
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+
+
+def estimate_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
+    """The `shardscope.estimate/v1` document for estimates of one model, cluster and training setup."""
+    first = estimates[0].scenario
+    parameters = count_parameters(first.model)
+    return {
+        "schema": SCHEMA,
+        "model": {**first.model.to_json(), "parameters": parameters},
+        "cluster": first.cluster.to_json(),
+        "training": first.training.to_json(),
+        "strategies": [strategy_json(estimate) for estimate in estimates],
+    }
+
+
+def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
+    """One entry of `strategies`."""
+    scenario = estimate.scenario
+    return {
+        "strategy": scenario.strategy.canonical_name if scenario.strategy.name != "fsdp" else "fsdp",
+        "engine": scenario.strategy.engine,
+        "world_size": scenario.cluster.world_size,
+        "shard_group": scenario.shard_degree,
+        "offload": scenario.strategy.offload,
+        "parameters": count_parameters(scenario.model),
+        "per_rank": estimate.per_rank.to_json(),
+        "host_bytes": estimate.host_bytes_per_node,
+        "fits": estimate.fits,
+        "peak_moment": estimate.peak_moment,
+        "activations_estimated": estimate.activations_estimated,
+        "assumptions": list(estimate.assumptions),
+    }
+
+
+def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
+    """The human table: strategies as columns, categories as rows, then peak, fit and assumptions."""
+    first = estimates[0].scenario
+    model, cluster, training = first.model, first.cluster, first.training
+    header = (
+        f"{model.name}: {format_count(count_parameters(model))} parameters on {cluster.world_size} x "
+        f"{cluster.gpu.name} ({format_bytes(cluster.gpu.memory_bytes, units, 0)}), {training.precision}, "
+        f"{training.optimizer}, micro-batch {training.micro_batch_size} x {training.sequence_length}"
+    )
+    columns = [
+        e.scenario.strategy.name + (f"({e.scenario.shard_degree})" if e.scenario.strategy.name == "hsdp" else "")
+        for e in estimates
+    ]
+    rows: list[list[str]] = []
+    for category in CATEGORIES:
+        label = category.replace("_", " ")
+        if category == "activations" and not estimates[0].activations_estimated:
+            rows.append([label] + ["not estimated"] * len(estimates))
+            continue
+        rows.append([label] + [format_bytes(e.per_rank.category_bytes(category), units) for e in estimates])
+    rows.append(["sum of categories"] + [format_bytes(e.per_rank.total_bytes, units) for e in estimates])
+    rows.append(["peak"] + [format_bytes(e.per_rank.peak_bytes, units) for e in estimates])
+    rows.append(["peak moment"] + [e.peak_moment for e in estimates])
+    if any(e.host_bytes_per_node for e in estimates):
+        rows.append(["host per node"] + [format_bytes(e.host_bytes_per_node, units) for e in estimates])
+    rows.append(["fits"] + ["yes" if e.fits else "NO" for e in estimates])
+    lines = [header, "", render_table(["per rank", *columns], rows), ""]
+    capacity = cluster.gpu.memory_bytes
+    for column, estimate in zip(columns, estimates, strict=True):
+        lines.append(
+            f"{column:>10} {bar(estimate.per_rank.peak_bytes, capacity)} "
+            f"{estimate.per_rank.peak_bytes / capacity:.0%} of GPU memory"
+        )
+    lines += ["", "assumptions:"] + [f"  - {note}" for note in estimates[0].assumptions]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Estimate and print."""
+    estimates = [estimate_memory(scenario) for scenario in scenarios_from_args(args)]
+    if args.json:
+        print(json.dumps(estimate_json(estimates), indent=2))
+    else:
+        print(render_estimates(estimates, args.units))
+    return 0

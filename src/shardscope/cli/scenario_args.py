@@ -1,0 +1,187 @@
+"""Command-line flags that describe a scenario, shared by estimate, trace, timeline and plan, and their reading."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from shardscope.cli.errors import CliError
+from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
+from shardscope.presets.hf_config import read_hf_config
+from shardscope.specs import (
+    ATTENTION,
+    CHECKPOINTING,
+    ENGINES,
+    MAX_PARAMETERS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    ClusterSpec,
+    GpuSpec,
+    ModelSpec,
+    Overheads,
+    Scenario,
+    Strategy,
+    TrainingSpec,
+)
+from shardscope.units import parse_bytes, parse_count
+
+BASIC_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 ('8', not '0', '-1' or '2.5')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """--model PRESET | --config config.json | --params N."""
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--model", metavar="PRESET", help=f"a model preset: {', '.join(model_preset_names())}")
+    group.add_argument(
+        "--config",
+        metavar="PATH",
+        help="a Hugging Face config.json (gpt2, llama, mistral, mixtral, qwen2); read locally, never downloaded",
+    )
+    group.add_argument(
+        "--params",
+        metavar="N",
+        help="only a parameter count (7.5B, 70e9, 6738415616): model states only, activations are not estimated",
+    )
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
+    """--gpus, --gpus-per-node, --gpu | --gpu-memory."""
+    parser.add_argument("--gpus", type=positive_int, default=default_gpus, help="world size (default %(default)s)")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default %(default)s)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--gpu",
+        metavar="PRESET",
+        default="h100-80gb",
+        help=f"GPU preset (default %(default)s): {', '.join(gpu_preset_names())}",
+    )
+    group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB or 80GB")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Precision, optimizer, batch shape, checkpointing and attention."""
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed", help="default %(default)s")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default %(default)s")
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank (default 1)")
+    parser.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="default %(default)s")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="sdpa",
+        help="eager materialises the score matrix; sdpa is the fused flash kernel (default sdpa)",
+    )
+
+
+def add_strategy_arguments(parser: argparse.ArgumentParser, many: bool = True) -> None:
+    """--strategy, --shard-group, --engine, --offload, overhead assumptions."""
+    if many:
+        parser.add_argument(
+            "--strategy",
+            default="all",
+            help="ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list, "
+            "or all (default: all; hsdp is included when --shard-group is given or the job spans "
+            "nodes)",
+        )
+    else:
+        parser.add_argument("--strategy", default="zero3", help="ddp, zero1, zero2, zero3, fsdp or hsdp")
+    parser.add_argument("--shard-group", type=positive_int, help="hsdp: ranks per shard group")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="pytorch",
+        help="whose memory rules: paper (ZeRO paper), pytorch (DDP/ZeroRedundancyOptimizer/FSDP2), "
+        "deepspeed (default pytorch)",
+    )
+    parser.add_argument("--offload", choices=OFFLOADS, default="none", help="default %(default)s")
+    parser.add_argument(
+        "--context-memory",
+        metavar="SIZE",
+        default="512MiB",
+        help="assumed framework context per GPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allocator-headroom",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="assumed allocator headroom as a fraction of the tensor peak (default %(default)s)",
+    )
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The ModelSpec named by --model, --config or --params."""
+    if getattr(args, "config", None):
+        return read_hf_config(args.config)
+    if getattr(args, "params", None):
+        count = parse_count(args.params)
+        if not 1 <= count <= MAX_PARAMETERS:
+            raise CliError(f"--params {args.params} is outside 1 to {MAX_PARAMETERS:.0e} parameters")
+        return ModelSpec(name=f"{args.params} parameters", family="count", declared_parameters=count, source="--params")
+    return model_preset(args.model)
+
+
+def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
+    """The GpuSpec of --gpu or --gpu-memory."""
+    if args.gpu_memory:
+        memory = parse_bytes(args.gpu_memory)
+        if memory < 1:
+            raise CliError(f"--gpu-memory {args.gpu_memory} must be more than 0 bytes")
+        return custom_gpu(memory)
+    return gpu_preset(args.gpu)
+
+
+def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
+    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
+    text: str = args.strategy
+    if text == "all":
+        names = list(BASIC_STRATEGIES)
+        if args.shard_group or cluster.num_nodes > 1:
+            names.append("hsdp")
+        return names
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")
+    return names
+
+
+def scenarios_from_args(args: argparse.Namespace, names: Sequence[str] | None = None) -> list[Scenario]:
+    """One Scenario per strategy named on the command line."""
+    model = model_from_args(args)
+    cluster = ClusterSpec(gpu=gpu_from_args(args), world_size=args.gpus, gpus_per_node=args.gpus_per_node)
+    training = TrainingSpec(
+        micro_batch_size=args.micro_batch,
+        sequence_length=args.seq_len,
+        grad_accum_steps=args.grad_accum,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        checkpointing=args.checkpointing,
+        attention=args.attention,
+    )
+    overheads = Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom)
+    scenarios = []
+    for name in names or strategy_names(args, cluster):
+        shard_group = 0
+        if name == "hsdp":
+            shard_group = args.shard_group or cluster.ranks_per_node
+        offload = args.offload
+        if offload == "optimizer+params" and name in ("ddp", "zero1", "zero2") and args.strategy == "all":
+            offload = "optimizer"  # 'all' compares strategies; parameters can only be offloaded when sharded
+        strategy = Strategy(name=name, engine=args.engine, shard_group=shard_group, offload=offload)
+        scenarios.append(
+            Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
+        )
+    return scenarios

@@ -1,0 +1,129 @@
+"""Per-rank memory by category and the peak, for one scenario: model states plus activations plus overhead.
+
+The peak is the largest of the moments that matter, not the plain sum of the categories:
+- end of forward: weights, optimizer state, every saved activation, the gathered units and the loss spike;
+- start of backward: the same with the gradient of the log-softmax instead of the forward spike;
+- end of backward: all gradients, the last block's activations (and its recomputation under checkpointing);
+- optimizer step: weights, gradients, optimizer state and the step's workspace.
+Overhead (framework context, allocator headroom) is added on top as a stated assumption.
+"""
+
+from __future__ import annotations
+
+from shardscope.core.activations import ActivationEstimate, estimate_activations
+from shardscope.core.model_states import ModelStates, model_states
+from shardscope.core.params import param_layout
+from shardscope.core.result import MemoryBreakdown, MemoryEstimate
+from shardscope.core.sharding import whole_tensor_shards
+from shardscope.specs import Scenario
+from shardscope.units import MIB
+
+_NO_ACTIVATIONS = ActivationEstimate(
+    saved_bytes=0,
+    block_bytes=0,
+    stored_block_bytes=0,
+    recompute_bytes=0,
+    logits_bytes=0,
+    loss_forward_spike_bytes=0,
+    loss_backward_spike_bytes=0,
+)
+
+
+def busiest_rank(scenario: Scenario) -> int:
+    """The rank that holds the most: rank 0, except under ZeroRedundancyOptimizer's uneven assignment."""
+    strategy = scenario.strategy
+    if strategy.engine == "pytorch" and strategy.name == "zero1" and scenario.model.has_shape:
+        sizes = whole_tensor_shards(param_layout(scenario.model), scenario.cluster.world_size).numel_per_rank
+        return sizes.index(max(sizes))
+    return 0
+
+
+def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) -> dict[str, int]:
+    """Bytes live at each moment of a step (without overhead)."""
+    base = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
+    grads_early = states.gradients_bytes if states.gradients_persist or accumulating else 0
+    return {
+        "end of forward": base
+        + grads_early
+        + acts.saved_bytes
+        + states.forward_buffers_bytes
+        + states.forward_temporary_bytes
+        + acts.loss_forward_spike_bytes,
+        "start of backward": base
+        + grads_early
+        + acts.saved_bytes
+        + states.backward_buffers_bytes
+        + acts.loss_backward_spike_bytes
+        + acts.recompute_bytes,
+        "end of backward": base
+        + states.gradients_bytes
+        + states.backward_buffers_bytes
+        + acts.stored_block_bytes
+        + acts.recompute_bytes,
+        "optimizer step": base + states.gradients_bytes + states.optimizer_temporary_bytes,
+    }
+
+
+def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstimate:
+    """Memory of one rank (the busiest when rank is None) under the scenario."""
+    world = scenario.cluster.world_size
+    if rank is None:
+        rank = busiest_rank(scenario)
+    elif not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be between 0 and world_size-1={world - 1}")
+    states = model_states(scenario, rank)
+    model, training = scenario.model, scenario.training
+    acts = estimate_activations(model, training) if model.has_shape else _NO_ACTIVATIONS
+    moments = _moments(states, acts, training.grad_accum_steps > 1)
+    peak_moment = max(moments, key=lambda name: moments[name])
+    tensor_peak = moments[peak_moment]
+    overheads = scenario.overheads
+    overhead = overheads.context_bytes + int(tensor_peak * overheads.allocator_headroom)
+    per_rank = MemoryBreakdown(
+        parameters_bytes=states.parameters_bytes,
+        gradients_bytes=states.gradients_bytes,
+        optimizer_state_bytes=states.optimizer_state_bytes,
+        activations_bytes=acts.saved_bytes,
+        buffers_bytes=states.persistent_buffers_bytes
+        + max(states.forward_buffers_bytes, states.backward_buffers_bytes),
+        temporary_bytes=max(
+            states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
+            acts.loss_backward_spike_bytes + acts.recompute_bytes,
+            states.optimizer_temporary_bytes,
+        ),
+        overhead_bytes=overhead,
+        peak_bytes=tensor_peak + overhead,
+    )
+    return MemoryEstimate(
+        scenario=scenario,
+        per_rank=per_rank,
+        host_bytes_per_node=states.host_bytes * scenario.cluster.ranks_per_node,
+        peak_moment=peak_moment,
+        activations_estimated=model.has_shape,
+        assumptions=_assumptions(scenario, rank),
+    )
+
+
+def _assumptions(scenario: Scenario, rank: int) -> tuple[str, ...]:
+    overheads, strategy, training = scenario.overheads, scenario.strategy, scenario.training
+    notes = [
+        f"engine {strategy.engine}: "
+        + {
+            "paper": "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)",
+            "pytorch": "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)",
+            "deepspeed": "DeepSpeed's own estimators (largest layer gathered under ZeRO-3, 1.5x host buffers)",
+        }[strategy.engine],
+        f"framework context {overheads.context_bytes / MIB:.0f} MiB per GPU and allocator headroom "
+        f"{overheads.allocator_headroom:.0%} of the tensor peak (override with --context-memory, --allocator-headroom)",
+        f"rank {rank} shown (the busiest)",
+    ]
+    if not scenario.model.has_shape:
+        notes.append("only a parameter count is known: activations and gathered-unit buffers are not estimated")
+    else:
+        notes.append(
+            f"activations for micro-batch {training.micro_batch_size} x {training.sequence_length} tokens, "
+            f"{training.attention} attention, checkpointing {training.checkpointing}, no dropout"
+        )
+    if training.grad_accum_steps > 1:
+        notes.append(f"{training.grad_accum_steps} micro-batches accumulate gradients, which stay live in forward")
+    return tuple(notes)

@@ -1,0 +1,103 @@
+"""How a strategy splits parameter elements across ranks: flat buffers, per-tensor dim-0 shards, whole tensors.
+
+Three rules, one per engine family:
+- flat: one flat buffer padded to a multiple of the shard degree, each rank holding ceil(P / D) elements (the ZeRO
+  paper's partitioning, and shardscope's teaching strategies).
+- per-tensor dim-0: FSDP2's `fully_shard` shards every parameter on dim 0 into chunks of ceil(rows / D) rows, padding
+  each to that size, so every rank allocates the padded chunk while the last ranks' real rows are fewer.
+- whole tensors: torch's ZeroRedundancyOptimizer assigns whole parameters, largest first, to the rank with the fewest
+  elements so far, so shards are uneven.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import cache
+
+from shardscope.core.params import ParamLayout, ParamTensor
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """Integer ceiling of numerator / denominator."""
+    return -(-numerator // denominator)
+
+
+def flat_shard_numel(total_numel: int, degree: int) -> int:
+    """Elements each rank holds of a flat buffer padded to a multiple of the shard degree."""
+    return ceil_div(total_numel, degree)
+
+
+def _dim0_chunk(tensor: ParamTensor, degree: int) -> tuple[int, int]:
+    """(rows per chunk, elements per row) of a tensor sharded on dim 0."""
+    rows = tensor.shape[0]
+    row_numel = tensor.numel // rows if rows else 0
+    return ceil_div(rows, degree), row_numel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dim0Shards:
+    """FSDP2 per-parameter sharding of a whole model for one rank."""
+
+    padded_numel: int
+    """Elements the rank allocates for its shards (padding included): the same on every rank."""
+    local_numel: int
+    """Elements of real (unpadded) rows the rank owns; what the optimizer's moments are sized by."""
+    tensors_with_rows: int
+    """Parameter tensors of which this rank owns at least one row."""
+
+
+@cache
+def dim0_shards(layout: ParamLayout, degree: int, rank: int) -> Dim0Shards:
+    """Per-parameter dim-0 shards of every tensor in the layout for one rank."""
+    padded = local = owned = 0
+    for tensors, repeat in ((layout.root, 1), (layout.block, layout.num_blocks)):
+        for tensor in tensors:
+            chunk_rows, row_numel = _dim0_chunk(tensor, degree)
+            rows_here = max(0, min(chunk_rows, tensor.shape[0] - rank * chunk_rows))
+            padded += repeat * chunk_rows * row_numel
+            local += repeat * rows_here * row_numel
+            owned += repeat * (rows_here > 0)
+    return Dim0Shards(padded_numel=padded, local_numel=local, tensors_with_rows=owned)
+
+
+def dim0_unit_padded_numel(tensors: tuple[ParamTensor, ...], degree: int) -> int:
+    """Elements of one unit once gathered with its dim-0 padding (the all-gather output)."""
+    total = 0
+    for tensor in tensors:
+        chunk_rows, row_numel = _dim0_chunk(tensor, degree)
+        total += chunk_rows * row_numel * degree
+    return total
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WholeTensorShards:
+    """ZeroRedundancyOptimizer's assignment of whole parameters to ranks."""
+
+    numel_per_rank: tuple[int, ...]
+    """Elements assigned to each rank."""
+    tensors_per_rank: tuple[int, ...]
+    """Parameter tensors assigned to each rank."""
+
+
+@cache
+def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShards:
+    """Greedy largest-first assignment, ties to the lowest rank (ZeroRedundancyOptimizer._partition_parameters)."""
+    sizes = [0] * world_size
+    counts = [0] * world_size
+    heap = [(0, rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest rank first
+    for tensor in sorted(layout.tensors(), key=lambda t: t.numel, reverse=True):
+        size, rank = heapq.heappop(heap)
+        sizes[rank] = size + tensor.numel
+        counts[rank] += 1
+        heapq.heappush(heap, (sizes[rank], rank))
+    return WholeTensorShards(numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts))
+
+
+def largest_module_numel(layout: ParamLayout) -> int:
+    """Parameters of the largest single module (its own tensors, not its children's): DeepSpeed's 'largest layer'."""
+    modules: dict[str, int] = {}
+    for tensor in layout.root + layout.block:
+        module = tensor.name.rsplit(".", 1)[0]
+        modules[module] = modules.get(module, 0) + tensor.numel
+    return max(modules.values())

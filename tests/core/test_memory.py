@@ -1,0 +1,155 @@
+"""Rules of the memory core, one per test, checked against hand-computed bytes."""
+
+from dataclasses import replace
+
+import pytest
+
+from shardscope.core.activations import estimate_activations
+from shardscope.core.memory import busiest_rank, estimate_memory
+from shardscope.core.params import count_parameters, param_layout
+from shardscope.core.sharding import ceil_div, dim0_shards, whole_tensor_shards
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Overheads, Scenario, Strategy, TrainingSpec
+
+NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
+
+
+def scenario(
+    model: str = "tiny-llama", strategy: str = "ddp", engine: str = "pytorch", world: int = 4, **training: object
+) -> Scenario:
+    return Scenario(
+        model=model_preset(model),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
+        training=TrainingSpec(**training),  # type: ignore[arg-type]
+        strategy=Strategy(name=strategy, engine=engine),
+        overheads=NO_OVERHEAD,
+    )
+
+
+def test_paper_engine_pads_flat_buffers() -> None:
+    total = count_parameters(model_preset("tiny-llama"))
+    shard = ceil_div(total, 3)
+    result = estimate_memory(scenario(strategy="zero3", engine="paper", world=3)).per_rank
+    assert result.parameters_bytes == shard * 2
+    assert result.gradients_bytes == shard * 2
+    assert result.optimizer_state_bytes == shard * 12
+
+
+def test_fp32_paper_has_no_master_copy() -> None:
+    total = count_parameters(model_preset("tiny-gpt2"))
+    result = estimate_memory(scenario("tiny-gpt2", "ddp", "paper", precision="fp32")).per_rank
+    assert (result.parameters_bytes, result.gradients_bytes, result.optimizer_state_bytes) == (
+        4 * total,
+        4 * total,
+        8 * total,
+    )
+
+
+def test_pytorch_ddp_keeps_a_bucket_copy_unless_bucket_view() -> None:
+    base = scenario(precision="fp32")
+    total = count_parameters(base.model)
+    assert estimate_memory(base).per_rank.buffers_bytes == 4 * total
+    view = replace(base, strategy=Strategy(name="ddp", gradient_as_bucket_view=True))
+    assert estimate_memory(view).per_rank.buffers_bytes == 0
+
+
+def test_pytorch_adam_counts_step_tensors() -> None:
+    base = scenario(precision="fp32")
+    layout = param_layout(base.model)
+    expected = 8 * layout.total_numel + 4 * len(layout.tensors())
+    assert estimate_memory(base).per_rank.optimizer_state_bytes == expected
+
+
+def test_fsdp2_pads_each_parameter_on_dim0() -> None:
+    model = model_preset("tiny-gpt2")
+    layout = param_layout(model)
+    expected = sum(ceil_div(t.shape[0], 3) * (t.numel // t.shape[0]) for t in layout.tensors())
+    assert dim0_shards(layout, 3, 0).padded_numel == expected
+    result = estimate_memory(scenario("tiny-gpt2", "zero3", world=3, precision="fp32")).per_rank
+    assert result.parameters_bytes == 4 * expected
+    # The last rank owns fewer real rows than it allocates.
+    last = dim0_shards(layout, 3, 2)
+    assert last.local_numel < last.padded_numel
+    assert sum(dim0_shards(layout, 3, r).local_numel for r in range(3)) == layout.total_numel
+
+
+def test_zero_redundancy_optimizer_assigns_whole_tensors_unevenly() -> None:
+    layout = param_layout(model_preset("tiny-gpt2"))
+    shards = whole_tensor_shards(layout, 4)
+    assert sum(shards.numel_per_rank) == layout.total_numel
+    assert sum(shards.tensors_per_rank) == len(layout.tensors())
+    assert len(set(shards.numel_per_rank)) > 1
+    # The largest tensor (the tied embedding) goes to rank 0 first.
+    assert shards.numel_per_rank[0] >= layout.largest_tensor_numel
+    base = scenario("tiny-gpt2", "zero1", world=4)
+    assert busiest_rank(base) == shards.numel_per_rank.index(max(shards.numel_per_rank))
+
+
+def test_activations_scale_with_tokens_and_checkpointing_cuts_them() -> None:
+    model = model_preset("llama-3-8b")
+    short = estimate_activations(model, TrainingSpec(sequence_length=1024))
+    long = estimate_activations(model, TrainingSpec(sequence_length=2048))
+    assert long.block_bytes == 2 * short.block_bytes  # sdpa: linear in sequence length
+    full = estimate_activations(model, TrainingSpec(sequence_length=2048, checkpointing="full"))
+    assert full.stored_block_bytes == 2048 * 4096 * 2
+    assert full.saved_bytes < long.saved_bytes
+    eager = estimate_activations(model, TrainingSpec(sequence_length=2048, attention="eager"))
+    assert eager.block_bytes - long.block_bytes > 32 * 2048 * 2048 * 2 - 2048 * 4096 * 4
+
+
+def test_gpt2_block_matches_korthikanti_without_dropout() -> None:
+    # "Reducing Activation Recomputation in Large Transformer Models", eq. (1): sbh(34 + 5as/h) with dropout.
+    # Without the dropout masks (2sbh) and the attention dropout mask and output (3as^2b), 16-bit: 32sbh + 2as^2b,
+    # plus shardscope's exact norm statistics (two fp32 values per token per norm).
+    model = model_preset("gpt2")
+    training = TrainingSpec(sequence_length=1024, attention="eager", precision="bf16-mixed")
+    s, b, h, a = 1024, 1, 768, 12
+    expected = 32 * s * b * h + 2 * a * s * s * b + 2 * (s * b * 4)
+    assert estimate_activations(model, training).block_bytes == expected
+
+
+def test_peak_is_a_moment_not_the_sum() -> None:
+    result = estimate_memory(scenario("llama-3-8b", "zero3", world=8, sequence_length=4096))
+    assert result.per_rank.peak_bytes <= result.per_rank.total_bytes
+    assert result.peak_moment in ("end of forward", "start of backward", "end of backward", "optimizer step")
+
+
+def test_overhead_is_its_own_category() -> None:
+    base = scenario()
+    with_overhead = replace(base, overheads=Overheads(context_bytes=1000, allocator_headroom=0.0))
+    assert estimate_memory(with_overhead).per_rank.overhead_bytes == 1000
+    assert (estimate_memory(with_overhead).per_rank.peak_bytes - estimate_memory(base).per_rank.peak_bytes) == 1000
+
+
+def test_offload_moves_optimizer_state_to_host() -> None:
+    base = scenario("llama-2-7b", "zero3", world=8)
+    offloaded = replace(base, strategy=Strategy(name="zero3", offload="optimizer"))
+    device = estimate_memory(offloaded)
+    assert device.per_rank.optimizer_state_bytes == 0
+    assert device.host_bytes_per_node == 8 * estimate_memory(base).per_rank.optimizer_state_bytes
+    both = estimate_memory(replace(base, strategy=Strategy(name="zero3", offload="optimizer+params")))
+    assert both.per_rank.parameters_bytes == 0 and both.host_bytes_per_node > device.host_bytes_per_node
+
+
+def test_deepspeed_matches_its_estimators() -> None:
+    # DeepSpeed's estimate_zero2_model_states_mem_needs: 4P + 16P/N on the GPU without offload;
+    # estimate_zero3_model_states_mem_needs: 4 x largest layer + 18P/N.
+    base = scenario("llama-2-7b", "zero2", "deepspeed", world=8)
+    total = count_parameters(base.model)
+    assert estimate_memory(base).per_rank.model_state_bytes == 4 * total + 16 * ceil_div(total, 8)
+    stage3 = estimate_memory(replace(base, strategy=Strategy(name="zero3", engine="deepspeed"))).per_rank
+    largest = 32000 * 4096  # the embedding (and the head) are the largest modules
+    assert stage3.model_state_bytes + stage3.buffers_bytes == 18 * ceil_div(total, 8) + 4 * largest
+
+
+def test_rank_out_of_range() -> None:
+    with pytest.raises(ValueError, match="rank=4 must be between 0 and world_size-1=3"):
+        estimate_memory(scenario(), rank=4)
+
+
+def test_count_only_model_has_no_activations() -> None:
+    from shardscope.specs import ModelSpec
+
+    model = ModelSpec(name="n", family="count", declared_parameters=10**9)
+    result = estimate_memory(replace(scenario(), model=model))
+    assert not result.activations_estimated and result.per_rank.activations_bytes == 0
