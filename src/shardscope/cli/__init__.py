@@ -20,6 +20,7 @@ from shardscope.units import UnitError
 COMMANDS = {
     "estimate": "estimate",
     "demo": "demo",
+    "timeline": "timeline",
 }
 
 

@@ -1,0 +1,92 @@
+"""The step simulation: overlap, exposed communication, throughput, the Chrome trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from timecases import scenario
+
+from shardscope.core.chrome_trace import chrome_trace
+from shardscope.core.compute import model_flops_per_step
+from shardscope.core.timeline import estimate_time
+from shardscope.presets.hardware import default_profile, interconnect_preset
+
+
+def _profile(overlap: bool = True, inter: str = "ib-ndr"):  # type: ignore[no-untyped-def]
+    base = default_profile(scenario().cluster.gpu)
+    return dataclasses.replace(base, overlap=overlap, inter_node=interconnect_preset(inter))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "hsdp"])
+def test_overlap_lies_between_the_longest_stream_and_the_serial_sum(strategy: str) -> None:
+    case = scenario(strategy=strategy, shard_group=8 if strategy == "hsdp" else 0)
+    serial = estimate_time(case, _profile(overlap=False))
+    overlapped = estimate_time(case, _profile(overlap=True))
+    assert serial.step_time_s == pytest.approx(serial.compute_time_s + serial.comm_time_s)
+    assert serial.exposed_comm_s == pytest.approx(serial.comm_time_s)
+    assert overlapped.step_time_s <= serial.step_time_s + 1e-12
+    assert overlapped.step_time_s >= max(overlapped.compute_time_s, overlapped.comm_time_s) - 1e-12
+
+
+def test_fsdp_prefetch_hides_most_gathers_on_a_fast_network() -> None:
+    estimate = estimate_time(scenario(strategy="fsdp", sequence_length=4096), _profile())
+    assert estimate.exposed_comm_s < 0.2 * estimate.comm_time_s
+
+
+def test_a_slow_network_makes_the_step_network_bound() -> None:
+    fast = estimate_time(scenario(strategy="fsdp"), _profile(inter="ib-ndr"))
+    slow = estimate_time(scenario(strategy="fsdp"), _profile(inter="ethernet-10g"))
+    assert slow.step_time_s > 2 * fast.step_time_s
+    assert slow.exposed_comm_s > 0.5 * slow.comm_time_s
+    assert slow.mfu < fast.mfu
+
+
+def test_ddp_bucket_all_reduces_start_during_backward() -> None:
+    estimate = estimate_time(scenario(strategy="ddp"), _profile())
+    backward_end = max(s.end_s for s in estimate.spans if s.category == "backward")
+    first_bucket = min(s.start_s for s in estimate.spans if s.category == "all_reduce")
+    assert first_bucket < backward_end
+
+
+def test_throughput_and_mfu_follow_from_the_step_time() -> None:
+    case = scenario(strategy="zero2", grad_accum=2)
+    estimate = estimate_time(case)
+    tokens = 16 * 2 * 2048
+    assert estimate.tokens_per_s == pytest.approx(tokens / estimate.step_time_s)
+    assert estimate.mfu == pytest.approx(model_flops_per_step(case) / estimate.step_time_s / 989.4e12)
+    assert 0 < estimate.mfu < 0.5  # the default efficiency caps it
+    data = estimate.to_json()
+    communication = data["communication"]
+    assert isinstance(communication, dict)
+    assert set(communication) == {"ledger", "wire_bytes_per_rank", "time_s", "exposed_time_s"}
+    assert {"step_time_s", "tokens_per_s", "mfu"} <= set(data)
+
+
+def test_recomputation_lengthens_backward() -> None:
+    plain = estimate_time(scenario(strategy="fsdp"))
+    full = estimate_time(scenario(strategy="fsdp", checkpointing="full"))
+    assert full.compute_time_s == pytest.approx(plain.compute_time_s * 4 / 3, rel=0.05)
+    assert any(span.category == "recompute" for span in full.spans)
+
+
+def test_chrome_trace_is_valid_trace_event_json() -> None:
+    trace = chrome_trace(estimate_time(scenario(strategy="fsdp", model="tiny-llama")))
+    text = json.dumps(trace)
+    events = json.loads(text)["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in complete} == {0, 1}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in complete)
+    assert any(e["ph"] == "M" and e["args"]["name"] == "comm stream" for e in events)
+
+
+def test_core_time_model_imports_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import shardscope.core.timeline, shardscope.core.chrome_trace, shardscope.cli.timeline\n"
+        "import shardscope.presets.hardware\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
