@@ -48,3 +48,17 @@ def test_unparsable_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     bad.write_text("[network\n")
     assert main([*BASE, "--hardware", str(bad)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_estimate_time_adds_the_time_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", "tiny-gpt2", "--gpus", "2", "--seq-len", "64", "--time", "--json"]
+    assert main(argv) == 0
+    strategies = json.loads(capsys.readouterr().out)["strategies"]
+    for entry in strategies:
+        assert set(entry["communication"]) == {"ledger", "wire_bytes_per_rank", "time_s", "exposed_time_s"}
+        assert entry["step_time_s"] > 0 and entry["tokens_per_s"] > 0 and 0 < entry["mfu"] < 1
+
+
+def test_estimate_time_needs_a_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", "--gpus", "2", "--time"]) == 2
+    assert "shape" in capsys.readouterr().err

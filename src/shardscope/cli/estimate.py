@@ -14,9 +14,11 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import bar, render_table
-from shardscope.core.memory import estimate_memory
+from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
+from shardscope.core.memory import describe_assumptions, estimate_memory
 from shardscope.core.params import count_parameters
 from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.core.timeline import TimeEstimate, estimate_time
 from shardscope.units import format_bytes, format_count
 
 SCHEMA = "shardscope.estimate/v1"
@@ -44,6 +46,8 @@ def add_parser(subparsers: Any) -> None:
     add_strategy_arguments(parser)
     parser.add_argument("--units", choices=("GiB", "GB"), default="GiB", help="printed units (default GiB)")
     parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+    parser.add_argument("--time", action="store_true", help="add communication, step time, tokens/s and MFU")
+    add_hardware_arguments(parser)
 
 
 def estimate_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
@@ -74,7 +78,7 @@ def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
         "fits": estimate.fits,
         "peak_moment": estimate.peak_moment,
         "activations_estimated": estimate.activations_estimated,
-        "assumptions": list(estimate.assumptions),
+        "assumptions": list(describe_assumptions(estimate)),
     }
 
 
@@ -111,15 +115,43 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
             f"{column:>10} {bar(estimate.per_rank.peak_bytes, capacity)} "
             f"{estimate.per_rank.peak_bytes / capacity:.0%} of GPU memory"
         )
-    lines += ["", "assumptions:"] + [f"  - {note}" for note in estimates[0].assumptions]
+    lines += ["", "assumptions:"] + [f"  - {note}" for note in describe_assumptions(estimates[0])]
     return "\n".join(lines)
+
+
+def render_times(times: list[TimeEstimate]) -> str:
+    """The --time table: one row per strategy."""
+    rows = [
+        [
+            t.scenario.strategy.name,
+            f"{t.step_time_s * 1e3:.2f}",
+            f"{t.comm_time_s * 1e3:.2f}",
+            f"{t.exposed_comm_s * 1e3:.2f}",
+            format_bytes(t.wire_bytes_per_rank, "GB"),
+            f"{t.tokens_per_s:,.0f}",
+            f"{t.mfu:.1%}",
+        ]
+        for t in times
+    ]
+    header = ["time", "step ms", "comm ms", "exposed ms", "wire/rank", "tokens/s", "MFU"]
+    return f"\nhardware: {times[0].hardware.name}\n" + render_table(header, rows)
 
 
 def run(args: argparse.Namespace) -> int:
     """Estimate and print."""
-    estimates = [estimate_memory(scenario) for scenario in scenarios_from_args(args)]
+    scenarios = scenarios_from_args(args)
+    estimates = [estimate_memory(scenario) for scenario in scenarios]
+    times: list[TimeEstimate] = []
+    if args.time:
+        hardware = hardware_from_args(args, scenarios[0].cluster.gpu)
+        times = [estimate_time(scenario, hardware) for scenario in scenarios]
     if args.json:
-        print(json.dumps(estimate_json(estimates), indent=2))
+        document = estimate_json(estimates)
+        for entry, time in zip(document["strategies"], times, strict=False):
+            entry.update(time.to_json())
+        print(json.dumps(document, indent=2))
     else:
         print(render_estimates(estimates, args.units))
+        if times:
+            print(render_times(times))
     return 0

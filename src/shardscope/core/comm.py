@@ -108,15 +108,16 @@ def _units(layout: ParamLayout) -> tuple[_Unit, ...]:
     return (root, *blocks)
 
 
-def _unit_gathered_numel(scenario: Scenario, tensors: tuple[ParamTensor, ...]) -> int:
+def _unit_gathered_numel(scenario: Scenario, unit: _Unit) -> int:
     """Elements of a unit once gathered, padding included, by the engine's sharding rule."""
     degree = scenario.shard_degree
     engine = scenario.strategy.engine
     if engine == "pytorch":  # FSDP2 pads every tensor's dim 0 to a multiple of the degree
-        return dim0_unit_padded_numel(tensors, degree)
+        root, block = dim0_unit_padded_numel(param_layout(scenario.model), degree)
+        return root if unit.name == "root" else block
     if engine == "deepspeed":  # DeepSpeed ZeRO-3 partitions each parameter flat, padded to the degree
-        return sum(ceil_div(tensor.numel, degree) * degree for tensor in tensors)
-    numel = sum(tensor.numel for tensor in tensors)  # the paper: one flat buffer per unit
+        return sum(ceil_div(tensor.numel, degree) * degree for tensor in unit.tensors)
+    numel = sum(tensor.numel for tensor in unit.tensors)  # the paper: one flat buffer per unit
     return flat_shard_numel(numel, degree) * degree
 
 
@@ -208,7 +209,7 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):
         for unit in units:
-            numel = _unit_gathered_numel(scenario, unit.tensors)
+            numel = _unit_gathered_numel(scenario, unit)
             at = (micro_batch, unit.first_stage, "before_forward")
             if offload_params:
                 events.append(
@@ -220,7 +221,7 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
                 _event("forward", "all_gather", degree, numel * param_bytes, group, at, f"all_gather {unit.name}")
             )
         for unit in reversed(units):
-            numel = _unit_gathered_numel(scenario, unit.tensors)
+            numel = _unit_gathered_numel(scenario, unit)
             at = (micro_batch, unit.last_stage, "before_backward")
             if strategy.reshard_after_forward and (unit.name != "root" or regather_root):
                 if offload_params:
@@ -288,7 +289,10 @@ def _optimizer_offload_events(scenario: Scenario) -> list[CommEvent]:
 def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     """Every collective and host copy of one step, in the order rank 0 issues them."""
     if not scenario.model.has_shape:
-        raise SpecError(f"model {scenario.model.name!r} has only a parameter count; the ledger needs its shape")
+        raise SpecError(
+            f"model {scenario.model.name!r} has only a parameter count; the ledger and the time model need its shape "
+            f"(give --model or --config)"
+        )
     events = _sharded_events(scenario) if scenario.strategy.stage == 3 else _data_parallel_events(scenario)
     if scenario.strategy.offload == "optimizer":
         events += _optimizer_offload_events(scenario)

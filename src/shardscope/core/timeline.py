@@ -234,6 +234,7 @@ def _comm_tasks(
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Run the step's tasks through the streams and measure what comes out."""
+    comm_events(scenario)  # refuses a model without a shape before anything else
     compute = compute_model(scenario, profile)
     net = network_model(profile)
     compute_tasks, where = _compute_tasks(scenario, compute)
