@@ -113,8 +113,7 @@ def _unit_gathered_numel(scenario: Scenario, unit: _Unit) -> int:
     degree = scenario.shard_degree
     engine = scenario.strategy.engine
     if engine == "pytorch":  # FSDP2 pads every tensor's dim 0 to a multiple of the degree
-        root, block = dim0_unit_padded_numel(param_layout(scenario.model), degree)
-        return root if unit.name == "root" else block
+        return dim0_unit_padded_numel(unit.tensors, degree)
     if engine == "deepspeed":  # DeepSpeed ZeRO-3 partitions each parameter flat, padded to the degree
         return sum(ceil_div(tensor.numel, degree) * degree for tensor in unit.tensors)
     numel = sum(tensor.numel for tensor in unit.tensors)  # the paper: one flat buffer per unit
