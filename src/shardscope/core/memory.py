@@ -100,11 +100,13 @@ def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstima
         host_bytes_per_node=states.host_bytes * scenario.cluster.ranks_per_node,
         peak_moment=peak_moment,
         activations_estimated=model.has_shape,
-        assumptions=_assumptions(scenario, rank),
+        rank=rank,
     )
 
 
-def _assumptions(scenario: Scenario, rank: int) -> tuple[str, ...]:
+def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
+    """Plain-English statements of what an estimate assumed."""
+    scenario, rank = estimate.scenario, estimate.rank
     overheads, strategy, training = scenario.overheads, scenario.strategy, scenario.training
     notes = [
         f"engine {strategy.engine}: "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from shardscope.core.params import ParamLayout, count_parameters, param_layout
 from shardscope.core.sharding import (
     dim0_shards,
-    dim0_unit_padded_numel,
+    dim0_unit_sizes,
     flat_shard_numel,
     largest_module_numel,
     whole_tensor_shards,
@@ -119,8 +119,7 @@ def _pytorch(scenario: Scenario, rank: int, total: int, layout: ParamLayout | No
     else:
         shards = dim0_shards(layout, degree, rank)
         padded, local, tensors_with_rows = shards.padded_numel, shards.local_numel, shards.tensors_with_rows
-        root_unit = dim0_unit_padded_numel(layout.root, degree)
-        block_unit = dim0_unit_padded_numel(layout.block, degree)
+        root_unit, block_unit = dim0_unit_sizes(layout, degree)
         num_blocks = layout.num_blocks
     largest_unit = max(root_unit, block_unit)
     if strategy.reshard_after_forward and strategy.name != "zero2":
@@ -154,14 +153,14 @@ def _pytorch_replicated(
     training, strategy = scenario.training, scenario.strategy
     moments = _moments(training.optimizer)
     if strategy.stage == 0:
-        optimizer_numel, optimizer_tensors = total, len(layout.tensors()) if layout else 1
+        optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
     elif layout is not None:
         shards = whole_tensor_shards(layout, scenario.cluster.world_size)
         optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
     else:  # a bare parameter count: an even split is the best available assumption
         optimizer_numel, optimizer_tensors = flat_shard_numel(total, scenario.shard_degree), 1
     bucket = 0 if strategy.gradient_as_bucket_view else total * stored
-    autocast_cache = _linear_weight_numel(layout, total) * compute if training.is_mixed else 0
+    autocast_cache = (layout.matrix_numel if layout else total) * compute if training.is_mixed else 0
     return ModelStates(
         parameters_bytes=total * stored,
         gradients_bytes=total * stored,
@@ -174,13 +173,6 @@ def _pytorch_replicated(
         gradients_persist=False,
         host_bytes=0,
     )
-
-
-def _linear_weight_numel(layout: ParamLayout | None, total: int) -> int:
-    """Elements of the 2-D weights autocast casts to 16 bits (embeddings are not cast)."""
-    if layout is None:
-        return total
-    return sum(t.numel for t in layout.tensors() if len(t.shape) == 2 and not t.name.startswith("embed"))
 
 
 def _deepspeed(scenario: Scenario, total: int, layout: ParamLayout | None) -> ModelStates:

@@ -8,7 +8,7 @@ Tied embeddings are one tensor, counted once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from shardscope.specs import ModelSpec
@@ -32,9 +32,13 @@ class ParamTensor:
         return count
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ParamLayout:
-    """A model's parameters grouped the way FSDP wraps them: a root unit, and one unit per transformer block."""
+    """A model's parameters grouped the way FSDP wraps them: a root unit, and one unit per transformer block.
+
+    The sums are computed once at construction, and a layout hashes by identity (one cached layout per model),
+    because the planner and the benchmarks evaluate hundreds of thousands of scenarios against one layout.
+    """
 
     root: tuple[ParamTensor, ...]
     """Embeddings, final norm and output head (the root unit)."""
@@ -42,31 +46,37 @@ class ParamLayout:
     """The tensors of one transformer block; every block is identical."""
     num_blocks: int
     """How many blocks."""
+    root_numel: int = field(init=False)
+    """Parameters outside the blocks."""
+    block_numel: int = field(init=False)
+    """Parameters in one block."""
+    total_numel: int = field(init=False)
+    """Parameters in the model."""
+    largest_unit_numel: int = field(init=False)
+    """Parameters in the largest FSDP unit (the root or one block)."""
+    largest_tensor_numel: int = field(init=False)
+    """Elements in the largest single tensor."""
+    tensor_count: int = field(init=False)
+    """Parameter tensors in the model."""
+    matrix_numel: int = field(init=False)
+    """Elements of the 2-D weights other than embeddings (what autocast casts to 16 bits)."""
 
-    @property
-    def block_numel(self) -> int:
-        """Parameters in one block."""
-        return sum(tensor.numel for tensor in self.block)
-
-    @property
-    def root_numel(self) -> int:
-        """Parameters outside the blocks."""
-        return sum(tensor.numel for tensor in self.root)
-
-    @property
-    def total_numel(self) -> int:
-        """Parameters in the model."""
-        return self.root_numel + self.num_blocks * self.block_numel
-
-    @property
-    def largest_unit_numel(self) -> int:
-        """Parameters in the largest FSDP unit (the root or one block)."""
-        return max(self.root_numel, self.block_numel)
-
-    @property
-    def largest_tensor_numel(self) -> int:
-        """Elements in the largest single tensor."""
-        return max(tensor.numel for tensor in self.root + self.block)
+    def __post_init__(self) -> None:
+        root = sum(t.numel for t in self.root)
+        block = sum(t.numel for t in self.block)
+        matrices = sum(t.numel for t in self.root if len(t.shape) == 2 and not t.name.startswith("embed"))
+        matrices += self.num_blocks * sum(t.numel for t in self.block if len(t.shape) == 2)
+        derived = {
+            "root_numel": root,
+            "block_numel": block,
+            "total_numel": root + self.num_blocks * block,
+            "largest_unit_numel": max(root, block),
+            "largest_tensor_numel": max(t.numel for t in self.root + self.block),
+            "tensor_count": len(self.root) + self.num_blocks * len(self.block),
+            "matrix_numel": matrices,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def tensors(self) -> tuple[ParamTensor, ...]:
         """All tensors in creation order: embeddings, blocks, final norm and head."""

@@ -135,8 +135,8 @@ class MemoryEstimate:
     """When the peak happens: 'end of forward', 'backward', or 'optimizer step'."""
     activations_estimated: bool
     """False when the model has no shape (only --params), so activations are not counted."""
-    assumptions: tuple[str, ...]
-    """Plain-English statements of what was assumed."""
+    rank: int
+    """The rank shown (the busiest unless asked for another)."""
 
     @property
     def fits(self) -> bool:

@@ -70,6 +70,12 @@ def dim0_unit_padded_numel(tensors: tuple[ParamTensor, ...], degree: int) -> int
     return total
 
 
+@cache
+def dim0_unit_sizes(layout: ParamLayout, degree: int) -> tuple[int, int]:
+    """Gathered (padded) elements of the root unit and of one block."""
+    return dim0_unit_padded_numel(layout.root, degree), dim0_unit_padded_numel(layout.block, degree)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WholeTensorShards:
     """ZeroRedundancyOptimizer's assignment of whole parameters to ranks."""
@@ -94,6 +100,7 @@ def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShar
     return WholeTensorShards(numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts))
 
 
+@cache
 def largest_module_numel(layout: ParamLayout) -> int:
     """Parameters of the largest single module (its own tensors, not its children's): DeepSpeed's 'largest layer'."""
     modules: dict[str, int] = {}
