@@ -1,0 +1,142 @@
+"""`shardscope trace`: replay a training step of rank 0 on fake tensors over N fake ranks, one subprocess each."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from shardscope.cli.errors import CliError
+from shardscope.cli.scenario_args import (
+    add_cluster_arguments,
+    add_model_arguments,
+    add_strategy_arguments,
+    add_training_arguments,
+    scenarios_from_args,
+)
+from shardscope.cli.tables import render_table
+from shardscope.core.result import CATEGORIES
+from shardscope.specs import ModelSpec, Scenario
+from shardscope.units import format_bytes
+
+EXAMPLES = """examples:
+  shardscope trace --model llama-3-8b --gpus 8 --strategy zero3 --seq-len 4096 --checkpointing full
+  shardscope trace --model tiny-llama --gpus 64 --strategy hsdp --shard-group 8 --json
+  shardscope trace --config path/to/config.json --gpus 16 --strategy zero2
+  shardscope trace --module mypackage.models:make --gpus 8 --strategy fsdp
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `trace` to the CLI."""
+    parser = subparsers.add_parser(
+        "trace",
+        help="replay a real training step on fake tensors over N fake ranks (needs torch)",
+        description="Run rank 0 of a training step on fake tensors over a fake process group of --gpus ranks, with "
+        "torch's own engines, and report what it allocates (by category, and its peak) and sends.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser, required=False)
+    parser.add_argument(
+        "--module",
+        metavar="PACKAGE.MODULE:FUNCTION",
+        help="a factory returning (torch.nn.Module, sample batch), built on the meta device",
+    )
+    add_cluster_arguments(parser)
+    add_training_arguments(parser)
+    add_strategy_arguments(parser, many=False)
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="stop the trace after this long (default %(default)s)",
+    )
+    parser.add_argument("--units", choices=("GiB", "GB", "MiB", "MB"), default="GiB", help="printed units")
+    parser.add_argument("--json", action="store_true", help="print JSON (shardscope.trace/v1)")
+
+
+def _scenario(args: argparse.Namespace) -> Scenario:
+    chosen = [flag for flag in ("model", "config", "params", "module") if getattr(args, flag, None)]
+    if len(chosen) != 1:
+        raise CliError("give exactly one of --model, --config or --module")
+    if args.params:
+        raise CliError(
+            "--params gives no shape to replay; use --model, --config or --module, or `shardscope estimate --params`"
+        )
+    if args.engine != "pytorch":
+        raise CliError(
+            f"--engine {args.engine}: the trace runs torch's own engines (--engine pytorch); use "
+            "`shardscope estimate` for the paper or deepspeed accounting"
+        )
+    if args.offload != "none":
+        raise CliError(
+            f"--offload {args.offload} is not traced (fake tensors have no host/device split); use "
+            "`shardscope estimate`"
+        )
+    if args.module:
+        args.params = "1"  # the factory's module is the model; the spec only carries the name
+    scenario = scenarios_from_args(args, [args.strategy])[0]
+    if args.module:
+        model = ModelSpec(name=args.module, family="count", declared_parameters=1, source="--module factory")
+        scenario = dataclasses.replace(scenario, model=model)
+    return scenario
+
+
+def render(result: Any, units: str) -> str:
+    """The human-readable report of one trace."""
+    per_rank = result.per_rank
+    lines = [
+        f"trace of rank 0 of {result.world_size}, {result.strategy} on {result.engine} ({result.elapsed_s:.1f} s)",
+        "",
+    ]
+    fallback = dict(result.fallbacks)
+    rows = [
+        [name, format_bytes(per_rank.category_bytes(name), units), "core's figure" if name in fallback else "traced"]
+        for name in CATEGORIES
+        if name != "overhead"
+    ]
+    rows.append(["peak", format_bytes(per_rank.peak_bytes, units), result.peak_moment])
+    lines += [render_table(["category", "bytes per rank", "source"], rows), ""]
+    if result.ledger:
+        ledger = [
+            [row.phase, row.op, str(row.group_size), format_bytes(row.payload_bytes, "MiB"), str(row.count)]
+            for row in result.ledger
+        ]
+        lines += [render_table(["phase", "collective", "group", "payload", "count"], ledger), ""]
+    flops = result.flops
+    lines.append(
+        f"FLOPs per step on this rank: {flops.total_flops:.3e} (forward {flops.forward_flops:.3e}, "
+        f"backward {flops.backward_flops:.3e}; attention by formula {flops.attention_formula_flops:.3e})"
+    )
+    lines += [f"fallback: {category}: {why}" for category, why in result.fallbacks]
+    lines += [f"note: {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Trace the scenario in a subprocess and print it."""
+    scenario = _scenario(args)
+    from shardscope.trace.request import TraceRequest
+    from shardscope.trace.runner import TraceError, run_in_subprocess, stderr_progress
+
+    if args.time_limit <= 0:
+        raise CliError(f"--time-limit {args.time_limit} must be more than 0 seconds")
+    request = TraceRequest(
+        scenario=scenario, config_path=args.config or "", factory=args.module or "", time_limit_s=args.time_limit
+    )
+    try:
+        result = run_in_subprocess(request, stderr_progress("trace"))
+    except TraceError as error:
+        raise CliError(str(error)) from None
+    finally:
+        if sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[K")
+    if args.json:
+        print(json.dumps(result.to_json(scenario.model.name), indent=1))
+    else:
+        print(render(result, args.units))
+    return 0

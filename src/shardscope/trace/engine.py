@@ -1,0 +1,217 @@
+"""Replay training steps of rank 0 on fake tensors over a fake process group, in this process.
+
+Run it through shardscope.trace.runner (one subprocess per scenario, with a time limit); this module is the
+subprocess's body. The last of the steps is the steady state reported: the first one allocates optimizer state and
+FSDP's persistent buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardscope.core.result import MemoryBreakdown
+from shardscope.specs import Scenario
+from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
+from shardscope.trace.flops import attention_flops, flop_counter, module_flops
+from shardscope.trace.request import TraceRequest
+from shardscope.trace.result import FlopCount, ModuleRow, TraceResult
+from shardscope.trace.setup import apply_strategy, build_traced_model, make_optimizer
+from shardscope.trace.tracker import StepRecorder, local_tensor
+
+Progress = Callable[[str], None]
+
+
+def _units(root: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The blocks, and every module outside them that owns parameters directly, in forward order of creation."""
+    block_ids = {id(block) for block in blocks}
+    units: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()
+    for name, module in root.named_modules():
+        if id(module) in block_ids:
+            units.append((name, module))
+            inside.update(id(sub) for sub in module.modules())
+        elif id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
+            units.append((name or "(root)", module))
+    return units
+
+
+class _UnitWatch:
+    """Hooks that tell the recorder where it is (for the peak moment) and what each unit's forward left alive."""
+
+    def __init__(self, recorder: StepRecorder, units: list[tuple[str, nn.Module]], progress: Progress) -> None:
+        self.recorder, self.progress = recorder, progress
+        self.activations: dict[str, int] = {}
+        self._before: dict[str, int] = {}
+        self.handles = []
+        for index, (name, module) in enumerate(units):
+            self.handles.append(module.register_forward_pre_hook(self._pre(name, index, len(units))))
+            self.handles.append(module.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str, index: int, total: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            if self.recorder.phase == "forward":
+                self.recorder.where = name
+                self._before[name] = self.recorder.live["activations"]
+                self.progress(f"forward {name} ({index + 1}/{total})")
+
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def set_where(_grad: torch.Tensor) -> None:
+            self.recorder.where = name
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self.recorder.phase != "forward":
+                return
+            self.activations[name] = self.recorder.live["activations"] - self._before.get(name, 0)
+            tensor = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                tensor = output[0]
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(set_where)
+
+        return hook
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = local_tensor(tensor).untyped_storage()
+        seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) -> TraceResult:
+    """Trace rank 0 of the request's scenario; raises on a model that cannot run on fake tensors."""
+    started = time.monotonic()
+    require_torch()
+    scenario = request.scenario
+    progress("building the model on the meta device")
+    init_fake_process_group(request.world_size)
+    traced = build_traced_model(request)
+    engine = apply_strategy(traced, scenario)
+    recorder = StepRecorder()
+    units = _units(traced.root, traced.blocks)
+    watch = _UnitWatch(recorder, units, progress)
+    counters = {phase: flop_counter() for phase in ("forward", "backward", "optimizer")}
+    with ExitStack() as stack:
+        stack.enter_context(fake_tensor_mode())
+        stack.enter_context(storage_resize_hook(recorder.on_resize))
+        stack.enter_context(recorder)
+        traced.root.to_empty(device="cpu")
+        params = [param for param in traced.root.parameters()]
+        optimizer = make_optimizer(traced.root, scenario)
+        recorder.label(params, "parameters")
+        for step in range(request.steps):
+            last = step == request.steps - 1
+            if last:
+                recorder.reset_window()
+                recorder.recording = True
+            for micro in range(scenario.training.grad_accum_steps):
+                recorder.phase, recorder.where = "forward", "forward"
+                progress(f"step {step + 1}/{request.steps} micro-batch {micro + 1}: forward")
+                inputs, targets = traced.make_batch()
+                with counters["forward"] if last else ExitStack():
+                    outputs = traced.root(inputs)
+                    recorder.phase, recorder.where = "loss", "loss"
+                    loss = traced.loss(outputs, targets)
+                del outputs
+                recorder.phase, recorder.where = "backward", "backward"
+                progress(f"step {step + 1}/{request.steps}: backward")
+                with counters["backward"] if last else ExitStack():
+                    loss.backward()
+                del loss
+            recorder.label([p.grad for p in params if p.grad is not None], "gradients")
+            recorder.phase, recorder.where = "optimizer", "optimizer step"
+            progress(f"step {step + 1}/{request.steps}: optimizer")
+            with counters["optimizer"] if last else ExitStack():
+                optimizer.step()
+            state = _optimizer_state(optimizer)
+            recorder.label(state, "optimizer_state")
+            optimizer.zero_grad(set_to_none=True)
+            recorder.label(params, "parameters")
+        recorder.recording = False
+        maxima = recorder.max_by_category
+        per_rank = MemoryBreakdown(
+            parameters_bytes=maxima["parameters"],
+            gradients_bytes=maxima["gradients"],
+            optimizer_state_bytes=maxima["optimizer_state"],
+            activations_bytes=maxima["activations"],
+            buffers_bytes=maxima["buffers"],
+            temporary_bytes=maxima["temporary"],
+            peak_bytes=recorder.peak_bytes,
+        )
+        root_name = type(traced.root).__name__
+        flops_by_module: dict[str, int] = {}
+        for counter in counters.values():
+            for name, count in module_flops(counter, root_name).items():
+                flops_by_module[name] = flops_by_module.get(name, 0) + count
+        rows = tuple(
+            ModuleRow(
+                name=name,
+                parameters_bytes=_storage_bytes(list(module.parameters(recurse=module in traced.blocks))),
+                activations_bytes=watch.activations.get(name, 0),
+                flops=flops_by_module.get(name, 0),
+            )
+            for name, module in units
+        )
+    flops = FlopCount(
+        forward_flops=counters["forward"].get_total_flops(),
+        backward_flops=counters["backward"].get_total_flops(),
+        optimizer_flops=counters["optimizer"].get_total_flops(),
+        attention_formula_flops=sum(attention_flops(counter) for counter in counters.values()),
+    )
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    if scenario.strategy.canonical_name == "zero1":
+        per_rank, fallbacks = _zero1_optimizer_from_core(per_rank, scenario)
+    return TraceResult(
+        world_size=request.world_size,
+        strategy=scenario.strategy.name,
+        engine=engine,
+        per_rank=per_rank,
+        peak_moment=recorder.peak_moment,
+        peak_by_category=tuple(recorder.peak_by_category.items()),
+        ledger=recorder.ledger(),
+        flops=flops,
+        per_module=rows,
+        fallbacks=fallbacks,
+        notes=tuple(traced.engine_notes),
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def _zero1_optimizer_from_core(
+    traced: MemoryBreakdown, scenario: Scenario
+) -> tuple[MemoryBreakdown, tuple[tuple[str, str], ...]]:
+    """zero1 was traced as ddp; its sharded optimizer state (and the peak's share of it) comes from the core."""
+    why = (
+        "ZeroRedundancyOptimizer cannot run on fake tensors over replicate's DTensor parameters; traced as ddp, "
+        "optimizer_state is the core's closed-form zero1 figure and the peak is adjusted by the difference; the "
+        "ledger lacks the optimizer's parameter broadcasts"
+    )
+    try:
+        from shardscope.core.memory import estimate_memory
+    except ImportError:
+        return traced, (
+            (
+                "optimizer_state",
+                why.split(";")[0] + "; the core is not available, so the ddp trace's whole optimizer state is shown",
+            ),
+        )
+    core = estimate_memory(scenario).per_rank.optimizer_state_bytes
+    adjusted = replace(
+        traced, optimizer_state_bytes=core, peak_bytes=traced.peak_bytes - traced.optimizer_state_bytes + core
+    )
+    return adjusted, (("optimizer_state", why),)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer here
+    return [value for state in inner.state.values() for value in state.values() if isinstance(value, torch.Tensor)]

@@ -1,0 +1,72 @@
+"""What one trace is asked to do, and its passage to the worker subprocess as JSON (no torch needed here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shardscope.specs import ClusterSpec, GpuSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
+
+DEFAULT_TIME_LIMIT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceRequest:
+    """A scenario to replay on fake tensors, and where its model comes from."""
+
+    scenario: Scenario
+    """The model shape (for counting), cluster, training setup and strategy."""
+    config_path: str = ""
+    """Build the model from this Hugging Face config.json through transformers instead of the reference modules."""
+    factory: str = ""
+    """Build the model with this `package.module:function`, which returns (module, sample batch)."""
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    """Stop the trace after this many seconds."""
+    steps: int = 2
+    """Training steps to replay; the last one is reported (the first allocates optimizer state and buffers)."""
+    traced_blocks: int = 0
+    """Build only this many transformer blocks and extrapolate to the spec's depth (0: build them all)."""
+
+    def __post_init__(self) -> None:
+        if self.config_path and self.factory:
+            raise SpecError("TraceRequest: give config_path or factory, not both")
+        if self.factory and ":" not in self.factory:
+            raise SpecError(f"TraceRequest.factory={self.factory!r} must look like package.module:function")
+        if not self.time_limit_s > 0:
+            raise SpecError(f"TraceRequest.time_limit_s={self.time_limit_s} must be more than 0")
+        if not 2 <= self.steps <= 10:
+            raise SpecError(f"TraceRequest.steps={self.steps} must be between 2 and 10")
+        if self.traced_blocks < 0:
+            raise SpecError(f"TraceRequest.traced_blocks={self.traced_blocks} must be 0 (all) or more")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the fake process group."""
+        return self.scenario.cluster.world_size
+
+    def to_json(self) -> str:
+        """The request as one JSON document."""
+        return json.dumps(dataclasses.asdict(self))
+
+
+def _build(cls: Any, data: dict[str, Any]) -> Any:
+    return cls(**data)
+
+
+def request_from_json(text: str) -> TraceRequest:
+    """Read back what TraceRequest.to_json wrote."""
+    data = json.loads(text)
+    raw = data.pop("scenario")
+    gpu = dict(raw["cluster"]["gpu"])
+    gpu["peak_flops_per_s"] = tuple(tuple(pair) for pair in gpu["peak_flops_per_s"])
+    cluster = dict(raw["cluster"], gpu=GpuSpec(**gpu))
+    scenario = Scenario(
+        model=_build(ModelSpec, raw["model"]),
+        cluster=_build(ClusterSpec, cluster),
+        training=_build(TrainingSpec, raw["training"]),
+        strategy=_build(Strategy, raw["strategy"]),
+        overheads=_build(Overheads, raw["overheads"]),
+    )
+    return TraceRequest(scenario=scenario, **data)

@@ -1,0 +1,244 @@
+"""Build the model on the meta device and apply the strategy with torch's engines, before any fake tensor exists.
+
+Three model sources: shardscope's reference modules from a ModelSpec, a Hugging Face config.json through
+transformers, or a user's factory `package.module:function` returning (module, sample batch). Strategies map to
+torch's own engines: zero3/fsdp/hsdp -> fully_shard (hsdp on a 2-D mesh), zero2 -> fully_shard without resharding
+after forward (torch's SHARD_GRAD_OP), ddp -> the FSDP2-based `replicate` (torch's DDP reducer cannot run on fake
+tensors). zero1 runs as `replicate` with a whole optimizer: ZeroRedundancyOptimizer cannot run on replicate's
+DTensor parameters under fake tensors (c10d.broadcast_ has no DTensor sharding rule), so the engine takes zero1's
+optimizer state from the core's closed form and says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardscope.specs import Scenario
+from shardscope.trace.compat import fsdp_replicate
+from shardscope.trace.request import TraceRequest
+
+DTYPES = {
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "bf16-mixed": torch.float32,
+    "fp16-mixed": torch.float32,
+    "bf16": torch.bfloat16,
+}
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class TraceSetupError(RuntimeError):
+    """The model or strategy cannot be set up for a trace; the message says why and what to do."""
+
+
+@dataclass(slots=True)
+class TracedModel:
+    """A model ready to shard: the root, its repeated blocks, how to make a batch and how to take the loss."""
+
+    root: nn.Module
+    blocks: list[nn.Module]
+    make_batch: Callable[[], tuple[Any, Any]]
+    loss: Callable[[Any, Any], torch.Tensor]
+    engine_notes: list[str]
+
+
+def _reference_model(request: TraceRequest) -> TracedModel:
+    from shardscope.runtime.models import build_model, lm_loss
+
+    scenario = request.scenario
+    spec = scenario.model
+    if request.traced_blocks:
+        spec = replace(spec, num_layers=min(request.traced_blocks, spec.num_layers))
+    training = scenario.training
+    root = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
+    shape = (training.micro_batch_size, training.sequence_length)
+
+    def make_batch() -> tuple[Any, Any]:
+        ids = torch.randint(0, spec.vocab_size, shape)
+        return ids, torch.randint(0, spec.vocab_size, shape)
+
+    return TracedModel(
+        root=root,
+        blocks=list(root.layers),
+        make_batch=make_batch,
+        loss=lambda logits, targets: lm_loss(logits, targets),
+        engine_notes=[],
+    )
+
+
+def _largest_module_list(root: nn.Module) -> list[nn.Module]:
+    lists = [module for module in root.modules() if isinstance(module, nn.ModuleList)]
+    if not lists:
+        return []
+    best = max(lists, key=lambda modules: sum(p.numel() for p in modules.parameters()))
+    return list(best)
+
+
+def _hf_model(request: TraceRequest) -> TracedModel:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise TraceSetupError("--config needs transformers (pip install 'shardscope[hf]')") from None
+    from shardscope.runtime.models import lm_loss
+
+    training = request.scenario.training
+    config = AutoConfig.from_pretrained(request.config_path)
+    with torch.device("meta"):
+        root = AutoModelForCausalLM.from_config(config, dtype=DTYPES[training.precision])
+    if training.checkpointing == "full":
+        root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shape = (training.micro_batch_size, training.sequence_length)
+    vocab = int(config.vocab_size)
+
+    def make_batch() -> tuple[Any, Any]:
+        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
+
+    notes = (
+        []
+        if training.checkpointing != "selective"
+        else ["selective checkpointing is not applied to a transformers model; traced without it"]
+    )
+    return TracedModel(
+        root=root,
+        blocks=_largest_module_list(root),
+        make_batch=make_batch,
+        loss=lambda outputs, targets: lm_loss(outputs.logits, targets),
+        engine_notes=notes,
+    )
+
+
+def load_factory(path: str) -> Callable[[], Any]:
+    """Import `package.module:function`; a missing module or name raises TraceSetupError naming it."""
+    module_name, _, function_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise TraceSetupError(f"cannot import module {module_name!r} of factory {path!r}: {error}") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise TraceSetupError(f"module {module_name!r} has no function {function_name!r} (factory {path!r})")
+    return factory  # type: ignore[no-any-return]
+
+
+def _to_fake_like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="cpu")
+    if isinstance(value, dict):
+        return {key: _to_fake_like(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_fake_like(item) for item in value)
+    return value
+
+
+def _call(module: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return module(**batch)
+    if isinstance(batch, tuple | list):
+        return module(*batch)
+    return module(batch)
+
+
+def _factory_loss(outputs: Any, _targets: Any) -> torch.Tensor:
+    value = getattr(outputs, "loss", None)
+    if value is None:
+        value = getattr(outputs, "logits", outputs)
+    if isinstance(value, tuple | list):
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TraceSetupError(
+            f"the factory's module returned {type(value).__name__}, not a tensor or an object with .loss or .logits"
+        )
+    return value if value.dim() == 0 else value.float().mean()
+
+
+def _factory_model(request: TraceRequest) -> TracedModel:
+    factory = load_factory(request.factory)
+    with torch.device("meta"):
+        made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module)):
+        raise TraceSetupError(f"factory {request.factory!r} must return (torch.nn.Module, sample batch)")
+    root, batch = made
+    root.to(DTYPES[request.scenario.training.precision])
+
+    class _Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = root
+
+        def forward(self, batch: Any) -> Any:
+            return _call(self.model, batch)
+
+    wrapper = _Root()
+    return TracedModel(
+        root=wrapper,
+        blocks=_largest_module_list(root),
+        make_batch=lambda: (_to_fake_like(batch), None),
+        loss=_factory_loss,
+        engine_notes=[
+            "the factory's own forward runs as written; --checkpointing, --attention, "
+            "--micro-batch and --seq-len do not apply"
+        ],
+    )
+
+
+def build_traced_model(request: TraceRequest) -> TracedModel:
+    """The model of a request on the meta device."""
+    if request.factory:
+        return _factory_model(request)
+    if request.config_path:
+        return _hf_model(request)
+    return _reference_model(request)
+
+
+def make_mesh(scenario: Scenario) -> Any:
+    """A 1-D mesh over the world, or hsdp's 2-D (replicate, shard) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = scenario.cluster.world_size
+    if scenario.strategy.name == "hsdp":
+        group = scenario.shard_degree
+        return init_device_mesh("cpu", (world // group, group), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+
+
+def apply_strategy(traced: TracedModel, scenario: Scenario) -> str:
+    """Wrap each block and the root with torch's engine for the strategy; returns the engine's name."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    strategy, training = scenario.strategy, scenario.training
+    mesh = make_mesh(scenario)
+    compute = COMPUTE_DTYPES.get(training.precision)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+    )
+    units = [*traced.blocks, traced.root]
+    if strategy.canonical_name in ("ddp", "zero1"):
+        replicate = fsdp_replicate()
+        for unit in units:
+            replicate(unit, mesh=mesh, mp_policy=policy)
+        return "torch replicate (FSDP2-based)"
+    reshard = strategy.reshard_after_forward and strategy.canonical_name != "zero2"
+    for unit in traced.blocks:
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(traced.root, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return f"torch fully_shard (reshard_after_forward={reshard})"
+
+
+def make_optimizer(root: nn.Module, scenario: Scenario) -> torch.optim.Optimizer:
+    """The scenario's optimizer with foreach=False (foreach kernels report wrong state on fake tensors)."""
+    name = scenario.training.optimizer
+    params = [param for param in root.parameters() if param.requires_grad]
+    kinds: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+        "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+        "adam": (torch.optim.Adam, {"lr": 1e-3}),
+        "sgd": (torch.optim.SGD, {"lr": 1e-2}),
+        "sgd-momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    }
+    cls, options = kinds[name]
+    return cls(params, foreach=False, **options)

@@ -1,0 +1,155 @@
+"""A dispatch mode that follows every tensor storage rank 0 allocates, by category, and every collective it sends.
+
+Each storage gets a category when it first appears: by the op that made it (FSDP's all-gather and reduce-scatter
+staging are `buffers`) or else by the phase (forward -> activations, loss/backward/optimizer -> temporary). Known
+tensors are re-labelled exactly at phase ends (parameters, gradients, optimizer state), and storages FSDP2 resizes
+in place (gathered parameters) are `buffers`. Bytes are storage bytes, deduplicated by storage, as the runtime
+counts live tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.trace.ledger import collective_entry, is_collective
+
+TRACKED = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary")
+# Setup (materialising the sharded model) is not tracked op by op: fake tensors keep full-size copies of the meta
+# parameters there that a real rank never holds; the parameters are labelled explicitly once setup is done.
+_PHASE_CATEGORY = {
+    "setup": "",
+    "forward": "activations",
+    "loss": "temporary",
+    "backward": "temporary",
+    "optimizer": "temporary",
+}
+_BUFFER_OPS = {
+    getattr(torch.ops.fsdp, name).default
+    for name in ("all_gather_copy_in", "chunk_cat")
+    if hasattr(torch.ops.fsdp, name)
+}
+_GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    inner = getattr(tensor, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor
+
+
+class StepRecorder(TorchDispatchMode):
+    """Live bytes by category, the peak and when it happened, and the collective ledger, per phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.where = "setup"
+        self.live: dict[str, int] = dict.fromkeys(TRACKED, 0)
+        self.live_total = 0
+        self._bytes: dict[int, int] = {}
+        self._category: dict[int, str] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.recording = False
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        """Start a new measuring window (the steady-state step): peak and per-category maxima from now on."""
+        self.peak_bytes = self.live_total
+        self.peak_by_category = dict(self.live)
+        self.peak_moment = f"{self.phase}: {self.where}"
+        self.max_by_category = dict(self.live)
+        self.rows: list[CollectiveRow] = []
+
+    # --- storage bookkeeping -------------------------------------------------------------------------------
+    def _forget(self, key: int) -> None:
+        size = self._bytes.pop(key, 0)
+        category = self._category.pop(key, "temporary")
+        self._refs.pop(key, None)
+        self.live[category] -= size
+        self.live_total -= size
+
+    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
+        key = id(storage)
+        if key in self._bytes:
+            return
+        size = storage.nbytes()
+        self._bytes[key] = size
+        self._category[key] = category
+        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+        self.live[category] += size
+        self.live_total += size
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        category_max = self.max_by_category
+        for category, size in self.live.items():
+            if size > category_max[category]:
+                category_max[category] = size
+        if self.live_total > self.peak_bytes:
+            self.peak_bytes = self.live_total
+            self.peak_by_category = dict(self.live)
+            self.peak_moment = f"{self.phase}: {self.where}"
+
+    def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Put these tensors' storages in a category (adding any not seen yet)."""
+        for tensor in tensors:
+            storage = local_tensor(tensor).untyped_storage()
+            key = id(storage)
+            if key not in self._bytes:
+                self._add(storage, category)
+                continue
+            old = self._category[key]
+            if old != category:
+                size = self._bytes[key]
+                self.live[old] -= size
+                self.live[category] += size
+                self._category[key] = category
+        self._note_peak()
+
+    def on_resize(self, storage: torch.UntypedStorage, old_bytes: int, new_bytes: int) -> None:
+        """FSDP2 (re)allocated or freed a gathered parameter in place."""
+        key = id(storage)
+        if key not in self._bytes:
+            self._add(storage, "buffers")
+            return
+        old_category = self._category[key]
+        self.live[old_category] -= self._bytes[key]
+        self.live_total += new_bytes - self._bytes[key]
+        self._bytes[key] = new_bytes
+        self._category[key] = "buffers"
+        self.live["buffers"] += new_bytes
+        self._note_peak()
+
+    # --- the dispatch hook ---------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.recording and is_collective(func):
+            entry = collective_entry(func, args)
+            if entry is not None:
+                phase = "setup" if self.phase == "loss" else self.phase
+                op, group_size, payload = entry
+                self.rows.append(
+                    CollectiveRow(phase=phase, op=op, group_size=group_size, payload_bytes=payload, count=1)
+                )
+        out = func(*args, **kwargs)
+        category = "buffers" if func in _BUFFER_OPS else _PHASE_CATEGORY[self.phase]
+        if not category:
+            return out
+        flat, _ = tree_flatten(out)
+        for item in flat:
+            if isinstance(item, torch.Tensor):
+                self._add(item.untyped_storage(), category)
+        if func in _GRADIENT_OUTPUT_OPS:
+            self.label([args[0]], "gradients")
+        return out
+
+    def ledger(self) -> tuple[CollectiveRow, ...]:
+        """The collectives of the measuring window, merged."""
+        return merge_ledger(self.rows)
