@@ -1,0 +1,146 @@
+"""Spawn N worker processes on this machine and supervise them until they finish or the deadline passes.
+
+Each worker runs in its own session (so its whole process group can be killed) and dies with the launcher
+(PR_SET_PDEATHSIG). The first rank that raises or exits ends the run at once, with a message naming it and its error;
+a run past its deadline ends naming the rank that stopped earliest. Whatever happens, every worker is killed and
+reaped before this returns. A taken rendezvous port is retried with a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardscope.runtime.config import RunConfig, RunError
+
+PORT_ATTEMPTS = 3
+POLL_S = 0.05
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (the worker retries if someone takes it meanwhile)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and anything it started
+            except (ProcessLookupError, PermissionError):
+                process.kill()
+    for process in processes:
+        process.wait()
+
+
+def _spawn(config: RunConfig, run_dir: Path, port: int) -> list[subprocess.Popen[bytes]]:
+    processes = []
+    for rank in range(config.world_size):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(config.world_size),
+            LOCAL_WORLD_SIZE=str(config.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+        )
+        log = (run_dir / f"rank{rank}.log").open("wb")
+        command = [sys.executable, "-m", "shardscope.runtime.worker", *config.to_args(), "--run-dir", str(run_dir)]
+        processes.append(
+            subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        )
+        log.close()
+    return processes
+
+
+def _failure(rank: int, code: int, run_dir: Path) -> str:
+    report = _read(run_dir / f"rank{rank}.error")
+    if report:
+        return report.splitlines()[0]
+    log = _read(run_dir / f"rank{rank}.log").strip().splitlines()
+    tail = f"; last output: {log[-1]}" if log else ""
+    return f"exited with code {code} without an error report{tail}"
+
+
+def _supervise(
+    config: RunConfig, run_dir: Path, processes: list[subprocess.Popen[bytes]], progress: Callable[[str], None] | None
+) -> None:
+    deadline = time.monotonic() + config.timeout_s
+    shown = ""
+    while True:
+        codes = [process.poll() for process in processes]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                raise RunError(f"rank {rank} failed: {_failure(rank, code, run_dir)}")
+        if all(code == 0 for code in codes):
+            return
+        stage = _read(run_dir / "rank0.status")
+        if progress and stage and stage != shown:
+            progress(stage)
+            shown = stage
+        if time.monotonic() > deadline:
+            stages = {
+                rank: _read(run_dir / f"rank{rank}.status") or "starting"
+                for rank, code in enumerate(codes)
+                if code is None
+            }
+            stuck = min(stages, key=lambda rank: _stage_order(stages[rank]))
+            others = ", ".join(f"rank {r} at '{s}'" for r, s in stages.items() if r != stuck)
+            raise RunError(
+                f"run did not finish within {config.timeout_s:g}s: rank {stuck} hung at "
+                f"'{stages[stuck]}'" + (f" ({others} waiting)" if others else "")
+            )
+        time.sleep(POLL_S)
+
+
+def _stage_order(stage: str) -> tuple[int, int]:
+    order = ["starting", "rendezvous", "setup", "step", "parity", "done"]
+    head = stage.split()[0] if stage else "starting"
+    step = int(stage.split()[1].split("/")[0]) if head == "step" else 0
+    return (order.index(head) if head in order else 0, step)
+
+
+def launch(
+    config: RunConfig, progress: Callable[[str], None] | None = None, run_dir: Path | None = None
+) -> dict[str, Any]:
+    """Run config on world_size local processes; returns rank 0's result (raises RunError naming a failed rank)."""
+    with tempfile.TemporaryDirectory(prefix="shardscope-run-") as scratch:
+        base = run_dir or Path(scratch)
+        for attempt in range(PORT_ATTEMPTS):
+            attempt_dir = base / f"attempt{attempt}"
+            attempt_dir.mkdir(parents=True, exist_ok=True)
+            processes = _spawn(config, attempt_dir, free_port())
+            try:
+                _supervise(config, attempt_dir, processes, progress)
+            except RunError as error:
+                if "address already in use" in str(error).lower() and attempt + 1 < PORT_ATTEMPTS:
+                    continue
+                raise
+            finally:
+                _kill_all(processes)
+            result: dict[str, Any] = json.loads((attempt_dir / "result.json").read_text())
+            return result
+    raise RunError("no free rendezvous port after retries")

@@ -1,0 +1,157 @@
+"""The training loop of one rank, its measurement, and the single-process reference it must match.
+
+Steps before the last are timed without the memory tracker (it sees every op and would dominate a tiny model's
+step); the last step is measured: bytes by category, the peak and what was live at it, and its collectives.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardscope.runtime.config import RunConfig
+from shardscope.runtime.measure import CollectiveLedger, MemoryTracker, storage_bytes
+from shardscope.runtime.models import build_model, lm_loss, sample_batch
+from shardscope.runtime.trainer import Trainer, is_mixed, make_optimizer, param_dtype
+
+
+def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
+    """The strategy object for a config: a teaching strategy or one of torch's engines."""
+    from shardscope.runtime.engines import TorchDDP, TorchFSDP2
+    from shardscope.runtime.teaching.ddp import DataParallelBucket
+    from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
+    from shardscope.runtime.teaching.zero import Zero1, Zero2
+
+    training, strategy = config.training, config.canonical_strategy
+    if config.engine == "pytorch":
+        if strategy in ("ddp", "zero1"):
+            return TorchDDP(module, training, zero1=strategy == "zero1")
+        return TorchFSDP2(module, training, reshard_after_forward=strategy != "zero2", shard_group=config.shard_group)
+    teaching: dict[str, Callable[[], Trainer]] = {
+        "ddp": lambda: DataParallelBucket(module, training),
+        "zero1": lambda: Zero1(module, training),
+        "zero2": lambda: Zero2(module, training),
+        "zero3": lambda: FullyShardedTeaching(module, training),
+        "hsdp": lambda: FullyShardedTeaching(module, training, shard_group=config.shard_group),
+    }
+    return teaching[strategy]()
+
+
+def model_dtype(config: RunConfig) -> torch.dtype:
+    """Teaching strategies store 16-bit weights under mixed precision; torch's engines keep fp32 and cast."""
+    if is_mixed(config.training) and config.engine == "pytorch":
+        return torch.float32
+    return param_dtype(config.training)
+
+
+def rank_batch(config: RunConfig, step: int, rank: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the step's global batch."""
+    size = config.micro_batch_size
+    inputs, targets = sample_batch(
+        config.model_spec, config.training, num_sequences=size * config.world_size, step=step
+    )
+    return inputs[rank * size : (rank + 1) * size].to(device), targets[rank * size : (rank + 1) * size].to(device)
+
+
+def _measured_step(
+    trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor, ledger: CollectiveLedger
+) -> dict[str, Any]:
+    held = trainer.held()
+    tracker = MemoryTracker()
+    tracker.register(held["parameters"], "parameters")
+    tracker.register(held["gradients"], "gradients")
+    tracker.register(held["optimizer_state"], "optimizer_state")
+    tracker.register(held["buffers"], "buffers", resizable=True)
+    tracker.register(trainer.resizable_buffers(), "buffers", resizable=True)
+    with tracker:
+        tracker.phase = ledger.phase = "forward"
+        loss = trainer.loss(inputs, targets)
+        at_forward_end = tracker.live_by_label()
+        activations = at_forward_end.get("forward", 0) - storage_bytes([loss])
+        tracker.phase = ledger.phase = "backward"
+        trainer.backward(loss)
+        del loss
+        after_backward = trainer.held()
+        tracker.relabel(after_backward["gradients"], "gradients")
+        gradients = storage_bytes(after_backward["gradients"])
+        tracker.phase = ledger.phase = "optimizer"
+        trainer.step()
+    held = trainer.held()
+    tracker.relabel(held["optimizer_state"], "optimizer_state")
+    hidden = trainer.hidden_buffer_bytes()
+    at_peak = tracker.peak_by_final_label()
+    return {
+        "parameters_bytes": storage_bytes(held["parameters"]),
+        "gradients_bytes": max(gradients, storage_bytes(held["gradients"])),
+        "optimizer_state_bytes": storage_bytes(held["optimizer_state"]),
+        "activations_bytes": activations,
+        "buffers_bytes": tracker.high_water.get("buffers", 0) + hidden,
+        "temporary_bytes": at_peak.get("backward", 0) + at_peak.get("optimizer", 0),
+        "peak_bytes": tracker.peak_bytes + hidden,
+        "peak_composition": {**at_peak, "hidden_buffers": hidden},
+    }
+
+
+def train_and_measure(
+    config: RunConfig, rank: int, device: str, status: Callable[[str], None], fault: Callable[[], None]
+) -> dict[str, Any]:
+    """Build, wrap, train `steps` steps; returns this rank's measurement and its full parameters."""
+    module = build_model(
+        config.model_spec, config.training, device=device, dtype=model_dtype(config), seed=config.seed + rank
+    )
+    ledger = CollectiveLedger()
+    with ledger:
+        status("setup")
+        trainer = make_trainer(config, module)
+        step_times: list[float] = []
+        memory: dict[str, Any] = {}
+        measured_time = 0.0
+        for step in range(config.steps):
+            last = step == config.steps - 1
+            ledger.recording = last
+            inputs, targets = rank_batch(config, step, rank, device)
+            status(f"step {step + 1}/{config.steps}")
+            if step == 0:
+                fault()
+            started = time.perf_counter()
+            if last:
+                memory = _measured_step(trainer, inputs, targets, ledger)
+                measured_time = time.perf_counter() - started
+            else:
+                ledger.phase = "forward"
+                loss = trainer.loss(inputs, targets)
+                ledger.phase = "backward"
+                trainer.backward(loss)
+                ledger.phase = "optimizer"
+                trainer.step()
+                step_times.append(time.perf_counter() - started)
+        ledger.recording = False
+        full = {name: tensor.detach().clone() for name, tensor in trainer.full_parameters().items()}
+    timed = step_times[1:] if len(step_times) > 1 else step_times or [measured_time]
+    return {
+        "rank": rank,
+        "memory": memory,
+        "ledger": [row.to_json() for row in ledger.merged()],
+        "step_time_s": statistics.median(timed),
+        "full_parameters": full,
+    }
+
+
+def reference_parameters(config: RunConfig, device: str) -> dict[str, torch.Tensor]:
+    """Single-process training on each step's whole global batch from rank 0's weights: what every strategy must
+    end with. Mixed precision is compared against fp32 training (its difference is reported, not expected ~0)."""
+    dtype = torch.float64 if config.precision == "fp64" else torch.float32
+    module = build_model(config.model_spec, config.training, device=device, dtype=dtype, seed=config.seed)
+    optimizer = make_optimizer(list(module.parameters()), config.training)
+    for step in range(config.steps):
+        inputs, targets = sample_batch(
+            config.model_spec, config.training, num_sequences=config.micro_batch_size * config.world_size, step=step
+        )
+        lm_loss(module(inputs.to(device)), targets.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return dict(module.named_parameters())

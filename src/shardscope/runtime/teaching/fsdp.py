@@ -1,0 +1,143 @@
+"""ZeRO stage 3 (= FSDP full shard) and HSDP from collectives.
+
+Each unit keeps only its shard of a padded flat buffer. Before the unit runs forward, its shards are all-gathered into
+a whole buffer that the parameters view; after forward the buffer's storage is freed (resized to 0), so tensors
+autograd saved still point at it, and it is gathered again into the same storage just before the unit's backward.
+When the unit's last gradient lands, its gradients are reduce-scattered into the rank's gradient shard and the
+whole buffer is freed. The root unit (embeddings, final norm, head) stays gathered from the start of forward to the
+end of backward, because both ends of the model use it. HSDP does the same inside groups of `shard_group` ranks and
+all-reduces the gradient shards across the groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardscope.runtime.measure import measured_as
+from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
+from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.specs import TrainingSpec
+
+
+def hsdp_groups(shard_group: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(this rank's shard group, its replica group): shard groups are consecutive ranks, replicas share an index.
+    Every rank creates every group, in the same order, as torch.distributed requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine_shard: Any = None
+    mine_replica: Any = None
+    for start in range(0, world, shard_group):
+        group = dist.new_group(list(range(start, start + shard_group)))
+        if start <= rank < start + shard_group:
+            mine_shard = group
+    if world == shard_group:
+        return mine_shard, None
+    for index in range(shard_group):
+        group = dist.new_group(list(range(index, world, shard_group)))
+        if rank % shard_group == index:
+            mine_replica = group
+    return mine_shard, mine_replica
+
+
+class FullyShardedTeaching(Trainer):
+    """zero3 when shard_group equals the world; hsdp otherwise."""
+
+    def __init__(self, module: nn.Module, training: TrainingSpec, shard_group: int = 0) -> None:
+        self.module, self.world_size = module, dist.get_world_size()
+        broadcast_module(module)
+        degree = shard_group or self.world_size
+        if degree == self.world_size:
+            self.shard_pg: dist.ProcessGroup | None = None
+            self.replica_pg: dist.ProcessGroup | None = None
+        else:
+            self.shard_pg, self.replica_pg = hsdp_groups(degree)
+        self.rank = dist.get_rank(self.shard_pg)
+        self.layouts = [FlatLayout(unit, shard_degree=degree) for unit in model_units(module)]
+        self.shards, self.whole, self.grad_shards = [], [], []
+        for layout in self.layouts:
+            full = layout.flatten(layout.unit.params)
+            with measured_as("parameters"):
+                self.shards.append(layout.shard(full, self.rank).clone())
+            with measured_as("buffers"):
+                whole = torch.empty_like(full)
+            layout.point_params_at(whole)
+            whole.untyped_storage().resize_(0)
+            self.whole.append(whole)
+            with measured_as("gradients"):
+                self.grad_shards.append(torch.zeros_like(self.shards[-1]))
+        self.pending = [len(layout.unit.params) for layout in self.layouts]
+        self.in_backward = [False] * len(self.layouts)
+        for index, layout in enumerate(self.layouts):
+            for param in layout.unit.params:
+                param.register_post_accumulate_grad_hook(lambda _p, index=index: self._landed(index))
+            layout.unit.module.register_forward_pre_hook(lambda _m, _a, index=index: self._gather(index))
+            if index:  # blocks free after forward and gather again before their backward
+                layout.unit.module.register_forward_hook(
+                    lambda _m, _a, out, index=index: self._after_forward(index, out)
+                )
+        self.optimizer = ShardOptimizer(self.shards, training)
+
+    def _gather(self, index: int) -> None:
+        whole = self.whole[index]
+        if whole.untyped_storage().nbytes():
+            return  # already gathered (the root in backward, or a block recomputed under checkpointing)
+        whole.untyped_storage().resize_(whole.numel() * whole.element_size())
+        with torch.no_grad():
+            dist.all_gather_into_tensor(whole, self.shards[index], group=self.shard_pg)
+
+    def _free(self, index: int) -> None:
+        self.whole[index].untyped_storage().resize_(0)
+
+    def _after_forward(self, index: int, out: torch.Tensor) -> None:
+        if self.in_backward[index]:
+            return  # a recompute under activation checkpointing: backward needs the parameters next
+        self._free(index)
+        if out.requires_grad:
+            out.register_hook(lambda grad, index=index: self._before_backward(index, grad))
+
+    def _before_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self.in_backward[index] = True
+        self._gather(index)
+        return grad
+
+    def _landed(self, index: int) -> None:
+        self.pending[index] -= 1
+        if self.pending[index]:
+            return
+        layout = self.layouts[index]
+        with measured_as("buffers"):
+            flat_grad = layout.flatten([p.grad for p in layout.unit.params])  # type: ignore[misc]
+        for param in layout.unit.params:
+            param.grad = None
+        self._free(index)
+        dist.reduce_scatter_tensor(self.grad_shards[index], flat_grad, group=self.shard_pg)
+        if self.replica_pg is not None:
+            dist.all_reduce(self.grad_shards[index], group=self.replica_pg)
+        self.grad_shards[index].div_(self.world_size)
+        self.pending[index], self.in_backward[index] = len(layout.unit.params), False
+
+    def step(self) -> None:
+        self.optimizer.step(self.grad_shards)
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "parameters": list(self.shards),
+            "gradients": list(self.grad_shards),
+            "optimizer_state": self.optimizer.state(),
+            "buffers": list(self.whole),
+        }
+
+    def resizable_buffers(self) -> list[torch.Tensor]:
+        return list(self.whole)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for index, layout in enumerate(self.layouts):
+            self._gather(index)
+            for name, param in zip(layout.unit.names, layout.unit.params, strict=True):
+                out[name] = param.detach().clone()
+            self._free(index)
+        return out

@@ -1,0 +1,146 @@
+"""One rank of a real run: the same code under shardscope's launcher (gloo) and under torchrun (nccl on GPUs).
+
+    torchrun --nnodes 2 --nproc-per-node 8 -m shardscope.runtime.worker --model tiny-llama --strategy zero3 \
+        --engine pytorch --run-dir /shared/run1
+
+Every rank trains, measures its last step, and sends its numbers to rank 0, which checks parity against a
+single process and writes `result.json` into the run directory. Workers end with barrier, destroy_process_group
+and os._exit, and ask the kernel to kill them if their parent dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from shardscope.runtime.config import RunConfig
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel ends this process when its parent does (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def parse_config(argv: list[str]) -> tuple[RunConfig, Path]:
+    """RunConfig fields as flags (--world-size is taken from the environment under torchrun) and --run-dir."""
+    parser = argparse.ArgumentParser(prog="python -m shardscope.runtime.worker")
+    for item in dataclasses.fields(RunConfig):
+        kind = type(item.default)
+        parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
+    parser.add_argument("--run-dir", type=Path, default=Path("shardscope-run"))
+    args = parser.parse_args(argv)
+    values = {item.name: getattr(args, item.name) for item in dataclasses.fields(RunConfig)}
+    values["world_size"] = int(os.environ.get("WORLD_SIZE", values["world_size"]))
+    return RunConfig(**values), args.run_dir
+
+
+class Status:
+    """This rank's current stage in a small file the launcher reads (progress, and which rank hung where)."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = run_dir / f"rank{rank}.status"
+
+    def __call__(self, stage: str) -> None:
+        self.path.write_text(stage)
+
+
+def inject_fault(config: RunConfig, rank: int) -> None:
+    """Tests only: make one rank raise, exit or hang at its first forward."""
+    kind, _, target = config.fault.partition(":")
+    if not kind or int(target) != rank:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank}")
+    if kind == "exit":
+        os._exit(3)
+    time.sleep(10**6)
+
+
+def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
+    """Join the process group; returns the device type the run uses."""
+    import torch
+    import torch.distributed as dist
+
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise RuntimeError("this torch build has no gloo backend")
+    device = "cpu"
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = "cuda"
+    init = f"file://{run_dir.resolve()}/rendezvous" if config.rendezvous == "file" else "env://"
+    dist.init_process_group(
+        backend,
+        init_method=init,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s),
+    )
+    return device
+
+
+def run_rank(config: RunConfig, rank: int, run_dir: Path) -> None:
+    """Train, measure, check parity on rank 0, and write the result there."""
+    import torch
+    import torch.distributed as dist
+
+    from shardscope.runtime.steps import reference_parameters, train_and_measure
+
+    torch.set_num_threads(1)  # N ranks share a few cores; more threads only fight
+    status = Status(run_dir, rank)
+    status("rendezvous")
+    device = init_distributed(config, rank, run_dir)
+    measured = train_and_measure(config, rank, device, status, fault=lambda: inject_fault(config, rank))
+    status("parity")
+    full = measured.pop("full_parameters")
+    gathered: list[Any] = [None] * config.world_size
+    dist.gather_object(measured, gathered if rank == 0 else None, dst=0)
+    if rank == 0:
+        reference = reference_parameters(config, device)
+        diff = max(
+            float((full[name].double().cpu() - value.double().cpu()).abs().max()) for name, value in reference.items()
+        )
+        result = {"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff}
+        (run_dir / "result.json").write_text(json.dumps(result))
+    status("done")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point for one rank; never returns (os._exit), so gloo cannot abort at interpreter exit."""
+    die_with_parent()
+    config, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_rank(config, rank, run_dir)
+    except BaseException as error:
+        (run_dir / f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
