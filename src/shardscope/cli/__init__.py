@@ -21,7 +21,9 @@ from shardscope.units import UnitError
 COMMANDS = {
     "estimate": "estimate",
     "demo": "demo",
+    "trace": "trace",
     "timeline": "timeline",
+    "calibrate": "calibrate",
 }
 
 

@@ -1,0 +1,71 @@
+"""`shardscope calibrate`: measure this machine and write a hardware profile for --hardware."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from shardscope.cli.errors import CliError
+from shardscope.cli.scenario_args import positive_int
+from shardscope.cli.tables import render_table
+from shardscope.presets.hardware import profile_to_toml
+
+EXAMPLES = """examples:
+  shardscope calibrate --out profile.toml                 # 2 local gloo ranks on this machine
+  torchrun --nproc-per-node 8 -m shardscope calibrate --out profile.toml   # nccl on 8 GPUs
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `calibrate` to the CLI."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure collectives, matmul throughput and kernel overhead; write a hardware profile",
+        description="Time gloo (or, under torchrun, nccl) collectives over a payload sweep, fit latency and "
+        "bandwidth, measure matmul throughput, and write a profile for --hardware.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", default="profile.toml", help="profile file to write (default %(default)s)")
+    parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed calls per point (default 10)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, fit, print, write."""
+    try:
+        from shardscope import calibrate as measure  # torch is needed here only
+    except ImportError as error:
+        raise CliError(f"calibrate needs torch ({error}); install shardscope[torch]") from None
+    if args.world_size < 2 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise CliError(f"--world-size {args.world_size} must be at least 2 to time collectives")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        result = measure.calibrate_torchrun(repeats=args.repeats)
+        if result is None:
+            return 0
+    else:
+        try:
+            result = measure.calibrate(world_size=args.world_size, repeats=args.repeats, timeout_s=args.timeout)
+        except TimeoutError as error:
+            raise CliError(str(error), exit_code=1) from None
+    rows = [[s.op, str(s.payload_bytes), f"{s.seconds * 1e6:.1f}"] for s in result.samples]
+    profile = result.profile
+    print(render_table(["op", "payload bytes", "median us"], rows))
+    print(
+        f"\nfit: call latency {profile.call_latency_s * 1e6:.1f} us, step latency "
+        f"{profile.intra_node.latency_s * 1e6:.1f} us, bandwidth {profile.intra_node.bandwidth_bytes_per_s / 1e9:.2f}"
+        f" GB/s (max relative error {result.fit_error:.0%})"
+    )
+    print(
+        f"compute: matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, kernel overhead "
+        f"{profile.kernel_overhead_s * 1e6:.1f} us, memory copy {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+    )
+    try:
+        Path(args.out).write_text(profile_to_toml(profile), encoding="utf-8")
+    except OSError as error:
+        raise CliError(f"cannot write {args.out!r}: {error.strerror}") from None
+    print(f"profile written to {args.out}")
+    return 0
