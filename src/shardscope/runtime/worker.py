@@ -11,6 +11,7 @@ and os._exit, and ask the kernel to kill them if their parent dies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -30,10 +31,11 @@ PR_SET_PDEATHSIG = 1
 
 def die_with_parent() -> None:
     """prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel ends this process when its parent does (Linux only)."""
-    try:
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def parse_config(argv: list[str]) -> tuple[RunConfig, Path]:
