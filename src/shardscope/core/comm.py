@@ -204,6 +204,7 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
     # FSDP2 keeps the root unit gathered from forward into backward (it is used again at once); the ZeRO paper and
     # DeepSpeed regather everything. reshard_after_forward=False keeps every unit (ZeRO-2-like SHARD_GRAD_OP).
     regather_root = strategy.engine != "pytorch"
+    reshard = strategy.reshard_after_forward and strategy.name != "zero2"
     units = _units(param_layout(scenario.model))
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):
@@ -222,7 +223,7 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
         for unit in reversed(units):
             numel = _unit_gathered_numel(scenario, unit)
             at = (micro_batch, unit.last_stage, "before_backward")
-            if strategy.reshard_after_forward and (unit.name != "root" or regather_root):
+            if reshard and (unit.name != "root" or regather_root):
                 if offload_params:
                     events.append(
                         _event(
@@ -285,6 +286,12 @@ def _optimizer_offload_events(scenario: Scenario) -> list[CommEvent]:
     ]
 
 
+def _per_unit(scenario: Scenario) -> bool:
+    """ZeRO-3, FSDP, HSDP, and torch's ZeRO-2 (FSDP2 with reshard_after_forward=False) gather per unit."""
+    strategy = scenario.strategy
+    return strategy.stage == 3 or (strategy.name == "zero2" and strategy.engine == "pytorch")
+
+
 def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     """Every collective and host copy of one step, in the order rank 0 issues them."""
     if not scenario.model.has_shape:
@@ -292,7 +299,7 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
             f"model {scenario.model.name!r} has only a parameter count; the ledger and the time model need its shape "
             f"(give --model or --config)"
         )
-    events = _sharded_events(scenario) if scenario.strategy.stage == 3 else _data_parallel_events(scenario)
+    events = _sharded_events(scenario) if _per_unit(scenario) else _data_parallel_events(scenario)
     if scenario.strategy.offload == "optimizer":
         events += _optimizer_offload_events(scenario)
     if scenario.cluster.world_size == 1:  # a single rank sends nothing; host copies remain
