@@ -30,11 +30,11 @@ _PHASE_CATEGORY = {
     "backward": "temporary",
     "optimizer": "temporary",
 }
-_BUFFER_OPS = {
-    getattr(torch.ops.fsdp, name).default
-    for name in ("all_gather_copy_in", "chunk_cat")
-    if hasattr(torch.ops.fsdp, name)
-}
+_RECORD_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+# FSDP2 (and replicate, built on it) names its steps with record_function("FSDP::..."); what it allocates there is
+# communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
+_NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
 
 
@@ -57,6 +57,7 @@ class StepRecorder(TorchDispatchMode):
         self._category: dict[int, str] = {}
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.recording = False
+        self._scopes: list[bool] = []
         self.reset_window()
 
     def reset_window(self) -> None:
@@ -130,6 +131,13 @@ class StepRecorder(TorchDispatchMode):
     # --- the dispatch hook ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _RECORD_ENTER:
+            name = str(args[0])
+            inherited = bool(self._scopes) and self._scopes[-1]
+            fsdp = name.startswith("FSDP::")
+            self._scopes.append(not any(part in name for part in _NOT_BUFFERS) if fsdp else inherited)
+        elif func is _RECORD_EXIT and self._scopes:
+            self._scopes.pop()
         if self.recording and is_collective(func):
             entry = collective_entry(func, args)
             if entry is not None:
@@ -139,13 +147,14 @@ class StepRecorder(TorchDispatchMode):
                     CollectiveRow(phase=phase, op=op, group_size=group_size, payload_bytes=payload, count=1)
                 )
         out = func(*args, **kwargs)
-        category = "buffers" if func in _BUFFER_OPS else _PHASE_CATEGORY[self.phase]
+        in_fsdp = bool(self._scopes) and self._scopes[-1]
+        category = "buffers" if in_fsdp and self.phase != "setup" else _PHASE_CATEGORY[self.phase]
         if not category:
             return out
         flat, _ = tree_flatten(out)
         for item in flat:
-            if isinstance(item, torch.Tensor):
-                self._add(item.untyped_storage(), category)
+            if isinstance(item, torch.Tensor):  # a mode sees DTensor ops first: count the local shard's storage
+                self._add(local_tensor(item).untyped_storage(), category)
         if func in _GRADIENT_OUTPUT_OPS:
             self.label([args[0]], "gradients")
         return out
