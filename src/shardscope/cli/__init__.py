@@ -23,6 +23,7 @@ COMMANDS = {
     "demo": "demo",
     "trace": "trace",
     "timeline": "timeline",
+    "plan": "plan",
     "calibrate": "calibrate",
 }
 

@@ -1,0 +1,287 @@
+"""`shardscope plan`: what fits on a GPU type and is fastest (or cheapest), and what each plan runs into next."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from shardscope.cli.errors import CliError
+from shardscope.cli.estimate import strategy_json
+from shardscope.cli.scenario_args import add_model_arguments, gpu_from_args, model_from_args, positive_int
+from shardscope.cli.tables import bar, render_table
+from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
+from shardscope.core.comm import collective_ledger
+from shardscope.core.params import count_parameters
+from shardscope.planner import FAMILIES, RANKINGS, Plan, PlanRequest, PlanResult, plan
+from shardscope.presets import gpu_preset_names
+from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads
+from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
+
+SCHEMA = "shardscope.plan/v1"
+
+EXAMPLES = """examples:
+  shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M
+  shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M \\
+      --price-per-gpu-hour 2.5 --max-gpus 512 --json
+  shardscope plan --model llama-3-8b --gpu a100-40gb --seq-len 8192 --min-gpus
+"""
+
+
+def _choices(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """A comma list of allowed values, or 'all'."""
+    if text == "all":
+        return allowed
+    values = tuple(value.strip() for value in text.split(",") if value.strip())
+    values = tuple("zero3" if value == "fsdp" else value for value in values)
+    for value in values:
+        if value not in allowed:
+            raise CliError(f"{option} {value!r} is not known; give a comma list of {', '.join(allowed)}, or all")
+    if not values:
+        raise CliError(f"{option} is empty; give a comma list of {', '.join(allowed)}, or all")
+    return values
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planning question and the space to search (shared with `report --plan`)."""
+    add_model_arguments(parser)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--gpu", metavar="PRESET", default="h100-80gb", help=f"GPU preset: {', '.join(gpu_preset_names())}"
+    )
+    group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB")
+    parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--max-gpus", type=positive_int, default=1024, help="most GPUs a plan may use (default 1024)")
+    parser.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--global-batch-tokens", metavar="N", help="tokens per optimizer step, e.g. 4M")
+    parser.add_argument("--batch-tolerance", type=float, default=0.05, help="allowed batch error (default 0.05)")
+    parser.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")
+    parser.add_argument("--host-memory", metavar="SIZE", help="host memory per node, checked under offload")
+    parser.add_argument("--price-per-gpu-hour", type=float, metavar="X", help="rank by cost per million tokens")
+    parser.add_argument("--rank-by", choices=RANKINGS, help="default: cost with a price, else step-time")
+    parser.add_argument("--strategy", default="all", help=f"families to search: {', '.join(FAMILIES)}, or all")
+    parser.add_argument("--offload", default="all", help=f"offloads to search: {', '.join(OFFLOADS)}, or all")
+    parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING)}, or all")
+    parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
+    parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed", help="default %(default)s")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default %(default)s")
+    parser.add_argument("--attention", choices=ATTENTION, default="sdpa", help="default %(default)s")
+    parser.add_argument("--engine", choices=ENGINES, default="pytorch", help="whose memory rules (default pytorch)")
+    parser.add_argument("--context-memory", metavar="SIZE", default="512MiB", help="framework context per GPU")
+    parser.add_argument("--allocator-headroom", type=float, default=0.05, metavar="FRACTION", help="of the peak")
+    parser.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
+    add_hardware_arguments(parser)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `plan` to the CLI."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="find the strategy, batch shape and GPU count that fit and are fastest (or cheapest)",
+        description="Search strategies, offload, micro-batch, accumulation, checkpointing and GPU counts; rank what "
+        "fits and say what each plan runs into next.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_plan_arguments(parser)
+    parser.add_argument("--units", choices=("GiB", "GB"), default="GiB", help="printed units (default GiB)")
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    """The PlanRequest the command line describes."""
+    if args.params:
+        raise CliError("--params gives only a parameter count; planning needs the model's shape (--model or --config)")
+    gpu = gpu_from_args(args)
+    price = args.price_per_gpu_hour
+    rank_by = args.rank_by or ("cost" if price is not None else "step-time")
+    if rank_by == "cost" and price is None:
+        raise CliError("--rank-by cost needs --price-per-gpu-hour (no prices are built in)")
+    if args.global_batch_tokens is None and not args.min_gpus:
+        raise CliError("--global-batch-tokens is needed to rank plans (e.g. 4M); only --min-gpus works without it")
+    return PlanRequest(
+        model=model_from_args(args),
+        gpu=gpu,
+        sequence_length=args.seq_len,
+        global_batch_tokens=parse_count(args.global_batch_tokens) if args.global_batch_tokens else None,
+        batch_tolerance=args.batch_tolerance,
+        gpus_per_node=args.gpus_per_node,
+        max_gpus=args.max_gpus,
+        headroom=args.headroom,
+        host_memory_bytes=parse_bytes(args.host_memory) if args.host_memory else 0,
+        families=_choices(args.strategy, FAMILIES, "--strategy"),
+        offloads=_choices(args.offload, OFFLOADS, "--offload"),
+        checkpointing=_choices(args.checkpointing, CHECKPOINTING, "--checkpointing"),
+        max_micro_batch=args.max_micro_batch,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        attention=args.attention,
+        engine=args.engine,
+        overheads=Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom),
+        rank_by=rank_by,
+        price_per_gpu_hour=price,
+        top=args.top,
+        min_gpus=args.min_gpus,
+        hardware=hardware_from_args(args, gpu),
+    )
+
+
+def plan_entry_json(entry: Plan) -> dict[str, Any]:
+    """One plan: the fields of an estimate, its time, and the plan's own fields."""
+    scenario, timing = entry.scenario, entry.timing
+    training = scenario.training
+    document = strategy_json(entry.memory)
+    document.update(
+        gpus=entry.gpus,
+        micro_batch=training.micro_batch_size,
+        grad_accum=training.grad_accum_steps,
+        checkpointing=training.checkpointing,
+        offload=scenario.strategy.offload,
+        global_batch_tokens=entry.global_batch_tokens,
+        communication={
+            "ledger": [row.to_json() for row in collective_ledger(scenario)],
+            "wire_bytes_per_rank": timing.wire_bytes_per_rank,
+            "time_s": timing.comm_time_s,
+            "exposed_time_s": timing.exposed_comm_s,
+            "host_copy_time_s": timing.host_copy_s,
+        },
+        compute_time_s=timing.compute_time_s,
+        step_time_s=timing.step_time_s,
+        tokens_per_s=timing.tokens_per_s,
+        mfu=timing.mfu,
+        simulated_micro_batches=timing.simulated_micro_batches,
+        cost_per_million_tokens=entry.cost_per_million_tokens,
+        failure_mode=entry.failure_mode.to_json(),
+        risks=[risk.to_json() for risk in entry.risks[1:]],
+    )
+    return document
+
+
+def plan_json(result: PlanResult) -> dict[str, Any]:
+    """The `shardscope.plan/v1` document."""
+    request = result.request
+    return {
+        "schema": SCHEMA,
+        "model": {**request.model.to_json(), "parameters": count_parameters(request.model)},
+        "gpu": request.gpu.to_json(),
+        "request": {
+            "sequence_length": request.sequence_length,
+            "global_batch_tokens": request.global_batch_tokens,
+            "batch_tolerance": request.batch_tolerance,
+            "gpus_per_node": request.gpus_per_node,
+            "max_gpus": request.max_gpus,
+            "headroom": request.headroom,
+            "budget_bytes": request.budget_bytes,
+            "host_memory_bytes": request.host_memory_bytes,
+            "rank_by": request.rank_by,
+            "price_per_gpu_hour": request.price_per_gpu_hour,
+            "min_gpus": request.min_gpus,
+            "hardware": request.hardware.name if request.hardware else None,
+        },
+        "fewest_gpus": result.fewest_gpus if request.min_gpus else None,
+        "plans": [plan_entry_json(entry) for entry in result.plans],
+        "best_per_family": [plan_entry_json(entry) for entry in result.best_per_family],
+        "rejected": [rejection.to_json() for rejection in result.rejected],
+        "stats": {
+            "candidates": result.stats.candidates,
+            "memory_evaluations": result.stats.memory_evaluations,
+            "fitting": result.stats.fitting,
+            "time_evaluations": result.stats.time_evaluations,
+        },
+    }
+
+
+def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
+    """The human answer: ranked plans, bars, failure modes, and the families that do not fit."""
+    request, stats = result.request, result.stats
+    batch = (
+        f"global batch {format_count(request.global_batch_tokens)} tokens (within {request.batch_tolerance:.0%})"
+        if request.global_batch_tokens
+        else "one sequence per GPU"
+    )
+    lines = [
+        f"{request.model.name} ({format_count(count_parameters(request.model))} parameters) on {request.gpu.name}, "
+        f"sequence {request.sequence_length}, {batch}; budget {format_bytes(request.budget_bytes, units)} per GPU "
+        f"({request.headroom:.0%} headroom), up to {request.max_gpus} GPUs",
+        f"searched {stats.candidates} candidates: {stats.memory_evaluations} memory estimates, {stats.fitting} fit, "
+        f"{stats.time_evaluations} simulated, in {elapsed_s:.2f} s; ranked by {request.rank_by}",
+        "",
+    ]
+    if not result.plans:
+        lines.append("nothing fits: no strategy, offload, checkpointing or GPU count in the space stays in budget")
+    else:
+        if request.min_gpus:
+            lines += [f"fewest GPUs: {result.fewest_gpus} x {request.gpu.name}", ""]
+        lines += [render_table(*_plan_table(result, units)), "", "memory per GPU against the budget, and step time:"]
+        slowest = max(entry.timing.step_time_s for entry in result.plans)
+        for index, entry in enumerate(result.plans, 1):
+            peak = entry.memory.per_rank.peak_bytes
+            lines.append(
+                f"{index:>3} {entry.label:<11} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
+                f"  {bar(entry.timing.step_time_s, slowest, 24)} {entry.timing.step_time_s:.3f} s"
+            )
+        lines += ["", "what each plan runs into next:"]
+        lines += [f"{index:>3} {entry.failure_mode.message}" for index, entry in enumerate(result.plans, 1)]
+    if result.rejected:
+        lines += ["", "families that do not fit anywhere in the space:"]
+        for rejection in result.rejected:
+            closest = rejection.closest.scenario
+            lines.append(
+                f"  {rejection.family}: {rejection.category.replace('_', ' ')} break the budget; the closest attempt "
+                f"is over by {format_bytes(rejection.over_by_bytes, units)} ({closest.cluster.world_size} GPUs, "
+                f"offload {closest.strategy.offload}, checkpointing {closest.training.checkpointing}, micro-batch "
+                f"{closest.training.micro_batch_size})"
+            )
+    return "\n".join(lines)
+
+
+def _plan_table(result: PlanResult, units: str) -> tuple[list[str], list[list[str]]]:
+    header = ["#", "strategy", "gpus", "micro", "accum", "ckpt", "offload", "peak", "step s", "tokens/s", "MFU"]
+    priced = result.request.price_per_gpu_hour is not None
+    if priced:
+        header.append("cost/M tok")
+    rows = []
+    for index, entry in enumerate(result.plans, 1):
+        training = entry.scenario.training
+        row = [
+            str(index),
+            entry.label,
+            str(entry.gpus),
+            str(training.micro_batch_size),
+            str(training.grad_accum_steps),
+            training.checkpointing,
+            entry.scenario.strategy.offload,
+            format_bytes(entry.memory.per_rank.peak_bytes, units),
+            f"{entry.timing.step_time_s:.3f}",
+            f"{entry.timing.tokens_per_s:,.0f}",
+            f"{entry.timing.mfu:.1%}",
+        ]
+        if priced:
+            row.append(f"{entry.cost_per_million_tokens:.3f}")
+        rows.append(row)
+    return header, rows
+
+
+def _progress(stage: str, done: int, total: int) -> None:
+    """A one-line counter on stderr, only on a terminal."""
+    if sys.stderr.isatty():
+        end = "\n" if stage == "simulating" and done == total else ""
+        print(f"\rshardscope plan: {stage} {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print."""
+    request = request_from_args(args)
+    started = time.perf_counter()
+    result = plan(request, progress=None if args.json else _progress)
+    elapsed = time.perf_counter() - started
+    if sys.stderr.isatty() and not args.json:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    if args.json:
+        print(json.dumps(plan_json(result), indent=2))
+    else:
+        print(render_plan(result, args.units, elapsed))
+    return 0 if result.plans else 1

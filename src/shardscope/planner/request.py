@@ -1,0 +1,137 @@
+"""What the planner is asked: a model, a GPU type, a sequence length, a global batch, and the room to search."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import (
+    ATTENTION,
+    CHECKPOINTING,
+    ENGINES,
+    MAX_SEQUENCE_LENGTH,
+    MAX_WORLD_SIZE,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    GpuSpec,
+    ModelSpec,
+    Overheads,
+    SpecError,
+)
+
+FAMILIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+RANKINGS = ("step-time", "tokens-per-s", "cost")
+# Cheapest first: the search treats an option later in these tuples as never faster than an earlier one.
+CHECKPOINTING_ORDER = ("none", "selective", "full")
+OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
+
+
+def _require_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    if not values:
+        raise SpecError(f"PlanRequest.{name} is empty; allowed: {', '.join(allowed)}")
+    for value in values:
+        if value not in allowed:
+            raise SpecError(f"PlanRequest.{name} has {value!r}; allowed: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRequest:
+    """One planning question and the space to search for its answer."""
+
+    model: ModelSpec
+    """The model to train; it needs a shape (activations and the time model need one)."""
+    gpu: GpuSpec
+    """The accelerator every rank runs on."""
+    sequence_length: int
+    """Tokens per sequence."""
+    global_batch_tokens: int | None = None
+    """Tokens per optimizer step across the job; None: one micro-batch per rank, no accumulation (--min-gpus)."""
+    batch_tolerance: float = 0.05
+    """How far a plan's global batch may be from the target, as a fraction (GPU counts rarely divide it exactly)."""
+    gpus_per_node: int = 8
+    """GPUs in one node; counts above one node are whole nodes."""
+    max_gpus: int = 1024
+    """The most GPUs a plan may use."""
+    headroom: float = 0.05
+    """Fraction of GPU memory kept free: a plan fits when its peak is at most (1 - headroom) x memory."""
+    host_memory_bytes: int = 0
+    """Host memory per node for offload; 0 when not stated (offload is then not checked against it)."""
+    families: tuple[str, ...] = FAMILIES
+    """Strategy families to search; hsdp is searched with every valid shard group."""
+    offloads: tuple[str, ...] = OFFLOADS
+    """Offload settings to search."""
+    checkpointing: tuple[str, ...] = CHECKPOINTING
+    """Checkpointing settings to search."""
+    max_micro_batch: int = 32
+    """The largest micro-batch (sequences per rank per forward) to try."""
+    precision: str = "bf16-mixed"
+    """Training precision, as in TrainingSpec."""
+    optimizer: str = "adamw"
+    """Optimizer, as in TrainingSpec."""
+    attention: str = "sdpa"
+    """Attention kernel, as in TrainingSpec."""
+    engine: str = "pytorch"
+    """Whose memory rules apply, as in Strategy."""
+    overheads: Overheads = field(default_factory=Overheads)
+    """Framework context and allocator headroom assumptions."""
+    rank_by: str = "step-time"
+    """'step-time' (shortest first), 'tokens-per-s' (most first) or 'cost' (cheapest per million tokens first)."""
+    price_per_gpu_hour: float | None = None
+    """Price of one GPU for one hour, in the user's currency; no price is built in."""
+    top: int = 5
+    """How many ranked plans to keep."""
+    min_gpus: bool = False
+    """Answer 'the fewest GPUs that can train this': keep only plans at the smallest GPU count that fits."""
+    hardware: HardwareProfile | None = None
+    """Links and compute speed for the time model; None: the GPU's datasheet profile."""
+
+    def __post_init__(self) -> None:
+        owner = "PlanRequest"
+        if not self.model.has_shape:
+            raise SpecError(f"{owner}.model {self.model.name!r} has only a parameter count; planning needs its shape")
+        for name, value, high in (
+            ("sequence_length", self.sequence_length, MAX_SEQUENCE_LENGTH),
+            ("gpus_per_node", self.gpus_per_node, 1024),
+            ("max_gpus", self.max_gpus, MAX_WORLD_SIZE),
+            ("max_micro_batch", self.max_micro_batch, 4096),
+            ("top", self.top, 1000),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise SpecError(f"{owner}.{name}={value!r} must be a whole number between 1 and {high}")
+        if self.global_batch_tokens is not None and self.global_batch_tokens < self.sequence_length:
+            raise SpecError(
+                f"{owner}.global_batch_tokens={self.global_batch_tokens} is less than one sequence "
+                f"(sequence_length={self.sequence_length})"
+            )
+        if not 0.0 <= self.batch_tolerance < 1.0:
+            raise SpecError(f"{owner}.batch_tolerance={self.batch_tolerance} must be at least 0 and below 1")
+        if not 0.0 <= self.headroom < 1.0:
+            raise SpecError(f"{owner}.headroom={self.headroom} must be at least 0 and below 1")
+        if self.host_memory_bytes < 0:
+            raise SpecError(f"{owner}.host_memory_bytes={self.host_memory_bytes} must be zero or more")
+        _require_subset("families", self.families, FAMILIES)
+        _require_subset("offloads", self.offloads, OFFLOADS)
+        _require_subset("checkpointing", self.checkpointing, CHECKPOINTING)
+        choices: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+            ("precision", self.precision, PRECISIONS),
+            ("optimizer", self.optimizer, OPTIMIZERS),
+            ("attention", self.attention, ATTENTION),
+            ("engine", self.engine, ENGINES),
+            ("rank_by", self.rank_by, RANKINGS),
+        )
+        for choice, text, allowed in choices:
+            _require_subset(choice, (text,), allowed)
+        price = self.price_per_gpu_hour
+        if price is not None and not (price > 0 and math.isfinite(price)):
+            raise SpecError(f"{owner}.price_per_gpu_hour={price} must be a positive number")
+        if self.rank_by == "cost" and price is None:
+            raise SpecError(f"{owner}.rank_by='cost' needs price_per_gpu_hour (no prices are built in)")
+        if self.global_batch_tokens is None and not self.min_gpus:
+            raise SpecError(f"{owner}.global_batch_tokens is needed to rank plans (only --min-gpus works without)")
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most a rank's peak may be: GPU memory less the headroom."""
+        return int(self.gpu.memory_bytes * (1.0 - self.headroom))

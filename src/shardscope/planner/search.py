@@ -1,0 +1,225 @@
+"""The search: memory prunes the space, a compute bound prunes the simulations, the time model ranks what is left.
+
+1. For every GPU count that reaches the global batch, every strategy setting, offload and checkpointing, find the
+   largest micro-batch that fits. Settings are ordered cheapest first (no offload before offload, no checkpointing
+   before checkpointing), and a setting is skipped where a cheaper one already fits as large a micro-batch: under the
+   time model it cannot be faster (more offload adds host copies, more checkpointing adds recomputation, a smaller
+   micro-batch adds micro-batches).
+2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
+   stopping for each plan whose bound cannot beat the plans kept.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from shardscope.core.memory import estimate_memory
+from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.planner.failure import diagnose
+from shardscope.planner.request import FAMILIES, PlanRequest
+from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
+from shardscope.planner.space import (
+    BatchShape,
+    batch_shapes,
+    checkpointing_options,
+    family_of,
+    make_scenario,
+    micro_batches,
+    offloads_for,
+    variants,
+)
+from shardscope.planner.timing import PlanTiming, compute_lower_bound_s, plan_timing
+from shardscope.presets.hardware import default_profile
+from shardscope.specs import Scenario
+
+Progress = Callable[[str, int, int], None]
+SECONDS_PER_HOUR = 3600.0
+
+
+class _Evaluator:
+    """Memory, time and bounds of scenarios, each computed once."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self.hardware = request.hardware or default_profile(request.gpu)
+        self._memory: dict[Scenario, MemoryEstimate] = {}
+        self._timing: dict[Scenario, PlanTiming] = {}
+        self._bound: dict[tuple[int, str, int], float] = {}
+
+    def memory(self, scenario: Scenario) -> MemoryEstimate:
+        found = self._memory.get(scenario)
+        if found is None:
+            found = self._memory[scenario] = estimate_memory(scenario)
+        return found
+
+    def timing(self, scenario: Scenario) -> PlanTiming:
+        found = self._timing.get(scenario)
+        if found is None:
+            found = self._timing[scenario] = plan_timing(scenario, self.hardware)
+        return found
+
+    def lower_bound_s(self, scenario: Scenario) -> float:
+        training = scenario.training
+        key = (training.micro_batch_size, training.checkpointing, training.grad_accum_steps)
+        found = self._bound.get(key)
+        if found is None:
+            found = self._bound[key] = compute_lower_bound_s(scenario, self.hardware)
+        return found
+
+    @property
+    def memory_evaluations(self) -> int:
+        return len(self._memory)
+
+    @property
+    def time_evaluations(self) -> int:
+        return len(self._timing)
+
+
+def _fits(memory: MemoryEstimate, request: PlanRequest) -> bool:
+    host_ok = not request.host_memory_bytes or memory.host_bytes_per_node <= request.host_memory_bytes
+    return memory.per_rank.peak_bytes <= request.budget_bytes and host_ok
+
+
+def _overshoot(memory: MemoryEstimate, request: PlanRequest) -> tuple[str, int]:
+    """(the category that breaks the budget, by how many bytes the peak is over it)."""
+    over = memory.per_rank.peak_bytes - request.budget_bytes
+    if over <= 0:
+        return "host", memory.host_bytes_per_node - request.host_memory_bytes
+    running = 0
+    for category in CATEGORIES:  # the category at which the running sum crosses the budget
+        running += memory.per_rank.category_bytes(category)
+        if running > request.budget_bytes:
+            return category, over
+    return CATEGORIES[-1], over
+
+
+class _Search:
+    def __init__(self, request: PlanRequest, progress: Progress | None) -> None:
+        self.request = request
+        self.progress = progress
+        self.evaluator = _Evaluator(request)
+        self.candidates = 0
+        self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
+
+    def _note_miss(self, memory: MemoryEstimate) -> None:
+        family = family_of(memory.scenario)
+        _, over = _overshoot(memory, self.request)
+        if family not in self.closest or over < self.closest[family][0]:
+            self.closest[family] = (over, memory)
+
+    def fitting(self, shape: BatchShape) -> list[MemoryEstimate]:
+        """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating."""
+        request, found = self.request, []
+        sizes = micro_batches(request, shape.sequences_per_rank)
+        for variant in variants(request, shape.gpus):
+            fitted: list[tuple[int, int, int]] = []
+            for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
+                for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
+                    floor = max(
+                        (mb for o, c, mb in fitted if o <= offload_rank and c <= checkpoint_rank),
+                        default=0,
+                    )
+                    best: MemoryEstimate | None = None
+                    failed = False
+                    for size in sizes:
+                        self.candidates += 1
+                        whole = size == shape.sequences_per_rank
+                        if size <= floor or (failed and not whole):
+                            continue  # dominated, or larger than a micro-batch that already does not fit
+                        grad_accum = max(1, shape.sequences_per_rank // size)
+                        scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
+                        memory = self.evaluator.memory(scenario)
+                        if _fits(memory, request):
+                            best = memory
+                        else:
+                            failed = True
+                            self._note_miss(memory)
+                    if best is not None:
+                        fitted.append((offload_rank, checkpoint_rank, best.scenario.training.micro_batch_size))
+                        found.append(best)
+        return found
+
+    def metric(self, scenario: Scenario, step_time_s: float) -> float:
+        """The ranking value, smaller is better."""
+        request = self.request
+        training = scenario.training
+        tokens = training.tokens_per_micro_batch * training.grad_accum_steps * scenario.cluster.world_size
+        if request.rank_by == "tokens-per-s":
+            return -tokens / step_time_s
+        if request.rank_by == "cost":
+            return self.cost(scenario, tokens / step_time_s) or math.inf
+        return step_time_s
+
+    def cost(self, scenario: Scenario, tokens_per_s: float) -> float | None:
+        price = self.request.price_per_gpu_hour
+        if price is None:
+            return None
+        return price * scenario.cluster.world_size / SECONDS_PER_HOUR / tokens_per_s * 1e6
+
+    def rank(self, fitting: list[MemoryEstimate]) -> list[tuple[float, MemoryEstimate, PlanTiming]]:
+        """Simulate in order of the bound; skip what cannot enter the top plans or beat its family's best."""
+        evaluator, top = self.evaluator, self.request.top
+        bounded = sorted(
+            ((self.metric(m.scenario, evaluator.lower_bound_s(m.scenario)), index) for index, m in enumerate(fitting)),
+        )
+        kept: list[tuple[float, MemoryEstimate, PlanTiming]] = []
+        family_best: dict[str, float] = {}
+        for done, (bound, index) in enumerate(bounded):
+            memory = fitting[index]
+            family = family_of(memory.scenario)
+            top_value = kept[top - 1][0] if len(kept) >= top else math.inf
+            if bound >= top_value and bound >= family_best.get(family, math.inf):
+                continue
+            timing = evaluator.timing(memory.scenario)
+            value = self.metric(memory.scenario, timing.step_time_s)
+            kept.append((value, memory, timing))
+            kept.sort(key=lambda item: (item[0], item[1].scenario.cluster.world_size))
+            family_best[family] = min(value, family_best.get(family, math.inf))
+            if self.progress is not None:
+                self.progress("simulating", done + 1, len(bounded))
+        return kept
+
+    def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming) -> Plan:
+        evaluator = self.evaluator
+        risks = diagnose(memory.scenario, memory, timing, self.request, evaluator.memory, evaluator.timing)
+        return Plan(
+            memory=memory,
+            timing=timing,
+            failure_mode=risks[0],
+            risks=risks,
+            cost_per_million_tokens=self.cost(memory.scenario, timing.tokens_per_s),
+        )
+
+
+def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
+    """Search the space of the request and rank what fits."""
+    search = _Search(request, progress)
+    shapes = batch_shapes(request)
+    fitting: list[MemoryEstimate] = []
+    for done, shape in enumerate(shapes):
+        fitting += search.fitting(shape)
+        if progress is not None:
+            progress("memory", done + 1, len(shapes))
+        if request.min_gpus and fitting:
+            break
+    ranked = search.rank(fitting)
+    best: dict[str, tuple[float, MemoryEstimate, PlanTiming]] = {}
+    for item in ranked:
+        best.setdefault(family_of(item[1].scenario), item)
+    plans = tuple(search.plan(*item) for item in ranked[: request.top])
+    by_scenario = {plan.scenario: plan for plan in plans}
+    best_plans = tuple(by_scenario.get(item[1].scenario) or search.plan(*item) for item in best.values())
+    fitting_families = set(best)
+    rejected = tuple(
+        Rejection(family=family, category=_overshoot(memory, request)[0], over_by_bytes=over, closest=memory)
+        for family, (over, memory) in sorted(search.closest.items(), key=lambda item: FAMILIES.index(item[0]))
+        if family not in fitting_families
+    )
+    stats = SearchStats(
+        candidates=search.candidates,
+        memory_evaluations=search.evaluator.memory_evaluations,
+        fitting=len(fitting),
+        time_evaluations=search.evaluator.time_evaluations,
+    )
+    return PlanResult(request=request, plans=plans, best_per_family=best_plans, rejected=rejected, stats=stats)

@@ -1,0 +1,135 @@
+"""The search space: GPU counts, how each count reaches the global batch, and the strategies each count allows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchShape:
+    """How one GPU count reaches the global batch: sequences per rank per step, and the global batch it gives."""
+
+    gpus: int
+    """World size."""
+    sequences_per_rank: int
+    """micro_batch x grad_accum on every rank."""
+    global_batch_tokens: int
+    """gpus x sequences_per_rank x sequence_length."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    """A strategy setting at one GPU count: the family and, for hsdp, the shard group."""
+
+    family: str
+    """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp'."""
+    shard_group: int = 0
+    """hsdp: ranks per shard group."""
+
+    @property
+    def label(self) -> str:
+        """'hsdp(8)', or the family name."""
+        return f"hsdp({self.shard_group})" if self.family == "hsdp" else self.family
+
+
+def gpu_counts(request: PlanRequest) -> tuple[int, ...]:
+    """Powers of two below one node, then whole nodes, up to the cap."""
+    per_node = request.gpus_per_node
+    counts = [count for count in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if count < per_node]
+    counts += range(per_node, request.max_gpus + 1, per_node)
+    return tuple(count for count in counts if count <= request.max_gpus)
+
+
+def batch_shapes(request: PlanRequest) -> tuple[BatchShape, ...]:
+    """GPU counts that reach the global batch within the tolerance, each with its sequences per rank.
+
+    Ranking plans keeps, for each number of sequences per rank, the GPU count closest to the target (more GPUs at the
+    same work per rank change only the batch, not the step time); --min-gpus keeps every count.
+    """
+    seq = request.sequence_length
+    if request.global_batch_tokens is None:
+        return tuple(BatchShape(gpus=g, sequences_per_rank=1, global_batch_tokens=g * seq) for g in gpu_counts(request))
+    target = request.global_batch_tokens
+    closest: dict[int, tuple[float, BatchShape]] = {}
+    shapes = []
+    for gpus in gpu_counts(request):
+        per_rank = max(1, round(target / (seq * gpus)))
+        tokens = gpus * per_rank * seq
+        error = abs(tokens - target) / target
+        if error > request.batch_tolerance:
+            continue
+        shape = BatchShape(gpus=gpus, sequences_per_rank=per_rank, global_batch_tokens=tokens)
+        shapes.append(shape)
+        if per_rank not in closest or error < closest[per_rank][0]:
+            closest[per_rank] = (error, shape)
+    if request.min_gpus:
+        return tuple(shapes)
+    return tuple(sorted((shape for _, shape in closest.values()), key=lambda shape: shape.gpus))
+
+
+def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, ...]:
+    """Micro-batch sizes that divide the rank's sequences exactly, up to the largest allowed, smallest first."""
+    if request.global_batch_tokens is None:
+        return tuple(size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size <= request.max_micro_batch)
+    limit = min(request.max_micro_batch, sequences_per_rank)
+    return tuple(size for size in range(1, limit + 1) if sequences_per_rank % size == 0)
+
+
+def variants(request: PlanRequest, gpus: int) -> tuple[Variant, ...]:
+    """Strategy settings at a GPU count; hsdp with every shard group that divides it and stays node-aligned."""
+    if gpus == 1:
+        return (Variant(family="ddp"),) if "ddp" in request.families else (Variant(family=request.families[0]),)
+    found = [Variant(family=family) for family in request.families if family != "hsdp"]
+    if "hsdp" in request.families:
+        per_node = request.gpus_per_node
+        for group in range(2, gpus):
+            aligned = per_node % group == 0 if group < per_node else group % per_node == 0
+            if gpus % group == 0 and aligned:
+                found.append(Variant(family="hsdp", shard_group=group))
+    return tuple(found)
+
+
+def offloads_for(request: PlanRequest, family: str) -> tuple[str, ...]:
+    """The offload settings a family allows, least offloaded first (parameters offload only when sharded)."""
+    allowed = OFFLOAD_ORDER if family in ("zero3", "hsdp") else OFFLOAD_ORDER[:2]
+    return tuple(offload for offload in allowed if offload in request.offloads)
+
+
+def checkpointing_options(request: PlanRequest) -> tuple[str, ...]:
+    """Checkpointing settings, the cheapest in time first."""
+    return tuple(option for option in CHECKPOINTING_ORDER if option in request.checkpointing)
+
+
+def make_scenario(
+    request: PlanRequest,
+    gpus: int,
+    variant: Variant,
+    offload: str,
+    checkpointing: str,
+    micro_batch: int,
+    grad_accum: int,
+) -> Scenario:
+    """The scenario of one point of the space."""
+    return Scenario(
+        model=request.model,
+        cluster=ClusterSpec(gpu=request.gpu, world_size=gpus, gpus_per_node=request.gpus_per_node),
+        training=TrainingSpec(
+            micro_batch_size=micro_batch,
+            sequence_length=request.sequence_length,
+            grad_accum_steps=grad_accum,
+            precision=request.precision,
+            optimizer=request.optimizer,
+            checkpointing=checkpointing,
+            attention=request.attention,
+        ),
+        strategy=Strategy(name=variant.family, engine=request.engine, shard_group=variant.shard_group, offload=offload),
+        overheads=request.overheads,
+    )
+
+
+def family_of(scenario: Scenario) -> str:
+    """The strategy family of a scenario ('fsdp' is zero3)."""
+    return scenario.strategy.canonical_name

@@ -1,0 +1,120 @@
+"""The planner's answers: everything it returns fits and reaches the batch, its pruning loses nothing, its ranking
+is ordered, and the families it rejects really do not fit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardscope.core.memory import estimate_memory
+from shardscope.planner import PlanRequest, plan, plan_timing
+from shardscope.planner.space import (
+    batch_shapes,
+    checkpointing_options,
+    gpu_counts,
+    make_scenario,
+    micro_batches,
+    offloads_for,
+    variants,
+)
+from shardscope.presets.hardware import default_profile
+from shardscope.specs import SpecError
+
+
+def test_every_plan_fits_and_reaches_the_batch(big_request: PlanRequest) -> None:
+    result = plan(big_request)
+    assert result.plans, "llama-3-70b must fit somewhere on up to 1024 H100s"
+    for entry in [*result.plans, *result.best_per_family]:
+        assert entry.memory.per_rank.peak_bytes <= big_request.budget_bytes
+        assert entry.gpus <= big_request.max_gpus
+        error = abs(entry.global_batch_tokens - 4_000_000) / 4_000_000
+        assert error <= big_request.batch_tolerance
+        training = entry.scenario.training
+        assert entry.global_batch_tokens == training.micro_batch_size * training.grad_accum_steps * 4096 * entry.gpus
+    times = [entry.timing.step_time_s for entry in result.plans]
+    assert times == sorted(times)
+
+
+def test_rejected_families_do_not_fit_and_say_by_how_much(big_request: PlanRequest) -> None:
+    result = plan(big_request)
+    rejected = {rejection.family: rejection for rejection in result.rejected}
+    # 70B parameters in fp32 (torch keeps fp32 weights under autocast) are 282 GB on every DDP rank.
+    assert "ddp" in rejected and rejected["ddp"].category == "parameters"
+    for rejection in result.rejected:
+        peak = rejection.closest.per_rank.peak_bytes
+        assert rejection.over_by_bytes == peak - big_request.budget_bytes > 0
+        assert rejection.family not in {entry.family for entry in result.best_per_family}
+
+
+def _exhaustive_best(request: PlanRequest) -> float:
+    """Simulate every fitting point of the space, no pruning."""
+    hardware = default_profile(request.gpu)
+    best = float("inf")
+    for shape in batch_shapes(request):
+        for variant in variants(request, shape.gpus):
+            for offload in offloads_for(request, variant.family):
+                for checkpointing in checkpointing_options(request):
+                    for size in micro_batches(request, shape.sequences_per_rank):
+                        accum = shape.sequences_per_rank // size
+                        scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, accum)
+                        if estimate_memory(scenario).per_rank.peak_bytes <= request.budget_bytes:
+                            best = min(best, plan_timing(scenario, hardware).step_time_s)
+    return best
+
+
+@pytest.mark.slow
+def test_pruning_finds_the_exhaustive_best(small_request: PlanRequest) -> None:
+    result = plan(small_request)
+    assert result.stats.time_evaluations < result.stats.fitting
+    assert result.plans[0].timing.step_time_s == pytest.approx(_exhaustive_best(small_request), rel=1e-9)
+
+
+def test_cost_ranking_orders_by_cost_and_needs_a_price(small_request: PlanRequest) -> None:
+    with pytest.raises(SpecError, match="price_per_gpu_hour"):
+        dataclasses.replace(small_request, rank_by="cost")
+    priced = dataclasses.replace(small_request, rank_by="cost", price_per_gpu_hour=2.0)
+    costs = [entry.cost_per_million_tokens for entry in plan(priced).plans]
+    assert all(cost is not None for cost in costs)
+    assert costs == sorted(costs)  # type: ignore[type-var]
+
+
+def test_min_gpus_is_the_smallest_count_that_fits(big_request: PlanRequest) -> None:
+    request = dataclasses.replace(big_request, min_gpus=True, global_batch_tokens=None)
+    result = plan(request)
+    fewest = result.fewest_gpus
+    assert fewest is not None and all(entry.gpus == fewest for entry in result.plans)
+    # Nothing below it fits, even with every memory-saving setting at micro-batch 1.
+    for gpus in (count for count in gpu_counts(request) if count < fewest):
+        for variant in variants(request, gpus):
+            offload = offloads_for(request, variant.family)[-1]
+            scenario = make_scenario(request, gpus, variant, offload, "full", 1, 1)
+            assert estimate_memory(scenario).per_rank.peak_bytes > request.budget_bytes
+
+
+def test_batch_shapes_stay_within_tolerance(big_request: PlanRequest) -> None:
+    shapes = batch_shapes(big_request)
+    assert shapes and len({shape.sequences_per_rank for shape in shapes}) == len(shapes)
+    for shape in shapes:
+        assert shape.gpus % 8 == 0 or shape.gpus < 8
+        assert abs(shape.global_batch_tokens - 4_000_000) <= 0.05 * 4_000_000
+
+
+def test_hsdp_shard_groups_divide_the_world_and_align_with_nodes(big_request: PlanRequest) -> None:
+    groups = [variant.shard_group for variant in variants(big_request, 48) if variant.family == "hsdp"]
+    assert groups == [2, 4, 8, 16, 24]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sequence_length": 0}, "sequence_length"),
+        ({"global_batch_tokens": 100}, "less than one sequence"),
+        ({"headroom": 1.5}, "headroom"),
+        ({"families": ("ddp", "zero4")}, "zero4"),
+        ({"global_batch_tokens": None}, "global_batch_tokens is needed"),
+    ],
+)
+def test_bad_requests_name_the_field(big_request: PlanRequest, change: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        dataclasses.replace(big_request, **change)  # type: ignore[arg-type]
