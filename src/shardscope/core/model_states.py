@@ -15,9 +15,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shardscope.core.params import ParamLayout, count_parameters, param_layout
+from shardscope.core.params import ParamLayout, model_facts
 from shardscope.core.sharding import (
     dim0_shards,
     dim0_unit_sizes,
@@ -223,21 +223,23 @@ def _offload(scenario: Scenario, states: ModelStates) -> ModelStates:
     offload = scenario.strategy.offload
     if offload == "none":
         return states
-    host = states.optimizer_state_bytes
-    moved = {"optimizer_state_bytes": 0, "optimizer_temporary_bytes": 0}
-    if offload == "optimizer+params":
-        host += states.parameters_bytes + states.gradients_bytes
-        moved.update(parameters_bytes=0, gradients_bytes=0)
-    fields = {name: getattr(states, name) for name in ModelStates.__dataclass_fields__}
-    fields.update(moved, host_bytes=host)
-    return ModelStates(**fields)
+    moved = replace(
+        states, optimizer_state_bytes=0, optimizer_temporary_bytes=0, host_bytes=states.optimizer_state_bytes
+    )
+    if offload == "optimizer":
+        return moved
+    return replace(
+        moved,
+        parameters_bytes=0,
+        gradients_bytes=0,
+        host_bytes=moved.host_bytes + states.parameters_bytes + states.gradients_bytes,
+    )
 
 
 def model_states(scenario: Scenario, rank: int) -> ModelStates:
     """Model states of one rank under the scenario's strategy and engine."""
     model = scenario.model
-    total = count_parameters(model)
-    layout = param_layout(model) if model.has_shape else None
+    total, layout = model_facts(model)
     engine = scenario.strategy.engine
     if engine == "paper":
         return _paper(scenario, total, layout)

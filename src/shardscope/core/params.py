@@ -178,3 +178,9 @@ def count_parameters(model: ModelSpec) -> int:
     if not model.has_shape:
         return model.declared_parameters
     return param_layout(model).total_numel
+
+
+@cache
+def model_facts(model: ModelSpec) -> tuple[int, ParamLayout | None]:
+    """The parameter count and the layout (None without a shape), in one cache lookup for hot paths."""
+    return count_parameters(model), param_layout(model) if model.has_shape else None
