@@ -124,18 +124,22 @@ def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
     """Gradient buckets in the order they fill in backward: (bytes, stage whose backward completes the bucket).
 
     torch DDP (Reducer, `_compute_bucket_assignment_by_size`) walks the parameters in reverse and closes a bucket once
-    it holds at least the limit: 1 MiB for the first bucket, then bucket_bytes. The paper engine uses bucket_bytes
-    throughout; DeepSpeed its 5e8-element reduce bucket.
+    it holds at least the limit: 1 MiB for the first bucket, then bucket_bytes. DeepSpeed uses its 5e8-element reduce
+    bucket. The paper engine (shardscope's teaching strategies) reduces one flat bucket per FSDP unit, blocks in
+    reverse, then the root.
     """
     layout = param_layout(scenario.model)
     element = grad_comm_bytes(scenario)
     strategy = scenario.strategy
+    if strategy.engine == "paper":
+        blocks = [(layout.block_numel * element, index + 1) for index in reversed(range(layout.num_blocks))]
+        return (*blocks, (layout.root_numel * element, 0))
     if strategy.engine == "deepspeed":
         limits = [DEEPSPEED_BUCKET_NUMEL * element]
     elif strategy.engine == "pytorch":
         limits = [DDP_FIRST_BUCKET_BYTES, strategy.bucket_bytes]
     else:
-        limits = [strategy.bucket_bytes]
+        limits = [DDP_FIRST_BUCKET_BYTES, strategy.bucket_bytes]
     buckets: list[tuple[int, int]] = []
     size, ready_stage = 0, layout.num_blocks + 1
     for tensor in reversed(layout.tensors()):
@@ -201,9 +205,10 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
     group = "shard" if strategy.name == "hsdp" else "world"
     param_bytes, grad_bytes = param_comm_bytes(scenario), grad_comm_bytes(scenario)
     offload_params = strategy.offload == "optimizer+params"
-    # FSDP2 keeps the root unit gathered from forward into backward (it is used again at once); the ZeRO paper and
-    # DeepSpeed regather everything. reshard_after_forward=False keeps every unit (ZeRO-2-like SHARD_GRAD_OP).
-    regather_root = strategy.engine != "pytorch"
+    # shardscope's teaching ZeRO-3 (the paper engine) keeps the root unit gathered from forward into backward (it is
+    # used again at once); fully_shard(root, reshard_after_forward=True) and DeepSpeed regather it, as measured by
+    # `shardscope run`. reshard_after_forward=False keeps every unit (ZeRO-2-like SHARD_GRAD_OP).
+    regather_root = strategy.engine != "paper"
     reshard = strategy.reshard_after_forward and strategy.name != "zero2"
     units = _units(param_layout(scenario.model))
     events: list[CommEvent] = []
