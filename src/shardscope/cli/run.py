@@ -1,6 +1,6 @@
 """`shardscope run`: train for real on N local processes and print what every rank measured.
 
-    shardscope run --model tiny-gpt2 --strategy zero3 --engine teaching --world-size 4 --steps 3 --dtype float64
+shardscope run --model tiny-gpt2 --strategy zero3 --engine teaching --world-size 4 --steps 3 --dtype float64
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ COLUMNS = ("parameters", "gradients", "optimizer_state", "activations", "buffers
 
 def add_parser(subparsers: Any) -> None:
     """Attach `run` and its options."""
-    parser = subparsers.add_parser("run", help="train for real on torch.distributed and measure every byte",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "run",
+        help="train for real on torch.distributed and measure every byte",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default="tiny-gpt2", help="model preset (default tiny-gpt2)")
     parser.add_argument("--strategy", default="zero3", help="ddp, zero1, zero2, zero3, fsdp or hsdp")
     parser.add_argument("--engine", default="teaching", help="teaching (ours, from collectives) or pytorch")
@@ -53,22 +57,31 @@ def _kib(value: int) -> str:
 
 def render(result: Any) -> str:
     """Per-rank bytes by category and peak, the ledger, parity and step time."""
-    rows = [[f"rank {rank}", *(_kib(b.category_bytes(c)) for c in COLUMNS), _kib(b.peak_bytes)]
-            for rank, b in enumerate(result.per_rank)]
+    rows = [
+        [f"rank {rank}", *(_kib(b.category_bytes(c)) for c in COLUMNS), _kib(b.peak_bytes)]
+        for rank, b in enumerate(result.per_rank)
+    ]
     memory = render_table(["KiB", *COLUMNS, "peak"], rows)
-    ledger = render_table(["phase", "op", "group", "payload KiB", "count"],
-                          [[r.phase, r.op, str(r.group_size), _kib(r.payload_bytes), str(r.count)]
-                           for r in result.ledger])
+    ledger = render_table(
+        ["phase", "op", "group", "payload KiB", "count"],
+        [[r.phase, r.op, str(r.group_size), _kib(r.payload_bytes), str(r.count)] for r in result.ledger],
+    )
     parity = result.parity
     config = result.config
-    return "\n".join([
-        f"{config.model} {config.strategy} ({config.engine}) on {config.world_size} ranks, {config.precision}, "
-        f"measured step {config.steps} (KiB = 1024 bytes)",
-        memory, "", "collectives of rank 0 (setup and the measured step):", ledger, "",
-        f"parity vs {parity.reference}: max |diff| = {parity.max_abs_diff:.3g} "
-        f"({'ok' if parity.ok else 'FAILED'}, tolerance {parity.tolerance:g})",
-        f"step time: {result.step_time_s * 1000:.1f} ms (median, slowest rank)",
-    ])
+    return "\n".join(
+        [
+            f"{config.model} {config.strategy} ({config.engine}) on {config.world_size} ranks, {config.precision}, "
+            f"measured step {config.steps} (KiB = 1024 bytes)",
+            memory,
+            "",
+            "collectives of rank 0 (setup and the measured step):",
+            ledger,
+            "",
+            f"parity vs {parity.reference}: max |diff| = {parity.max_abs_diff:.3g} "
+            f"({'ok' if parity.ok else 'FAILED'}, tolerance {parity.tolerance:g})",
+            f"step time: {result.step_time_s * 1000:.1f} ms (median, slowest rank)",
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,10 +90,21 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.specs import SpecError
 
     try:
-        config = RunConfig(model=args.model, strategy=args.strategy, engine=args.engine, world_size=args.world_size,
-                           steps=args.steps, precision=_precision(args), micro_batch_size=args.micro_batch,
-                           sequence_length=args.seq_len, checkpointing=args.checkpointing, attention=args.attention,
-                           shard_group=args.shard_group, timeout_s=args.timeout, fault=args.inject_fault)
+        config = RunConfig(
+            model=args.model,
+            strategy=args.strategy,
+            engine=args.engine,
+            world_size=args.world_size,
+            steps=args.steps,
+            precision=_precision(args),
+            micro_batch_size=args.micro_batch,
+            sequence_length=args.seq_len,
+            checkpointing=args.checkpointing,
+            attention=args.attention,
+            shard_group=args.shard_group,
+            timeout_s=args.timeout,
+            fault=args.inject_fault,
+        )
     except SpecError as error:
         raise CliError(str(error)) from error
 

@@ -3,7 +3,7 @@
 Everything here imports torch; nothing outside runtime, trace, validate and lesson imports this package eagerly.
 """
 
-from shardscope.runtime.api import Parity, RunResult, run_training
+from shardscope.runtime.api import Parity, RunResult, run_suite, run_training
 from shardscope.runtime.config import RunConfig, RunError
 
-__all__ = ["Parity", "RunConfig", "RunError", "RunResult", "run_training"]
+__all__ = ["Parity", "RunConfig", "RunError", "RunResult", "run_suite", "run_training"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,4 +101,14 @@ def run_training(
     from shardscope.runtime.launch import launch
 
     config = config or RunConfig(**fields)
-    return result_from_launch(config, launch(config, progress=progress, run_dir=run_dir))
+    return result_from_launch(config, launch([config], progress=progress, run_dir=run_dir)[0])
+
+
+def run_suite(
+    configs: Sequence[RunConfig], *, progress: Callable[[str], None] | None = None, run_dir: Path | None = None
+) -> list[RunResult]:
+    """Several runs of one world size in a single launch (start-up paid once): one RunResult per config."""
+    from shardscope.runtime.launch import launch
+
+    raws = launch(list(configs), progress=progress, run_dir=run_dir)
+    return [result_from_launch(config, raw) for config, raw in zip(configs, raws, strict=True)]

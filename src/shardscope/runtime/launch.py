@@ -8,6 +8,7 @@ reaped before this returns. A taken rendezvous port is retried with a fresh one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,10 @@ def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
         process.wait()
 
 
-def _spawn(config: RunConfig, run_dir: Path, port: int) -> list[subprocess.Popen[bytes]]:
+def _spawn(configs: Sequence[RunConfig], run_dir: Path, port: int) -> list[subprocess.Popen[bytes]]:
+    config = configs[0]
+    suite = run_dir / "suite.json"
+    suite.write_text(json.dumps([dataclasses.asdict(c) for c in configs]))
     processes = []
     for rank in range(config.world_size):
         env = dict(
@@ -66,7 +70,7 @@ def _spawn(config: RunConfig, run_dir: Path, port: int) -> list[subprocess.Popen
             PYTHONUNBUFFERED="1",
         )
         log = (run_dir / f"rank{rank}.log").open("wb")
-        command = [sys.executable, "-m", "shardscope.runtime.worker", *config.to_args(), "--run-dir", str(run_dir)]
+        command = [sys.executable, "-m", "shardscope.runtime.worker", "--suite", str(suite), "--run-dir", str(run_dir)]
         processes.append(
             subprocess.Popen(
                 command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -86,9 +90,9 @@ def _failure(rank: int, code: int, run_dir: Path) -> str:
 
 
 def _supervise(
-    config: RunConfig, run_dir: Path, processes: list[subprocess.Popen[bytes]], progress: Callable[[str], None] | None
+    timeout_s: float, run_dir: Path, processes: list[subprocess.Popen[bytes]], progress: Callable[[str], None] | None
 ) -> None:
-    deadline = time.monotonic() + config.timeout_s
+    deadline = time.monotonic() + timeout_s
     shown = ""
     while True:
         codes = [process.poll() for process in processes]
@@ -97,50 +101,61 @@ def _supervise(
                 raise RunError(f"rank {rank} failed: {_failure(rank, code, run_dir)}")
         if all(code == 0 for code in codes):
             return
-        stage = _read(run_dir / "rank0.status")
+        stage = _read(run_dir / "rank0.status").partition("|")[0]
         if progress and stage and stage != shown:
             progress(stage)
             shown = stage
         if time.monotonic() > deadline:
             stages = {
-                rank: _read(run_dir / f"rank{rank}.status") or "starting"
+                rank: _read(run_dir / f"rank{rank}.status") or "starting|0"
                 for rank, code in enumerate(codes)
                 if code is None
             }
             stuck = min(stages, key=lambda rank: _stage_order(stages[rank]))
-            others = ", ".join(f"rank {r} at '{s}'" for r, s in stages.items() if r != stuck)
+            others = ", ".join(f"rank {r} at '{_describe(s)}'" for r, s in stages.items() if r != stuck)
             raise RunError(
-                f"run did not finish within {config.timeout_s:g}s: rank {stuck} hung at "
-                f"'{stages[stuck]}'" + (f" ({others} waiting)" if others else "")
+                f"run did not finish within {timeout_s:g}s: rank {stuck} hung at "
+                f"'{_describe(stages[stuck])}'" + (f" ({others} waiting)" if others else "")
             )
         time.sleep(POLL_S)
 
 
-def _stage_order(stage: str) -> tuple[int, int]:
+def _stage_order(status: str) -> tuple[int, int]:
+    """How far a rank got: collectives entered (ranks waiting inside one have entered one more than a rank that
+    hangs outside), then its stage."""
     order = ["starting", "rendezvous", "setup", "step", "parity", "done"]
-    head = stage.split()[0] if stage else "starting"
-    step = int(stage.split()[1].split("/")[0]) if head == "step" else 0
-    return (order.index(head) if head in order else 0, step)
+    stage, _, calls = status.partition("|")
+    words = [word for word in stage.split() if word in order]
+    return (int(calls or 0), order.index(words[-1]) if words else 0)
+
+
+def _describe(status: str) -> str:
+    stage, _, calls = status.partition("|")
+    return f"{stage}, after {calls or 0} collectives"
 
 
 def launch(
-    config: RunConfig, progress: Callable[[str], None] | None = None, run_dir: Path | None = None
-) -> dict[str, Any]:
-    """Run config on world_size local processes; returns rank 0's result (raises RunError naming a failed rank)."""
+    configs: Sequence[RunConfig], progress: Callable[[str], None] | None = None, run_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """Run configs one after another on the same world_size local processes; returns rank 0's result per config
+    (raises RunError naming the failed rank). The deadline is the sum of the configs' timeouts."""
+    if len({(c.world_size, c.backend, c.rendezvous) for c in configs}) != 1:
+        raise RunError("configs launched together must share world_size, backend and rendezvous")
+    timeout_s = sum(config.timeout_s for config in configs)
     with tempfile.TemporaryDirectory(prefix="shardscope-run-") as scratch:
         base = run_dir or Path(scratch)
         for attempt in range(PORT_ATTEMPTS):
             attempt_dir = base / f"attempt{attempt}"
             attempt_dir.mkdir(parents=True, exist_ok=True)
-            processes = _spawn(config, attempt_dir, free_port())
+            processes = _spawn(configs, attempt_dir, free_port())
             try:
-                _supervise(config, attempt_dir, processes, progress)
+                _supervise(timeout_s, attempt_dir, processes, progress)
             except RunError as error:
                 if "address already in use" in str(error).lower() and attempt + 1 < PORT_ATTEMPTS:
                     continue
                 raise
             finally:
                 _kill_all(processes)
-            result: dict[str, Any] = json.loads((attempt_dir / "result.json").read_text())
-            return result
+            results: list[dict[str, Any]] = json.loads((attempt_dir / "result.json").read_text())
+            return results
     raise RunError("no free rendezvous port after retries")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,13 +199,18 @@ class CollectiveLedger(TorchDispatchMode):
     """Every collective while active, as ledger rows under the current phase (all_gather and reduce_scatter counted
     by their unsharded buffer, all_reduce and broadcast by the buffer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_call: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.phase = "setup"
         self.rows: list[CollectiveRow] = []
         self.recording = True
+        self.calls_started = 0  # every collective entered, recorded or not: a hung rank has started fewer
+        self.on_call = on_call
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d" and self.on_call is not None:
+            self.calls_started += 1
+            self.on_call(self.calls_started)
         out = func(*args, **(kwargs or {}))
         if self.recording and func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]

@@ -97,13 +97,18 @@ def _measured_step(
 
 
 def train_and_measure(
-    config: RunConfig, rank: int, device: str, status: Callable[[str], None], fault: Callable[[], None]
+    config: RunConfig,
+    rank: int,
+    device: str,
+    status: Callable[[str], None],
+    on_collective: Callable[[int], None],
+    fault: Callable[[], None],
 ) -> dict[str, Any]:
     """Build, wrap, train `steps` steps; returns this rank's measurement and its full parameters."""
     module = build_model(
         config.model_spec, config.training, device=device, dtype=model_dtype(config), seed=config.seed + rank
     )
-    ledger = CollectiveLedger()
+    ledger = CollectiveLedger(on_call=on_collective)
     with ledger:
         status("setup")
         trainer = make_trainer(config, module)

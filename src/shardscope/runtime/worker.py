@@ -38,17 +38,21 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def parse_config(argv: list[str]) -> tuple[RunConfig, Path]:
-    """RunConfig fields as flags (--world-size is taken from the environment under torchrun) and --run-dir."""
+def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
+    """RunConfig fields as flags (--world-size is taken from the environment under torchrun) and --run-dir; or
+    --suite FILE, a JSON list of RunConfig objects run one after another in the same process group."""
     parser = argparse.ArgumentParser(prog="python -m shardscope.runtime.worker")
     for item in dataclasses.fields(RunConfig):
         kind = type(item.default)
         parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
     parser.add_argument("--run-dir", type=Path, default=Path("shardscope-run"))
+    parser.add_argument("--suite", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.suite:
+        return [RunConfig(**values) for values in json.loads(args.suite.read_text())], args.run_dir
     values = {item.name: getattr(args, item.name) for item in dataclasses.fields(RunConfig)}
     values["world_size"] = int(os.environ.get("WORLD_SIZE", values["world_size"]))
-    return RunConfig(**values), args.run_dir
+    return [RunConfig(**values)], args.run_dir
 
 
 class Status:
@@ -56,9 +60,16 @@ class Status:
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.path = run_dir / f"rank{rank}.status"
+        self.stage, self.collectives = "starting", 0
 
     def __call__(self, stage: str) -> None:
-        self.path.write_text(stage)
+        self.stage = stage
+        self.path.write_text(f"{stage}|{self.collectives}")
+
+    def collective(self, _started: int) -> None:
+        """Count a collective this rank entered (a rank that hangs outside one has started fewer)."""
+        self.collectives += 1
+        self(self.stage)
 
 
 def inject_fault(config: RunConfig, rank: int) -> None:
@@ -99,8 +110,9 @@ def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
     return device
 
 
-def run_rank(config: RunConfig, rank: int, run_dir: Path) -> None:
-    """Train, measure, check parity on rank 0, and write the result there."""
+def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
+    """Join once, then for each config: train, measure, check parity on rank 0. Rank 0 writes result.json, a list
+    with one entry per config (several configs share one launch, so tests pay the start-up once)."""
     import torch
     import torch.distributed as dist
 
@@ -109,19 +121,31 @@ def run_rank(config: RunConfig, rank: int, run_dir: Path) -> None:
     torch.set_num_threads(1)  # N ranks share a few cores; more threads only fight
     status = Status(run_dir, rank)
     status("rendezvous")
-    device = init_distributed(config, rank, run_dir)
-    measured = train_and_measure(config, rank, device, status, fault=lambda: inject_fault(config, rank))
-    status("parity")
-    full = measured.pop("full_parameters")
-    gathered: list[Any] = [None] * config.world_size
-    dist.gather_object(measured, gathered if rank == 0 else None, dst=0)
-    if rank == 0:
-        reference = reference_parameters(config, device)
-        diff = max(
-            float((full[name].double().cpu() - value.double().cpu()).abs().max()) for name, value in reference.items()
+    device = init_distributed(configs[0], rank, run_dir)
+    results = []
+    for index, config in enumerate(configs):
+        prefix = f"run {index + 1}/{len(configs)} " if len(configs) > 1 else ""
+        measured = train_and_measure(
+            config,
+            rank,
+            device,
+            lambda stage, p=prefix: status(p + stage),
+            status.collective,
+            fault=lambda c=config: inject_fault(c, rank),
         )
-        result = {"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff}
-        (run_dir / "result.json").write_text(json.dumps(result))
+        status(prefix + "parity")
+        full = measured.pop("full_parameters")
+        gathered: list[Any] = [None] * config.world_size
+        dist.gather_object(measured, gathered if rank == 0 else None, dst=0)
+        if rank == 0:
+            reference = reference_parameters(config, device)
+            diff = max(
+                float((full[name].double().cpu() - value.double().cpu()).abs().max())
+                for name, value in reference.items()
+            )
+            results.append({"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff})
+    if rank == 0:
+        (run_dir / "result.json").write_text(json.dumps(results))
     status("done")
     dist.barrier()
     dist.destroy_process_group()
@@ -130,11 +154,11 @@ def run_rank(config: RunConfig, rank: int, run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point for one rank; never returns (os._exit), so gloo cannot abort at interpreter exit."""
     die_with_parent()
-    config, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
+    configs, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run_rank(config, rank, run_dir)
+        run_rank(configs, rank, run_dir)
     except BaseException as error:
         (run_dir / f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
         sys.stderr.flush()
