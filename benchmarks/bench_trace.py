@@ -28,17 +28,21 @@ def bench(model: str) -> bool:
     """Trace one case; print time, worker RSS and the peak; True when within its time and memory targets."""
     world, seq, limit_s = CASES[model]
     scenario = Scenario(
-        model=model_preset(model), cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
+        model=model_preset(model),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
         training=TrainingSpec(micro_batch_size=1, sequence_length=seq, precision="bf16-mixed", checkpointing="full"),
-        strategy=Strategy(name="zero3"))
+        strategy=Strategy(name="zero3"),
+    )
     started = time.monotonic()
     result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=600), stderr_progress(model))
     wall_s = time.monotonic() - started
     rss_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far
     ok = wall_s < limit_s and rss_bytes < 2 * 1024**3
-    print(f"{model:12} {world:3} ranks zero3 bf16-mixed seq {seq} full ckpt: {wall_s:6.1f} s wall "
-          f"(target {limit_s:.0f} s), worker RSS {format_bytes(rss_bytes, 'MiB', 0)}, traced peak "
-          f"{format_bytes(result.per_rank.peak_bytes)} at {result.peak_moment} {'OK' if ok else 'OVER TARGET'}")
+    print(
+        f"{model:12} {world:3} ranks zero3 bf16-mixed seq {seq} full ckpt: {wall_s:6.1f} s wall "
+        f"(target {limit_s:.0f} s), worker RSS {format_bytes(rss_bytes, 'MiB', 0)}, traced peak "
+        f"{format_bytes(result.per_rank.peak_bytes)} at {result.peak_moment} {'OK' if ok else 'OVER TARGET'}"
+    )
     return ok
 
 

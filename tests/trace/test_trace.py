@@ -1,0 +1,128 @@
+"""`shardscope trace`: fake-tensor replays checked against closed-form sizes, bad input, and a real gloo run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.core.params import param_layout
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.trace.request import TraceRequest, request_from_json
+
+torch = pytest.importorskip("torch")
+from shardscope.trace.runner import run_in_subprocess  # noqa: E402
+
+
+def _request(model: str, world: int, strategy: str, precision: str = "fp32", **training: int) -> TraceRequest:
+    shape = {"micro_batch_size": 2, "sequence_length": 32, **training}
+    scenario = Scenario(
+        model=model_preset(model),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
+        training=TrainingSpec(precision=precision, **shape),
+        strategy=Strategy(name=strategy),
+    )
+    return TraceRequest(scenario=scenario, time_limit_s=120)
+
+
+def _sharded_bytes(model: str, world: int, element: int) -> tuple[int, int]:
+    """FSDP2 pads dim 0 of every tensor to a multiple of the world: (bytes of rank 0's shards, tensor count)."""
+    tensors = param_layout(model_preset(model)).tensors()
+    total = sum(math.ceil(t.shape[0] / world) * math.prod(t.shape[1:]) * element for t in tensors)
+    return total, len(tensors)
+
+
+def test_request_survives_json() -> None:
+    request = _request("tiny-llama", 4, "zero3")
+    assert request_from_json(request.to_json()) == request
+
+
+def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step() -> None:
+    result = run_in_subprocess(_request("tiny-llama", 3, "zero3"))
+    shard_bytes, tensors = _sharded_bytes("tiny-llama", 3, 4)
+    assert result.per_rank.parameters_bytes == shard_bytes
+    assert result.per_rank.gradients_bytes == shard_bytes
+    assert result.per_rank.optimizer_state_bytes == 2 * shard_bytes + 4 * tensors  # exp_avg, exp_avg_sq, fp32 step
+    gathers = [row for row in result.ledger if row.phase == "forward" and row.op == "all_gather"]
+    assert sum(row.count for row in gathers) == model_preset("tiny-llama").num_layers + 1  # blocks and the root
+    assert result.per_rank.peak_bytes <= result.per_rank.total_bytes
+    assert result.flops.attention_formula_flops > 0
+
+
+def test_hsdp_reduces_across_groups_and_ddp_all_reduces() -> None:
+    request = _request("tiny-gpt2", 4, "zero3")
+    hsdp = Scenario(
+        model=request.scenario.model,
+        cluster=request.scenario.cluster,
+        training=request.scenario.training,
+        strategy=Strategy(name="hsdp", shard_group=2),
+    )
+    result = run_in_subprocess(TraceRequest(scenario=hsdp, time_limit_s=120))
+    ops = {(row.op, row.group_size) for row in result.ledger}
+    assert ("reduce_scatter", 2) in ops and ("all_reduce", 2) in ops
+    ddp = run_in_subprocess(_request("tiny-gpt2", 4, "ddp"))
+    assert {row.op for row in ddp.ledger} == {"all_reduce"}
+    assert ddp.per_rank.parameters_bytes == 4 * param_layout(model_preset("tiny-gpt2")).total_numel
+
+
+def test_data_dependent_model_names_the_op(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["trace", "--model", "tiny-moe", "--gpus", "2", "--strategy", "zero3", "--seq-len", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nonzero" in err and "shardscope estimate" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 or err.strip().splitlines()[-1].startswith("shardscope trace: error")
+
+
+def test_missing_factory_and_time_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "--module", "no_such_package.models:make", "--gpus", "2"]) == 2
+    assert "cannot import module 'no_such_package.models'" in capsys.readouterr().err
+    assert main(["trace", "--model", "tiny-gpt2", "--gpus", "2", "--time-limit", "0.2"]) == 2
+    assert "time limit of 0.2 s" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
+    from shardscope.runtime.api import run_training
+
+    run = run_training(
+        model="tiny-llama",
+        strategy="zero3",
+        engine="pytorch",
+        world_size=2,
+        precision="fp32",
+        micro_batch_size=2,
+        sequence_length=32,
+        timeout_s=240,
+    )
+    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
+    real = run.per_rank[0]
+    assert trace.per_rank.parameters_bytes == real.parameters_bytes
+    assert trace.per_rank.gradients_bytes == real.gradients_bytes
+    assert trace.per_rank.optimizer_state_bytes == real.optimizer_state_bytes
+    assert trace.ledger == tuple(row for row in run.ledger if row.phase != "setup")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xfail(
+    strict=True,
+    reason="trace peak is 7.1% above the gloo run's (2285020 vs 2133468 B): the trace "
+    "counts FSDP2's flat all-gather/reduce-scatter staging as buffers at the peak; not yet reconciled",
+)
+def test_trace_peak_within_one_percent_of_real_run() -> None:
+    from shardscope.runtime.api import run_training
+
+    run = run_training(
+        model="tiny-llama",
+        strategy="zero3",
+        engine="pytorch",
+        world_size=2,
+        precision="fp32",
+        micro_batch_size=2,
+        sequence_length=32,
+        timeout_s=240,
+    )
+    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
+    assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
