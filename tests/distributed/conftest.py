@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -20,3 +23,9 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and "zombie" not in state:
             found.append(int(entry.name))
     return found
+
+
+@pytest.fixture
+def leftover() -> Callable[[str], list[int]]:
+    """processes_mentioning, as a fixture."""
+    return processes_mentioning

@@ -55,8 +55,10 @@ def results() -> dict[tuple[str, str], RunResult]:
     found: dict[tuple[str, str], RunResult] = {}
     for world in sorted({case[3] for case in CASES}):
         cases = [case for case in CASES if case[3] == world]
-        configs = [RunConfig(engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60)
-                   for e, s, m, w, g in cases]
+        configs = [
+            RunConfig(engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60)
+            for e, s, m, w, g in cases
+        ]
         for case, result in zip(cases, run_suite(configs), strict=True):
             found[case[0], case[1]] = result
     return found

@@ -67,6 +67,7 @@ def _spawn(configs: Sequence[RunConfig], run_dir: Path, port: int) -> list[subpr
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
+            SHARDSCOPE_LAUNCHER_PID=str(os.getpid()),
             PYTHONUNBUFFERED="1",
         )
         log = (run_dir / f"rank{rank}.log").open("wb")

@@ -30,11 +30,12 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel ends this process when its parent does (Linux only)."""
-    parent = os.getppid()
+    """prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel ends this process when its parent does (Linux only). If the
+    launcher that started us (SHARDSCOPE_LAUNCHER_PID) is already gone, the request came too late: exit now."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
+    launcher = os.environ.get("SHARDSCOPE_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):
         os._exit(1)
 
 

@@ -1,0 +1,78 @@
+"""A rank that raises, exits or hangs ends the whole run in time, naming the rank; no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shardscope.runtime import RunConfig, RunError, run_training
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("raise:1", r"rank 1 failed: RuntimeError: injected fault on rank 1"),
+        ("exit:0", r"rank 0 failed: exited with code 3"),
+        ("hang:1", r"within 15s: rank 1 hung at 'step 1/2"),
+    ],
+)
+def test_fault_ends_the_run_naming_the_rank(
+    tmp_path: Path, fault: str, message: str, leftover: Callable[[str], list[int]]
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(RunError, match=message):
+        run_training(
+            model="tiny-gpt2", strategy="zero3", world_size=2, steps=2, timeout_s=15, fault=fault, run_dir=tmp_path
+        )
+    assert time.monotonic() - started < 15 + 10
+    assert leftover(str(tmp_path)) == []
+
+
+def test_killing_the_launcher_kills_the_workers(tmp_path: Path, leftover: Callable[[str], list[int]]) -> None:
+    script = (
+        f"from shardscope.runtime import run_training\n"
+        f"run_training(model='tiny-gpt2', world_size=2, timeout_s=60, fault='hang:0', "
+        f"run_dir=__import__('pathlib').Path({str(tmp_path)!r}))\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 40
+        while len(set(leftover(str(tmp_path))) - {launcher.pid}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(set(leftover(str(tmp_path))) - {launcher.pid}) == 2, "workers did not start"
+        statuses = [tmp_path / "attempt0" / f"rank{rank}.status" for rank in range(2)]
+        while not all(path.exists() for path in statuses) and time.monotonic() < deadline:
+            time.sleep(0.05)  # both workers are running (past their prctl), not just exec'd
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while leftover(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftover(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"strategy": "zero4"}, "RunConfig.strategy='zero4' is not known"),
+        ({"world_size": 9}, "RunConfig.world_size=9 must be between 1 and 8"),
+        ({"strategy": "hsdp", "world_size": 4, "shard_group": 3}, "shard_group=3 must divide world_size=4"),
+        ({"engine": "deepspeed"}, "RunConfig.engine='deepspeed' is not known"),
+        ({"model": "gpt2", "sequence_length": 2048}, "exceeds gpt2's max_positions=1024"),
+    ],
+)
+def test_impossible_requests_fail_before_any_process(fields: dict[str, object], message: str) -> None:
+    from shardscope.specs import SpecError
+
+    with pytest.raises(SpecError, match=message):
+        RunConfig(**fields)  # type: ignore[arg-type]
