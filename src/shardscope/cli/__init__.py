@@ -25,6 +25,7 @@ COMMANDS = {
     "timeline": "timeline",
     "plan": "plan",
     "calibrate": "calibrate",
+    "run": "run",
 }
 
 
