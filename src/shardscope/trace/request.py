@@ -26,8 +26,6 @@ class TraceRequest:
     """Stop the trace after this many seconds."""
     steps: int = 2
     """Training steps to replay; the last one is reported (the first allocates optimizer state and buffers)."""
-    traced_blocks: int = 0
-    """Build only this many transformer blocks and extrapolate to the spec's depth (0: build them all)."""
 
     def __post_init__(self) -> None:
         if self.config_path and self.factory:
@@ -38,8 +36,6 @@ class TraceRequest:
             raise SpecError(f"TraceRequest.time_limit_s={self.time_limit_s} must be more than 0")
         if not 2 <= self.steps <= 10:
             raise SpecError(f"TraceRequest.steps={self.steps} must be between 2 and 10")
-        if self.traced_blocks < 0:
-            raise SpecError(f"TraceRequest.traced_blocks={self.traced_blocks} must be 0 (all) or more")
 
     @property
     def world_size(self) -> int:

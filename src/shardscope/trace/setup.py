@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,8 +53,6 @@ def _reference_model(request: TraceRequest) -> TracedModel:
 
     scenario = request.scenario
     spec = scenario.model
-    if request.traced_blocks:
-        spec = replace(spec, num_layers=min(request.traced_blocks, spec.num_layers))
     training = scenario.training
     root = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
     shape = (training.micro_batch_size, training.sequence_length)
