@@ -1,0 +1,72 @@
+"""`shardscope run`: bad input is one line and exit 2; a real run prints the shardscope.run/v1 document."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.core.result import MemoryBreakdown
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategy", "zero4"], "strategy='zero4' is not known"),
+        (["--world-size", "9"], "world_size=9 must be between 1 and 8"),
+        (["--engine", "deepspeed"], "engine='deepspeed' is not known"),
+        (["--dtype", "float16"], "--dtype 'float16' is not known"),
+        (["--strategy", "hsdp", "--world-size", "4", "--shard-group", "3"], "must divide world_size=4"),
+        (["--model", "nope"], "unknown model preset 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.distributed
+def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "run",
+            "--model",
+            "tiny-gpt2",
+            "--strategy",
+            "zero3",
+            "--engine",
+            "teaching",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+            "--dtype",
+            "float64",
+            "--json",
+            "--timeout",
+            "60",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0
+    document = json.loads(captured.out)
+    assert document["schema"] == "shardscope.run/v1"
+    assert set(document) == {
+        "schema",
+        "model",
+        "strategy",
+        "engine",
+        "world_size",
+        "per_rank",
+        "ledger",
+        "parity",
+        "step_time_s",
+    }
+    assert document["model"] == {"name": "tiny-gpt2", "parameters": 120_576}
+    assert len(document["per_rank"]) == 2
+    assert set(document["per_rank"][0]) == set(MemoryBreakdown().to_json())
+    assert document["parity"]["ok"] and document["parity"]["max_abs_diff"] <= 1e-10
+    assert {"phase", "op", "group_size", "payload_bytes", "count"} == set(document["ledger"][0])
+    assert "step 2/2" in captured.err  # progress while it runs
