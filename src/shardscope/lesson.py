@@ -101,3 +101,28 @@ def _activation_bytes(
     )
     training = TrainingSpec(micro_batch_size=batch_size, sequence_length=sequence_length, precision=precision)
     return num_layers * estimate_activations(model, training).block_bytes
+
+
+# --- The runtime half of the lesson (torch is imported only when one of these names is first used) ---
+_RUNTIME_NAMES = (
+    "init_process_group",
+    "broadcast_module",
+    "all_reduce_grads_",
+    "MinimalDDP",
+    "fsdp_round_trip_sketch",
+    "run_distributed_demo",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """init_process_group, broadcast_module, all_reduce_grads_, MinimalDDP, fsdp_round_trip_sketch and
+    run_distributed_demo live in shardscope.runtime (torch); importing shardscope.lesson does not import torch."""
+    if name == "broadcast_module":
+        from shardscope.runtime.trainer import broadcast_module
+
+        return broadcast_module
+    if name in _RUNTIME_NAMES:
+        from shardscope.runtime import lesson_impl
+
+        return getattr(lesson_impl, name)
+    raise AttributeError(f"module 'shardscope.lesson' has no attribute {name!r}")
