@@ -126,3 +126,49 @@ def test_count_only_model_has_no_ledger() -> None:
     with pytest.raises(SpecError, match="shape"):
         comm_events(type(case)(model=shapeless, cluster=case.cluster))
     assert model_preset("tiny-gpt2").has_shape
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_teaching_zero12_gather_and_scatter_each_unit_padded_in_elements(strategy: str) -> None:
+    # shardscope's teaching Zero1/Zero2 keep one flat buffer per unit padded to a multiple of the world size
+    # (measured by `shardscope run --engine teaching`: one all-gather per unit after the step).
+    case = scenario(model="tiny-llama", strategy=strategy, engine="paper", world_size=3, precision="fp32")
+    layout = param_layout(case.model)
+    rows = collective_ledger(case)
+    padded = [-(-n // 3) * 3 * 4 for n in (layout.root_numel, layout.block_numel)]
+    gathers = {(r.payload_bytes, r.count) for r in rows if r.op == "all_gather"}
+    assert gathers == {(padded[0], 1), (padded[1], layout.num_blocks)}
+    scatters = {(r.payload_bytes, r.count) for r in rows if r.op == "reduce_scatter"}
+    assert scatters == gathers
+    assert all(r.payload_bytes % 12 == 0 for r in rows)
+
+
+def test_setup_broadcasts_each_tensor_except_under_torch_ddp() -> None:
+    from shardscope.core.comm import run_ledger, setup_ledger
+
+    case = scenario(model="tiny-gpt2", strategy="zero3", engine="paper", world_size=2, precision="fp32")
+    tensors = param_layout(case.model).tensors()
+    setup = setup_ledger(case)
+    assert {r.op for r in setup} == {"broadcast"} and {r.phase for r in setup} == {"setup"}
+    assert _calls(setup, "broadcast") == len(tensors)
+    assert _total(setup, "broadcast") == 4 * count_parameters(case.model)
+    assert run_ledger(case) == setup + collective_ledger(case)
+
+
+def test_torch_ddp_setup_verifies_shapes_then_broadcasts_coalesced() -> None:
+    from shardscope.core.comm import setup_ledger
+
+    case = scenario(model="tiny-gpt2", strategy="ddp", engine="pytorch", world_size=4, precision="fp32")
+    tensors = param_layout(case.model).tensors()
+    rows = {(r.op, r.payload_bytes, r.count) for r in setup_ledger(case)}
+    metadata = 8 * sum(2 * len(t.shape) for t in tensors)  # sizes and strides of every tensor, int64
+    assert rows == {
+        ("all_gather", 8 * 4, 1),
+        ("broadcast", metadata, 1),
+        ("broadcast", 4 * count_parameters(case.model), 1),
+    }
+    big = scenario(model="llama-3-8b", strategy="ddp", world_size=4, precision="fp32")
+    bulk = [r for r in setup_ledger(big) if r.op == "broadcast" and r.payload_bytes > 2**20]
+    assert sum(r.total_payload_bytes for r in bulk) == 4 * count_parameters(big.model)
+    sizes = sorted(r.payload_bytes for r in bulk for _ in range(r.count))
+    assert len(sizes) > 1 and all(size >= 250 * 2**20 for size in sizes[1:])  # a bucket closes once it holds 250 MiB

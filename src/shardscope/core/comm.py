@@ -29,6 +29,8 @@ from shardscope.specs import Scenario, SpecError
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 # DeepSpeed ZeRO-1/2 defaults: reduce_bucket_size and allgather_bucket_size are 5e8 elements (DeepSpeed config docs).
 DEEPSPEED_BUCKET_NUMEL = 500_000_000
+# DistributedDataParallel.__init__ broadcasts rank 0's module states in 250 MiB buckets (its broadcast_bucket_size).
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 TRIGGERS = ("before_forward", "before_backward", "after_backward", "after_step")
 GROUPS = ("world", "shard", "replica", "host")
@@ -172,10 +174,15 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
     # gradient shard, so it must reduce every micro-batch.
     reduced_batches = range(steps) if name == "zero2" else range(steps - 1, steps)
     op = "all_reduce" if torch_ddp_based else "reduce_scatter"
+    grad_element = grad_comm_bytes(scenario)
+    # shardscope's teaching ZeRO-1 reduce-scatters every unit after the whole backward; the others as buckets fill.
+    after_all = name == "zero1" and strategy.engine == "paper"
     for micro_batch in reduced_batches:
         for index, (size, stage) in enumerate(gradient_buckets(scenario)):
-            payload = size if op == "all_reduce" else flat_shard_numel(size, world) * world
-            at = (micro_batch, stage, "after_backward")
+            # a reduce-scatter's buffer is padded to a multiple of the world size in elements, not bytes
+            padded = flat_shard_numel(size // grad_element, world) * world * grad_element
+            payload = size if op == "all_reduce" else padded
+            at = (micro_batch, 0 if after_all else stage, "after_backward")
             events.append(_event("backward", op, world, payload, "world", at, f"{op} bucket {index}"))
     after_step = (steps - 1, -1, "after_step")
     if name == "ddp":
@@ -190,11 +197,17 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
                 _event("optimizer", "broadcast", world, payload, "world", after_step, f"broadcast {tensor.name}")
             )
         return events
-    total = layout.total_numel
-    bucket_numel = DEEPSPEED_BUCKET_NUMEL if strategy.engine == "deepspeed" else total
-    for start in range(0, total, bucket_numel):
-        payload = flat_shard_numel(min(bucket_numel, total - start), world) * world * element
-        events.append(_event("optimizer", "all_gather", world, payload, "world", after_step, "all_gather parameters"))
+    if strategy.engine == "paper":  # the teaching ZeRO-1/2 gather each unit's padded flat buffer: root, then blocks
+        pieces = [(layout.root_numel, "root")] + [(layout.block_numel, f"block {i}") for i in range(layout.num_blocks)]
+    else:  # DeepSpeed gathers the flat partition in allgather_bucket_size pieces
+        total = layout.total_numel
+        pieces = [
+            (min(DEEPSPEED_BUCKET_NUMEL, total - start), "parameters")
+            for start in range(0, total, DEEPSPEED_BUCKET_NUMEL)
+        ]
+    for numel, name in pieces:
+        payload = flat_shard_numel(numel, world) * world * element
+        events.append(_event("optimizer", "all_gather", world, payload, "world", after_step, f"all_gather {name}"))
     return events
 
 
@@ -315,3 +328,53 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
 def collective_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
     """The step's ledger in the shared row schema (phase, op, group size, payload bytes, count)."""
     return merge_ledger([event.row for event in comm_events(scenario)])
+
+
+def _storage_bytes(scenario: Scenario) -> int:
+    """Bytes per element of the parameters as a rank stores them before training (what setup broadcasts)."""
+    if scenario.training.is_mixed and scenario.strategy.engine == "pytorch":
+        return 4  # torch's engines keep fp32 parameters and cast (autocast, MixedPrecisionPolicy)
+    return _element_bytes(scenario.training.precision)
+
+
+def setup_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
+    """Collectives made once, before the first step, so that every rank starts from rank 0's weights.
+
+    torch's DistributedDataParallel (ddp, and zero1 under the pytorch engine) checks parameter shapes
+    (`_verify_param_shape_across_processes`: an all-gather of each rank's int64 tensor count, then a broadcast of
+    every tensor's sizes and strides as int64) and broadcasts its module states coalesced into 250 MiB buckets
+    (`_sync_module_states`; torch/csrc/utils/tensor_flatten.cpp `take_tensors` closes a bucket once it reaches the
+    limit). Everything else (the teaching strategies, FSDP2, which does not broadcast, and DeepSpeed's
+    `_broadcast_model`) broadcasts each parameter tensor from rank 0.
+    """
+    world = scenario.cluster.world_size
+    if world == 1 or not scenario.model.has_shape:
+        return ()
+    tensors = param_layout(scenario.model).tensors()
+    element = _storage_bytes(scenario)
+    strategy = scenario.strategy
+    if strategy.engine != "pytorch" or strategy.canonical_name not in ("ddp", "zero1"):
+        rows = [
+            CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)
+            for t in tensors
+        ]
+        return merge_ledger(rows)
+    metadata = 8 * sum(2 * len(t.shape) for t in tensors)
+    rows = [
+        CollectiveRow(phase="setup", op="all_gather", group_size=world, payload_bytes=8 * world, count=1),
+        CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=metadata, count=1),
+    ]
+    size = 0
+    for tensor in tensors:
+        size += tensor.numel * element
+        if size >= DDP_BROADCAST_BUCKET_BYTES:
+            rows.append(CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=size, count=1))
+            size = 0
+    if size:
+        rows.append(CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=size, count=1))
+    return merge_ledger(rows)
+
+
+def run_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
+    """What `shardscope run` records for rank 0: the setup collectives, then one step's."""
+    return merge_ledger([*setup_ledger(scenario), *collective_ledger(scenario)])
