@@ -24,6 +24,7 @@ COMMANDS = {
     "trace": "trace",
     "timeline": "timeline",
     "plan": "plan",
+    "report": "report",
     "calibrate": "calibrate",
     "run": "run",
 }

@@ -1,0 +1,96 @@
+"""`shardscope report`: write one self-contained HTML page (charts as inline SVG) for a comparison or a plan."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardscope.cli.errors import CliError
+from shardscope.cli.scenario_args import (
+    add_cluster_arguments,
+    add_model_arguments,
+    add_strategy_arguments,
+    add_training_arguments,
+    gpu_from_args,
+    model_from_args,
+    scenarios_from_args,
+)
+from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
+from shardscope.planner import PlanRequest, plan
+from shardscope.specs import Overheads
+from shardscope.units import parse_bytes, parse_count
+
+EXAMPLES = """examples:
+  shardscope report --model llama-3-8b --gpus 8 --seq-len 4096 -o report.html
+  shardscope report --model llama-3-70b --gpus 1024 --seq-len 4096 --global-batch-tokens 4M -o plan.html --png charts/
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `report` to the CLI."""
+    parser = subparsers.add_parser(
+        "report",
+        help="write an HTML page: strategy comparison, memory and communication charts, timeline, observations",
+        description="Compare strategies for one scenario, or plan the run (--global-batch-tokens, with --gpus as "
+        "the cap), and write one self-contained HTML page that opens without a network.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arguments(parser)
+    add_cluster_arguments(parser)
+    add_training_arguments(parser)
+    add_strategy_arguments(parser)
+    add_hardware_arguments(parser)
+    parser.add_argument("-o", "--output", metavar="PATH", default="report.html", help="the page (default %(default)s)")
+    parser.add_argument("--png", metavar="DIR", help="also write every chart as a PNG file into DIR")
+    parser.add_argument("--global-batch-tokens", metavar="N", help="plan the run for this batch, up to --gpus GPUs")
+    parser.add_argument("--price-per-gpu-hour", type=float, metavar="X", help="with a plan: rank by cost")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the page and say where it is."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError("the report needs matplotlib: pip install 'shardscope[report]'") from None
+    from shardscope.report import write_report
+
+    if args.global_batch_tokens:
+        if args.params:
+            raise CliError("--params gives only a parameter count; planning needs the model's shape")
+        gpu = gpu_from_args(args)
+        price = args.price_per_gpu_hour
+        request = PlanRequest(
+            model=model_from_args(args),
+            gpu=gpu,
+            sequence_length=args.seq_len,
+            global_batch_tokens=parse_count(args.global_batch_tokens),
+            gpus_per_node=args.gpus_per_node,
+            max_gpus=args.gpus,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            attention=args.attention,
+            engine=args.engine,
+            overheads=Overheads(
+                context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom
+            ),
+            rank_by="cost" if price is not None else "step-time",
+            price_per_gpu_hour=price,
+            hardware=hardware_from_args(args, gpu),
+        )
+        result = plan(request)
+        if not result.plans:
+            raise CliError(f"nothing fits on up to {args.gpus} x {gpu.name}; see `shardscope plan` for why", 1)
+        subject: Any = result
+        hardware = request.hardware
+    else:
+        subject = scenarios_from_args(args)
+        hardware = hardware_from_args(args, subject[0].cluster.gpu) if subject[0].model.has_shape else None
+    try:
+        path = write_report(subject, args.output, png_dir=args.png, hardware=hardware)
+    except OSError as error:
+        raise CliError(f"cannot write the report: {error.strerror}: {error.filename}") from None
+    print(f"shardscope report: wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    if args.png:
+        print(f"shardscope report: charts as PNG in {args.png}")
+    return 0
