@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 import os
 from typing import Any
 
@@ -17,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.launch import free_port
 from shardscope.runtime.measure import storage_bytes
+from shardscope.runtime.spawn import run_on_ranks
 from shardscope.runtime.trainer import broadcast_module
-from shardscope.runtime.worker import die_with_parent
 
 
 def init_process_group(
@@ -100,65 +98,53 @@ def _stage_bytes(module: nn.Module, stage: int) -> int:
     return storage_bytes([params]) + storage_bytes([grads]) + storage_bytes(state)
 
 
-def _demo_rank(rank: int, world: int, port: int, options: dict[str, Any], queue: Any) -> None:
-    die_with_parent()
-    try:
-        torch.set_num_threads(1)
-        init_process_group(rank, world, backend=options["backend"], port=port, timeout=options["timeout"])
-        in_dim, hidden, out_dim = options["in_dim"], options["hidden"], options["out_dim"]
-        batch, seed = options["batch_size"], options["seed"]
-        generator = torch.Generator().manual_seed(seed + 1)
-        inputs = torch.randn(batch * world, in_dim, generator=generator, dtype=torch.float64)
-        targets = torch.randn(batch * world, out_dim, generator=generator, dtype=torch.float64)
-        mine = slice(rank * batch, (rank + 1) * batch)
+def _demo_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the demo; returns its report."""
+    init_process_group(rank, world, backend=options["backend"], port=port, timeout=options["timeout"])
+    in_dim, hidden, out_dim = options["in_dim"], options["hidden"], options["out_dim"]
+    batch, seed = options["batch_size"], options["seed"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    inputs = torch.randn(batch * world, in_dim, generator=generator, dtype=torch.float64)
+    targets = torch.randn(batch * world, out_dim, generator=generator, dtype=torch.float64)
+    mine = slice(rank * batch, (rank + 1) * batch)
 
-        # 1. the hand-written all-reduce gives the single-process gradient of the global batch
-        single = _mlp(in_dim, hidden, out_dim, seed)
-        nn.functional.mse_loss(single(inputs), targets).backward()
-        local = _mlp(in_dim, hidden, out_dim, seed)
-        nn.functional.mse_loss(local(inputs[mine]), targets[mine]).backward()
-        all_reduce_grads_(local)
-        manual_diff = max(
-            float((a.grad - b.grad).abs().max())  # type: ignore[operator]
-            for a, b in zip(local.parameters(), single.parameters(), strict=True)
-        )
+    # 1. the hand-written all-reduce gives the single-process gradient of the global batch
+    single = _mlp(in_dim, hidden, out_dim, seed)
+    nn.functional.mse_loss(single(inputs), targets).backward()
+    local = _mlp(in_dim, hidden, out_dim, seed)
+    nn.functional.mse_loss(local(inputs[mine]), targets[mine]).backward()
+    all_reduce_grads_(local)
+    manual_diff = max(
+        float((a.grad - b.grad).abs().max())  # type: ignore[operator]
+        for a, b in zip(local.parameters(), single.parameters(), strict=True)
+    )
 
-        # 2. MinimalDDP training from different starting weights on every rank
-        model = MinimalDDP(_mlp(in_dim, hidden, out_dim, seed + 100 * rank))
-        optimizer = torch.optim.SGD(model.parameters(), lr=options["lr"])
-        losses = []
-        for _ in range(options["num_steps"]):
-            loss = nn.functional.mse_loss(model(inputs[mine]), targets[mine])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss)
-            losses.append(float(mean_loss) / world)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        everyone = [torch.empty_like(flat) for _ in range(world)]
-        dist.all_gather(everyone, flat)
-        queue.put(
-            (
-                rank,
-                {
-                    "param_sum": float(flat.sum()),
-                    "max_param_diff_across_ranks": max(float((other - everyone[0]).abs().max()) for other in everyone),
-                    "losses": losses,
-                    "manual_all_reduce_max_diff_vs_single_process": manual_diff,
-                    "fsdp_round_trip_ok": fsdp_round_trip_sketch(model),
-                    "bytes_by_zero_stage": {
-                        f"zero{stage}" if stage else "ddp": _stage_bytes(model, stage) for stage in range(4)
-                    },
-                },
-            )
-        )
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as error:
-        queue.put((rank, {"error": f"{type(error).__name__}: {error}"}))
-        os._exit(1)
-    os._exit(0)
+    # 2. MinimalDDP training from different starting weights on every rank
+    model = MinimalDDP(_mlp(in_dim, hidden, out_dim, seed + 100 * rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=options["lr"])
+    losses = []
+    for _ in range(options["num_steps"]):
+        loss = nn.functional.mse_loss(model(inputs[mine]), targets[mine])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(float(mean_loss) / world)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    report = {
+        "param_sum": float(flat.sum()),
+        "max_param_diff_across_ranks": max(float((other - everyone[0]).abs().max()) for other in everyone),
+        "losses": losses,
+        "manual_all_reduce_max_diff_vs_single_process": manual_diff,
+        "fsdp_round_trip_ok": fsdp_round_trip_sketch(model),
+        "bytes_by_zero_stage": {f"zero{stage}" if stage else "ddp": _stage_bytes(model, stage) for stage in range(4)},
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
 
 
 def run_distributed_demo(
@@ -175,8 +161,6 @@ def run_distributed_demo(
     timeout: float = 60.0,
 ) -> dict[str, Any]:
     """Run the lesson on world_size processes and return what every rank saw (see the module docstring)."""
-    from shardscope.runtime.config import RunError
-
     options = {
         "backend": backend,
         "in_dim": in_dim,
@@ -188,32 +172,7 @@ def run_distributed_demo(
         "seed": seed,
         "timeout": timeout,
     }
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_demo_rank, args=(rank, world_size, port, options, queue), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    reports: dict[int, dict[str, Any]] = {}
-    try:
-        while len(reports) < world_size:
-            try:
-                rank, report = queue.get(timeout=timeout)
-            except Exception as error:  # queue.Empty: a rank hung past the deadline
-                missing = sorted(set(range(world_size)) - set(reports))
-                raise RunError(f"demo did not finish within {timeout:g}s: rank(s) {missing} silent") from error
-            if "error" in report:
-                raise RunError(f"rank {rank} failed: {report['error']}")
-            reports[rank] = report
-    finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    reports = run_on_ranks(_demo_rank, world_size, options, timeout)
     sums = [reports[rank]["param_sum"] for rank in range(world_size)]
     return {
         "world_size": world_size,
