@@ -67,7 +67,7 @@ def _kinds(scenario: Scenario, request_changes: dict[str, object] | None = None)
 
 
 def test_activations_dominate_without_checkpointing() -> None:
-    kinds = _kinds(_scenario("zero3", gpus=64, checkpointing="none", micro_batch=2))
+    kinds = _kinds(_scenario("zero3", gpus=64, checkpointing="none", micro_batch=1))
     assert kinds[0] == "activations-dominate"
 
 
