@@ -45,74 +45,125 @@ def activation_bytes_per_element(training: TrainingSpec) -> int:
 
 
 def _stat_bytes(training: TrainingSpec) -> int:
-    # Norm statistics (mean, 1/rms) are kept in fp32, or fp64 when computing in fp64.
+    # Norm statistics, RMSNorm's upcast copies and the loss are computed in fp32 (fp64 when computing in fp64).
     return 8 if training.precision == "fp64" else 4
 
 
-def _attention_core_bytes(model: ModelSpec, training: TrainingSpec, tokens: int) -> tuple[int, int]:
-    """Bytes the attention core saves: (inputs q/k/v and outputs kept in any mode, the part selective drops)."""
-    element = activation_bytes_per_element(training)
-    query_width = model.num_heads * model.head_dim
-    kv_width = model.num_kv_heads * model.head_dim
-    seq, batch = training.sequence_length, training.micro_batch_size
+@dataclass(frozen=True, slots=True)
+class _Sizes:
+    """Byte sizes of the tensors one block saves, for one micro-batch."""
+
+    tokens: int
+    element: int
+    stat: int
+    hidden: int  # tokens x hidden_size in the compute dtype
+    query: int  # tokens x heads x head_dim
+    kv: int  # tokens x kv_heads x head_dim
+    lse: int  # a log-sum-exp per row and head (fused attention)
+    probs: int  # the batch x heads x seq x seq softmax output (eager attention)
+
+
+def _sizes(model: ModelSpec, training: TrainingSpec) -> _Sizes:
+    element, stat, tokens = (
+        activation_bytes_per_element(training),
+        _stat_bytes(training),
+        training.tokens_per_micro_batch,
+    )
+    seq, batch, heads = training.sequence_length, training.micro_batch_size, model.num_heads
+    return _Sizes(
+        tokens=tokens,
+        element=element,
+        stat=stat,
+        hidden=tokens * model.hidden_size * element,
+        query=tokens * heads * model.head_dim * element,
+        kv=tokens * model.num_kv_heads * model.head_dim * element,
+        lse=batch * heads * seq * stat,
+        probs=batch * heads * seq * seq * element,
+    )
+
+
+def _norm_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+    """What a norm saves besides its output: LayerNorm (fused) its input, mean and 1/std (in the input's dtype, as
+    torch's CPU kernel keeps them); RMSNorm (composite, in fp32) its upcast input, the normalised tensor and 1/rms."""
+    if model.family == "gpt2":
+        return sizes.hidden + 2 * sizes.tokens * sizes.element
+    return 2 * sizes.tokens * model.hidden_size * sizes.stat + sizes.tokens * sizes.stat
+
+
+def _attention_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> tuple[int, int]:
+    """(bytes the attention saves from its input projection's input on, the part selective checkpointing drops)."""
+    # gpt2's fused c_attn output holds q, k and v in one storage; llama keeps rotated q and k, and v.
+    projections = 3 * sizes.hidden if model.family == "gpt2" else sizes.query + 2 * sizes.kv
     if training.attention == "eager":
-        # Grouped-query attention repeats k and v to every query head before the matmul (a copy when heads differ).
-        kv_saved = 2 * query_width
-        scores = batch * model.num_heads * seq * seq * element  # the softmax output, saved once
-        return tokens * (query_width + kv_saved) * element, scores
-    # Fused kernels save q, k, v (k and v at kv width), the output and a log-sum-exp per row (fp32).
-    kept = tokens * (query_width + 2 * kv_width) * element
-    dropped = tokens * query_width * element + batch * model.num_heads * seq * _stat_bytes(training)
-    return kept, dropped
+        # The batched matmuls save contiguous copies of q, k and v (k and v repeated to every head), and the
+        # softmax output; the head-major output is copied back to token-major for the output projection.
+        core = 3 * sizes.query + sizes.probs
+        kept_by_selective = projections
+        full = core + sizes.query
+    else:
+        # Fused kernels save q, k, v (views of the projections), the output and a log-sum-exp; the output is laid
+        # out token-major already, so the output projection's input is a view of it.
+        core = projections + sizes.lse
+        kept_by_selective = projections
+        full = core + sizes.query
+    selective = kept_by_selective + sizes.query
+    return sizes.hidden + full, full - selective
+
+
+def _mlp_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+    """What the MLP saves from its input on."""
+    tokens, element, hidden = sizes.tokens, sizes.element, model.hidden_size
+    if model.family == "gpt2":
+        return sizes.hidden + 2 * tokens * model.ffn_hidden_size * element  # fc input, GELU input, proj input
+    if model.family == "llama":
+        # SwiGLU: shared gate/up input, gate output, SiLU output, up output, down input.
+        return sizes.hidden + 4 * tokens * model.ffn_hidden_size * element
+    routed, experts = tokens * model.experts_per_token, model.num_experts
+    # Mixtral of Experts: router input and probabilities, top-k indices and renormalised weights, then per routed
+    # token: its gathered input, SwiGLU's four tensors, its output and weight, and the nonzero() row index pairs.
+    router = sizes.hidden + tokens * experts * element + routed * (8 + element) + tokens * element
+    per_routed = 3 * hidden * element + 4 * model.ffn_hidden_size * element + 16 + element
+    return router + routed * per_routed
 
 
 def _block_bytes(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
     """(bytes one block saves, bytes that selective checkpointing does not keep)."""
-    element = activation_bytes_per_element(training)
-    tokens = training.tokens_per_micro_batch
-    hidden = model.hidden_size * tokens * element
-    norm = hidden + tokens * _stat_bytes(training)  # a norm saves its input and per-token statistics
-    query = tokens * model.num_heads * model.head_dim * element
-    attention_kept, attention_dropped = _attention_core_bytes(model, training, tokens)
-    # Attention: norm input, projection input, the core, then the output projection's input (a contiguous copy).
-    attention = norm + hidden + attention_kept + attention_dropped + query
-    if model.family == "gpt2":
-        inner = tokens * model.ffn_hidden_size * element
-        # GELU MLP: norm input, fc input, GELU input, projection input.
-        mlp = norm + hidden + 2 * inner
-    elif model.family == "llama":
-        inner = tokens * model.ffn_hidden_size * element
-        # SwiGLU: norm input, shared gate/up input, gate output (SiLU input), SiLU output, up output, down input.
-        mlp = norm + hidden + 4 * inner
-    else:
-        routed = tokens * model.experts_per_token
-        inner = routed * model.ffn_hidden_size * element
-        router = tokens * model.num_experts * 4  # router probabilities in fp32
-        # MoE (Mixtral of Experts): router, each routed token's gathered input, SwiGLU per expert, weighted output.
-        mlp = norm + hidden + router + 2 * routed * model.hidden_size * element + 4 * inner
-    return attention + mlp, attention_dropped
+    sizes = _sizes(model, training)
+    attention, dropped = _attention_bytes(model, training, sizes)
+    return 2 * _norm_bytes(model, sizes) + attention + _mlp_bytes(model, sizes), dropped
+
+
+def _shared_bytes(model: ModelSpec, training: TrainingSpec) -> int:
+    """Tensors every block uses, saved once: RoPE's cos and sin, the causal mask of eager or recomputed attention."""
+    seq = training.sequence_length
+    rope = 2 * seq * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
+    mask = seq * seq if training.attention == "eager" or training.checkpointing == "selective" else 0
+    return rope + mask
 
 
 @cache
 def estimate_activations(model: ModelSpec, training: TrainingSpec) -> ActivationEstimate:
     """Saved activations of one micro-batch; requires a shaped model."""
-    element = activation_bytes_per_element(training)
-    tokens = training.tokens_per_micro_batch
+    sizes = _sizes(model, training)
     block, selective_dropped = _block_bytes(model, training)
+    shared = _shared_bytes(model, training)
     if training.checkpointing == "full":
-        stored, recompute = tokens * model.hidden_size * element, block
+        # Only each block's input is kept; the shared tensors are recreated with the block in backward.
+        stored, recompute, shared = sizes.hidden, block, 0
     elif training.checkpointing == "selective":
         stored, recompute = block - selective_dropped, selective_dropped
     else:
         stored, recompute = block, 0
-    loss_element = 8 if training.precision == "fp64" else 4
-    logits = tokens * model.vocab_size * element
-    # The head: final norm input and statistics, lm_head input, and the log-softmax output the loss keeps.
-    head = tokens * model.hidden_size * element * 2 + tokens * _stat_bytes(training)
+    loss_element = sizes.stat
+    tokens = sizes.tokens
+    logits = tokens * model.vocab_size * sizes.element
+    # The head: the final norm, lm_head's input, and the log-softmax output the loss keeps; token ids (embedding),
+    # gpt2's position ids, targets and the loss's total weight.
+    head = _norm_bytes(model, sizes) + sizes.hidden
     log_softmax = tokens * model.vocab_size * loss_element
-    ids = 2 * tokens * INDEX_BYTES  # token ids (embedding backward) and targets (the loss)
-    saved = model.num_layers * stored + head + log_softmax + ids
-    forward_spike = logits + (tokens * model.vocab_size * loss_element if element != loss_element else 0)
+    ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
+    saved = model.num_layers * stored + shared + head + log_softmax + ids + loss_element
+    forward_spike = logits + (tokens * model.vocab_size * loss_element if sizes.element != loss_element else 0)
     backward_spike = 2 * tokens * model.vocab_size * loss_element
     return ActivationEstimate(
         saved_bytes=saved,

@@ -1,0 +1,57 @@
+"""The core's per-op activation accounting equals, to the byte, what autograd saves when shardscope's reference
+modules run forward (single process, saved-tensor hooks, storages deduplicated, parameters excluded)."""
+
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shardscope.core.activations import estimate_activations  # noqa: E402
+from shardscope.presets import model_preset  # noqa: E402
+from shardscope.runtime.models import build_model, lm_loss, sample_batch  # noqa: E402
+from shardscope.specs import TrainingSpec  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16-mixed": torch.bfloat16}
+CASES = list(
+    itertools.product(
+        ("tiny-gpt2", "tiny-llama", "tiny-moe"),
+        ("sdpa", "eager"),
+        ("fp32", "bf16-mixed"),
+        ("none", "full", "selective"),
+    )
+)
+
+
+def saved_bytes(model_name: str, training: TrainingSpec) -> int:
+    spec = model_preset(model_name)
+    model = build_model(spec, training, dtype=DTYPES[training.precision])
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    ids, targets = sample_batch(spec, training, num_sequences=training.micro_batch_size)
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            seen[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        lm_loss(model(ids), targets)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize(("model_name", "attention", "precision", "checkpointing"), CASES)
+def test_saved_activations_match_the_reference_modules(
+    model_name: str, attention: str, precision: str, checkpointing: str
+) -> None:
+    training = TrainingSpec(
+        micro_batch_size=2, sequence_length=32, precision=precision, attention=attention, checkpointing=checkpointing
+    )
+    predicted = estimate_activations(model_preset(model_name), training).saved_bytes
+    assert predicted == saved_bytes(model_name, training)
+
+
+def test_fp64_and_a_longer_sequence() -> None:
+    training = TrainingSpec(micro_batch_size=2, sequence_length=64, precision="fp64", attention="eager")
+    assert estimate_activations(model_preset("tiny-llama"), training).saved_bytes == saved_bytes("tiny-llama", training)
