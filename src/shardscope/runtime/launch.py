@@ -81,6 +81,14 @@ def _spawn(configs: Sequence[RunConfig], run_dir: Path, port: int) -> list[subpr
     return processes
 
 
+def _failed_at(run_dir: Path, rank: int) -> float:
+    """When a rank wrote its error report (ranks that died without one sort first: exit and kill are immediate)."""
+    try:
+        return (run_dir / f"rank{rank}.error").stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def _failure(rank: int, code: int, run_dir: Path) -> str:
     report = _read(run_dir / f"rank{rank}.error")
     if report:
@@ -97,9 +105,12 @@ def _supervise(
     shown = ""
     while True:
         codes = [process.poll() for process in processes]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                raise RunError(f"rank {rank} failed: {_failure(rank, code, run_dir)}")
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:  # the first to fail is the cause; peers then fail on the broken connection
+            time.sleep(POLL_S)
+            failed = [rank for rank, code in enumerate(p.poll() for p in processes) if code not in (None, 0)]
+            first = min(failed, key=lambda rank: _failed_at(run_dir, rank))
+            raise RunError(f"rank {first} failed: {_failure(first, processes[first].returncode, run_dir)}")
         if all(code == 0 for code in codes):
             return
         stage = _read(run_dir / "rank0.status").partition("|")[0]
