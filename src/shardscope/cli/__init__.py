@@ -27,6 +27,7 @@ COMMANDS = {
     "report": "report",
     "calibrate": "calibrate",
     "run": "run",
+    "validate": "validate",
 }
 
 

@@ -1,0 +1,127 @@
+"""`shardscope validate`: predicted, traced and measured side by side, with the error of every number."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardscope.cli.errors import CliError
+from shardscope.cli.tables import render_table
+
+SCHEMA = "shardscope.validate/v1"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Attach `validate` to the CLI."""
+    parser = subparsers.add_parser(
+        "validate",
+        help="predict, trace and really run a matrix of cases, and compare every number",
+        description="For each case: the core's prediction, the fake-tensor trace and a real gloo run, side by side. "
+        "Exits 1 when any row is outside its target (model states and ledger: exact; peak and activations: 5%% "
+        "for the prediction, peak 1%% for the trace).",
+    )
+    parser.add_argument("--quick", action="store_true", help="a few cases covering every strategy (CI)")
+    parser.add_argument("--models", help="comma list of model presets to keep from the full matrix")
+    parser.add_argument("--strategies", help="comma list of strategies to keep")
+    parser.add_argument("--engines", help="comma list of engines to keep (teaching, pytorch)")
+    parser.add_argument("--world-sizes", help="comma list of world sizes to keep (2, 4)")
+    parser.add_argument("--no-trace", action="store_true", help="skip the trace column")
+    parser.add_argument(
+        "--hardware",
+        metavar="PROFILE",
+        help="hardware profile (from `shardscope calibrate`) to predict step times with",
+    )
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+
+
+def _keep(values: str | None) -> set[str] | None:
+    return None if not values else {value.strip() for value in values.split(",") if value.strip()}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the matrix and print the comparison."""
+    from shardscope.presets.hardware import HardwareError, load_profile
+    from shardscope.validate.cases import full_matrix, quick_matrix
+
+    cases = quick_matrix() if args.quick else full_matrix()
+    filters = {
+        "model": _keep(args.models),
+        "strategy": _keep(args.strategies),
+        "engine": _keep(args.engines),
+        "world_size": _keep(args.world_sizes),
+    }
+    cases = tuple(
+        case
+        for case in cases
+        if all(keep is None or str(getattr(case, name)) in keep for name, keep in filters.items())
+    )
+    if not cases:
+        raise CliError("no validation case is left after the filters; check --models, --strategies, --engines")
+    hardware = None
+    if args.hardware:
+        try:
+            hardware = load_profile(args.hardware)
+        except HardwareError as error:
+            raise CliError(str(error)) from None
+    from shardscope.runtime.config import RunError
+    from shardscope.validate.runner import validate_case
+
+    results = []
+    for index, case in enumerate(cases, 1):
+        print(f"[{index}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
+        try:
+            results.append(validate_case(case, hardware=hardware, with_trace=not args.no_trace))
+        except RunError as error:
+            raise CliError(f"{case.label}: the real run failed: {error}", exit_code=1) from None
+    ok = all(result.ok for result in results)
+    if args.json:
+        document = {
+            "schema": SCHEMA,
+            "ok": ok,
+            "rows": [row.to_json() for result in results for row in result.rows],
+            "notes": {result.case.label: list(result.notes) for result in results if result.notes},
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_results(results))
+    return 0 if ok else 1
+
+
+def _value(quantity: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if quantity == "step_time_s":
+        return f"{value * 1e3:.1f} ms"
+    return f"{int(value):,}"
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2%}"
+
+
+def render_results(results: list[Any]) -> str:
+    """One table: a row per case and quantity."""
+    header = ["case", "quantity", "predicted", "traced", "measured", "pred err", "trace err", "ok"]
+    rows = []
+    for result in results:
+        for row in result.rows:
+            rows.append(
+                [
+                    row.case.label,
+                    row.quantity,
+                    _value(row.quantity, row.predicted),
+                    _value(row.quantity, row.traced),
+                    _value(row.quantity, row.measured),
+                    _error(row.error),
+                    _error(row.traced_error),
+                    "yes" if row.ok else "NO",
+                ]
+            )
+    failing = sum(1 for result in results for row in result.rows if not row.ok)
+    total = sum(len(result.rows) for result in results)
+    notes = sorted({note for result in results for note in result.notes})
+    lines = [render_table(header, rows), "", f"{total - failing} of {total} rows within target"]
+    lines += [f"  - {note}" for note in notes]
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""The validation matrix: which cases to predict, trace and run, and how one case reads in each layer's terms."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from shardscope.presets import custom_gpu, model_preset
+from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
+from shardscope.units import GIB
+
+# The teaching strategies are the ZeRO paper's accounting made real, so the paper engine predicts them; torch's own
+# engines are predicted by the pytorch engine (DESIGN.md).
+CORE_ENGINE = {"teaching": "paper", "pytorch": "pytorch"}
+CASE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+# A CPU "GPU" big enough that fitting never matters here; measurements have no framework context or allocator.
+VALIDATION_GPU = custom_gpu(1024 * GIB)
+NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationCase:
+    """One model, strategy, engine, world size, precision and checkpointing mode."""
+
+    model: str
+    """Model preset id (a tiny one: it really trains)."""
+    strategy: str
+    """ddp, zero1, zero2, zero3 or hsdp."""
+    engine: str
+    """'teaching' (predicted by the paper engine) or 'pytorch'."""
+    world_size: int
+    """Ranks."""
+    precision: str = "fp32"
+    """'fp32' or 'bf16-mixed'."""
+    checkpointing: str = "none"
+    """'none' or 'full'."""
+    micro_batch_size: int = 2
+    """Sequences per rank."""
+    sequence_length: int = 32
+    """Tokens per sequence."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in CORE_ENGINE:
+            raise SpecError(f"ValidationCase.engine={self.engine!r} is not known; allowed: teaching, pytorch")
+        if self.strategy == "hsdp" and self.world_size < 4:
+            raise SpecError("ValidationCase: hsdp needs world_size >= 4 (two groups of two)")
+
+    @property
+    def shard_group(self) -> int:
+        """hsdp: two groups; 0 for the others."""
+        return self.world_size // 2 if self.strategy == "hsdp" else 0
+
+    @property
+    def label(self) -> str:
+        """A short name for tables."""
+        return f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}" + (
+            " ckpt" if self.checkpointing != "none" else ""
+        )
+
+    def scenario(self) -> Scenario:
+        """The case as the core and the trace read it."""
+        return Scenario(
+            model=model_preset(self.model),
+            cluster=ClusterSpec(gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size),
+            training=TrainingSpec(
+                micro_batch_size=self.micro_batch_size,
+                sequence_length=self.sequence_length,
+                precision=self.precision,
+                checkpointing=self.checkpointing,
+            ),
+            strategy=Strategy(name=self.strategy, engine=CORE_ENGINE[self.engine], shard_group=self.shard_group),
+            overheads=NO_OVERHEAD,
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """The case's fields."""
+        return {
+            "model": self.model,
+            "strategy": self.strategy,
+            "engine": self.engine,
+            "world_size": self.world_size,
+            "precision": self.precision,
+            "checkpointing": self.checkpointing,
+        }
+
+
+def full_matrix() -> tuple[ValidationCase, ...]:
+    """Every combination of issue 6: models x strategies x engines x world sizes 2 and 4 x precisions x
+    checkpointing (hsdp only at world size 4)."""
+    cases = []
+    for model, strategy, engine, world, precision, checkpointing in itertools.product(
+        ("tiny-gpt2", "tiny-llama", "tiny-moe"),
+        CASE_STRATEGIES,
+        ("teaching", "pytorch"),
+        (2, 4),
+        ("fp32", "bf16-mixed"),
+        ("none", "full"),
+    ):
+        if strategy == "hsdp" and world < 4:
+            continue
+        cases.append(
+            ValidationCase(
+                model=model,
+                strategy=strategy,
+                engine=engine,
+                world_size=world,
+                precision=precision,
+                checkpointing=checkpointing,
+            )
+        )
+    return tuple(cases)
+
+
+def quick_matrix() -> tuple[ValidationCase, ...]:
+    """A few cases that cover every strategy and both engines, small enough for CI."""
+    return (
+        ValidationCase(model="tiny-gpt2", strategy="ddp", engine="pytorch", world_size=2),
+        ValidationCase(model="tiny-gpt2", strategy="zero1", engine="teaching", world_size=2),
+        ValidationCase(model="tiny-llama", strategy="zero2", engine="teaching", world_size=2, precision="bf16-mixed"),
+        ValidationCase(model="tiny-llama", strategy="zero3", engine="pytorch", world_size=2),
+        ValidationCase(model="tiny-gpt2", strategy="zero3", engine="teaching", world_size=2, checkpointing="full"),
+    )
