@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -106,23 +107,35 @@ def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="trace peak is 7.1% above the gloo run's (2285020 vs 2133468 B): the trace "
-    "counts FSDP2's flat all-gather/reduce-scatter staging as buffers at the peak; not yet reconciled",
-)
-def test_trace_peak_within_one_percent_of_real_run() -> None:
+@pytest.mark.parametrize(("strategy", "world", "shard_group"), [("zero3", 2, 0), ("zero2", 2, 0), ("hsdp", 4, 2)])
+def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, shard_group: int) -> None:
+    """Was 7.1% high: torch's FlopCounterMode, active in the measured step, decomposes composite ops (silu_backward
+    into sigmoid, mul, add...) and so allocated temporaries a real step does not; FLOPs are now counted in step 1.
+    What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own."""
     from shardscope.runtime.api import run_training
 
     run = run_training(
         model="tiny-llama",
-        strategy="zero3",
+        strategy=strategy,
         engine="pytorch",
-        world_size=2,
+        world_size=world,
+        shard_group=shard_group,
         precision="fp32",
         micro_batch_size=2,
         sequence_length=32,
         timeout_s=240,
     )
-    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
+    scenario = replace(
+        _request("tiny-llama", world, "zero3").scenario,
+        strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
+    )
+    trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120))
     assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
+
+
+def test_zero3_peak_equals_the_gloo_runs() -> None:
+    """Quick guard on the measured figure (tiny-llama, 2 ranks, fp32, micro-batch 2, seq 32, torch 2.13): the gloo
+    run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020."""
+    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
+    assert trace.per_rank.peak_bytes == 2_133_468
+    assert trace.peak_moment == "backward: layers.1"

@@ -55,6 +55,14 @@ def add_parser(subparsers: Any) -> None:
         metavar="SECONDS",
         help="stop the trace after this long (default %(default)s)",
     )
+    parser.add_argument(
+        "--traced-blocks",
+        type=int,
+        default=6,
+        metavar="N",
+        help="trace a deeper model cut to N-1 and N blocks and extrapolate exactly; 0 traces every block "
+        "(default %(default)s)",
+    )
     parser.add_argument("--units", choices=("GiB", "GB", "MiB", "MB"), default="GiB", help="printed units")
     parser.add_argument("--json", action="store_true", help="print JSON (shardscope.trace/v1)")
 
@@ -125,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.time_limit <= 0:
         raise CliError(f"--time-limit {args.time_limit} must be more than 0 seconds")
+    if args.traced_blocks != 0 and args.traced_blocks < 6:
+        raise CliError(f"--traced-blocks {args.traced_blocks} must be 0 (every block) or at least 6")
     request = TraceRequest(
-        scenario=scenario, config_path=args.config or "", factory=args.module or "", time_limit_s=args.time_limit
+        scenario=scenario,
+        config_path=args.config or "",
+        factory=args.module or "",
+        time_limit_s=args.time_limit,
+        traced_blocks=args.traced_blocks,
     )
     try:
         result = run_in_subprocess(request, stderr_progress("trace"))

@@ -7,6 +7,7 @@ FSDP's persistent buffers.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -19,10 +20,11 @@ from torch import nn
 from shardscope.core.result import MemoryBreakdown
 from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
+from shardscope.trace.extrapolate import DepthTrace, extrapolate
 from shardscope.trace.flops import attention_flops, flop_counter, module_flops
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.result import FlopCount, ModuleRow, TraceResult
-from shardscope.trace.setup import apply_strategy, build_traced_model, make_optimizer
+from shardscope.trace.setup import TracedModel, apply_strategy, build_traced_model, make_optimizer, model_depth
 from shardscope.trace.tracker import StepRecorder, local_tensor
 
 Progress = Callable[[str], None]
@@ -89,13 +91,45 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) -> TraceResult:
-    """Trace rank 0 of the request's scenario; raises on a model that cannot run on fake tensors."""
+    """Trace rank 0 of the request's scenario; raises on a model that cannot run on fake tensors.
+
+    A model deeper than request.traced_blocks is traced cut to traced_blocks - 1 and traced_blocks blocks, in this
+    process, and extrapolated to its depth (shardscope.trace.extrapolate says why that is exact).
+    """
     started = time.monotonic()
     require_torch()
-    scenario = request.scenario
-    progress("building the model on the meta device")
     init_fake_process_group(request.world_size)
-    traced = build_traced_model(request)
+    depth = model_depth(request)
+    wanted = request.traced_blocks
+    result: TraceResult | None = None
+    if depth is not None and wanted and depth > wanted:
+        shallow = _trace_depth(request, wanted - 1, progress)
+        deep = _trace_depth(request, wanted, progress)
+        if shallow is not None and deep is not None:
+            result = extrapolate(shallow, deep, depth)
+    if result is None:
+        full = _trace_depth(request, None, progress, flat=True)
+        assert full is not None  # flat traces always return
+        result = full.result
+    if request.scenario.strategy.canonical_name == "zero1":
+        per_rank, fallbacks = _zero1_optimizer_from_core(result.per_rank, request.scenario)
+        result = replace(result, per_rank=per_rank, fallbacks=fallbacks)
+    return replace(result, elapsed_s=time.monotonic() - started)
+
+
+def _trace_depth(
+    request: TraceRequest, num_blocks: int | None, progress: Progress, flat: bool = False
+) -> DepthTrace | None:
+    """One trace of the model (cut to num_blocks blocks); None when its blocks are not named prefix0..prefixN-1,
+    unless flat (then the result is returned without what extrapolation needs)."""
+    scenario = request.scenario
+    label = "" if num_blocks is None else f" ({num_blocks} blocks)"
+    progress(f"building the model on the meta device{label}")
+    gc.collect()  # the previous depth's model and its FSDP reference cycles must not be freed mid-step
+    traced = build_traced_model(request, num_blocks)
+    prefix = _block_prefix(traced)
+    if prefix is None and not flat:
+        return None
     engine = apply_strategy(traced, scenario)
     recorder = StepRecorder()
     units = _units(traced.root, traced.blocks)
@@ -111,27 +145,29 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
         recorder.label(params, "parameters")
         for step in range(request.steps):
             last = step == request.steps - 1
+            # FLOPs are counted in the first step, memory in the last: FlopCounterMode decomposes composite ops
+            # (silu_backward into five element-wise ops, say), which changes what a step allocates.
+            counting = step == 0
             if last:
-                recorder.reset_window()
-                recorder.recording = True
+                recorder.start_window()
             for micro in range(scenario.training.grad_accum_steps):
                 recorder.phase, recorder.where = "forward", "forward"
-                progress(f"step {step + 1}/{request.steps} micro-batch {micro + 1}: forward")
+                progress(f"step {step + 1}/{request.steps}{label} micro-batch {micro + 1}: forward")
                 inputs, targets = traced.make_batch()
-                with counters["forward"] if last else ExitStack():
+                with counters["forward"] if counting else ExitStack():
                     outputs = traced.root(inputs)
                     recorder.phase, recorder.where = "loss", "loss"
                     loss = traced.loss(outputs, targets)
                 del outputs
                 recorder.phase, recorder.where = "backward", "backward"
-                progress(f"step {step + 1}/{request.steps}: backward")
-                with counters["backward"] if last else ExitStack():
+                progress(f"step {step + 1}/{request.steps}{label}: backward")
+                with counters["backward"] if counting else ExitStack():
                     loss.backward()
                 del loss
             recorder.label([p.grad for p in params if p.grad is not None], "gradients")
             recorder.phase, recorder.where = "optimizer", "optimizer step"
-            progress(f"step {step + 1}/{request.steps}: optimizer")
-            with counters["optimizer"] if last else ExitStack():
+            progress(f"step {step + 1}/{request.steps}{label}: optimizer")
+            with counters["optimizer"] if counting else ExitStack():
                 optimizer.step()
             state = _optimizer_state(optimizer)
             recorder.label(state, "optimizer_state")
@@ -139,6 +175,7 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
             recorder.label(params, "parameters")
         recorder.recording = False
         maxima = recorder.max_by_category
+        peak = recorder.peak
         per_rank = MemoryBreakdown(
             parameters_bytes=maxima["parameters"],
             gradients_bytes=maxima["gradients"],
@@ -146,7 +183,7 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
             activations_bytes=maxima["activations"],
             buffers_bytes=maxima["buffers"],
             temporary_bytes=maxima["temporary"],
-            peak_bytes=recorder.peak_bytes,
+            peak_bytes=peak.total_bytes,
         )
         root_name = type(traced.root).__name__
         flops_by_module: dict[str, int] = {}
@@ -168,23 +205,31 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
         optimizer_flops=counters["optimizer"].get_total_flops(),
         attention_formula_flops=sum(attention_flops(counter) for counter in counters.values()),
     )
-    fallbacks: tuple[tuple[str, str], ...] = ()
-    if scenario.strategy.canonical_name == "zero1":
-        per_rank, fallbacks = _zero1_optimizer_from_core(per_rank, scenario)
-    return TraceResult(
+    result = TraceResult(
         world_size=request.world_size,
         strategy=scenario.strategy.name,
         engine=engine,
         per_rank=per_rank,
-        peak_moment=recorder.peak_moment,
-        peak_by_category=tuple(recorder.peak_by_category.items()),
+        peak_moment=f"{peak.phase}: {peak.where}",
+        peak_by_category=tuple(peak.at_peak.items()),
         ledger=recorder.ledger(),
         flops=flops,
         per_module=rows,
-        fallbacks=fallbacks,
         notes=tuple(traced.engine_notes),
-        elapsed_s=time.monotonic() - started,
     )
+    return DepthTrace(
+        blocks=len(traced.blocks), block_prefix=prefix or "", result=result, moments=tuple(recorder.moments.values())
+    )
+
+
+def _block_prefix(traced: TracedModel) -> str | None:
+    """'layers.' when the blocks are the units 'layers.0', 'layers.1', ... in order; else None."""
+    block_ids = {id(block): index for index, block in enumerate(traced.blocks)}
+    names = [name for name, module in traced.root.named_modules() if id(module) in block_ids]
+    if not names or not names[0].endswith(".0"):
+        return None
+    prefix = names[0][:-1]
+    return prefix if names == [f"{prefix}{index}" for index in range(len(names))] else None
 
 
 def _zero1_optimizer_from_core(

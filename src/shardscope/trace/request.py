@@ -10,6 +10,7 @@ from typing import Any
 from shardscope.specs import ClusterSpec, GpuSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
 
 DEFAULT_TIME_LIMIT_S = 600.0
+DEFAULT_TRACED_BLOCKS = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,6 +27,9 @@ class TraceRequest:
     """Stop the trace after this many seconds."""
     steps: int = 2
     """Training steps to replay; the last one is reported (the first allocates optimizer state and buffers)."""
+    traced_blocks: int = DEFAULT_TRACED_BLOCKS
+    """A deeper model is traced with traced_blocks - 1 and traced_blocks of its identical blocks and extrapolated
+    to its depth; 0 traces every block."""
 
     def __post_init__(self) -> None:
         if self.config_path and self.factory:
@@ -34,6 +38,10 @@ class TraceRequest:
             raise SpecError(f"TraceRequest.factory={self.factory!r} must look like package.module:function")
         if not self.time_limit_s > 0:
             raise SpecError(f"TraceRequest.time_limit_s={self.time_limit_s} must be more than 0")
+        if self.traced_blocks != 0 and not 6 <= self.traced_blocks <= 1024:
+            raise SpecError(
+                f"TraceRequest.traced_blocks={self.traced_blocks} must be 0 (trace every block) or between 6 and 1024"
+            )
         if not 2 <= self.steps <= 10:
             raise SpecError(f"TraceRequest.steps={self.steps} must be between 2 and 10")
 

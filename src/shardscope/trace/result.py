@@ -88,6 +88,8 @@ class TraceResult:
     """(category, why) for categories taken from the core's closed form instead of the trace."""
     notes: tuple[str, ...] = ()
     """What the trace did differently from the request, in plain words."""
+    traced_blocks: tuple[int, ...] = ()
+    """Depths actually traced when the result was extrapolated to the model's depth (empty: every block traced)."""
     elapsed_s: float = 0.0
     """Wall time of the trace, building included."""
 
@@ -108,6 +110,7 @@ class TraceResult:
             "per_module": [row.to_json() for row in self.per_module],
             "fallbacks": [{"category": category, "reason": why} for category, why in self.fallbacks],
             "notes": list(self.notes),
+            "traced_blocks": list(self.traced_blocks),
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
@@ -143,5 +146,6 @@ def result_from_json(data: dict[str, Any]) -> TraceResult:
         per_module=tuple(ModuleRow(**row) for row in data["per_module"]),
         fallbacks=tuple((item["category"], item["reason"]) for item in data["fallbacks"]),
         notes=tuple(data["notes"]),
+        traced_blocks=tuple(data.get("traced_blocks", ())),
         elapsed_s=data["elapsed_s"],
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,11 +48,11 @@ class TracedModel:
     engine_notes: list[str]
 
 
-def _reference_model(request: TraceRequest) -> TracedModel:
+def _reference_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
     from shardscope.runtime.models import build_model, lm_loss
 
     scenario = request.scenario
-    spec = scenario.model
+    spec = scenario.model if num_blocks is None else replace(scenario.model, num_layers=num_blocks)
     training = scenario.training
     root = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
     shape = (training.micro_batch_size, training.sequence_length)
@@ -78,15 +78,26 @@ def _largest_module_list(root: nn.Module) -> list[nn.Module]:
     return list(best)
 
 
-def _hf_model(request: TraceRequest) -> TracedModel:
+def _hf_config(request: TraceRequest, num_blocks: int | None) -> Any:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError:
         raise TraceSetupError("--config needs transformers (pip install 'shardscope[hf]')") from None
+    config = AutoConfig.from_pretrained(request.config_path)
+    if num_blocks is not None:
+        config.num_hidden_layers = num_blocks
+        if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (gemma, qwen3)
+            config.layer_types = config.layer_types[:num_blocks]
+    return config
+
+
+def _hf_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
+    config = _hf_config(request, num_blocks)
+    from transformers import AutoModelForCausalLM
+
     from shardscope.runtime.models import lm_loss
 
     training = request.scenario.training
-    config = AutoConfig.from_pretrained(request.config_path)
     with torch.device("meta"):
         root = AutoModelForCausalLM.from_config(config, dtype=DTYPES[training.precision])
     if training.checkpointing == "full":
@@ -185,13 +196,22 @@ def _factory_model(request: TraceRequest) -> TracedModel:
     )
 
 
-def build_traced_model(request: TraceRequest) -> TracedModel:
-    """The model of a request on the meta device."""
+def model_depth(request: TraceRequest) -> int | None:
+    """Blocks of the request's model, or None when its depth cannot be changed (a factory's module)."""
+    if request.factory:
+        return None
+    if request.config_path:
+        return int(_hf_config(request, None).num_hidden_layers)
+    return request.scenario.model.num_layers
+
+
+def build_traced_model(request: TraceRequest, num_blocks: int | None = None) -> TracedModel:
+    """The model of a request on the meta device, cut to num_blocks blocks when given (not for a factory)."""
     if request.factory:
         return _factory_model(request)
     if request.config_path:
-        return _hf_model(request)
-    return _reference_model(request)
+        return _hf_model(request, num_blocks)
+    return _reference_model(request, num_blocks)
 
 
 def make_mesh(scenario: Scenario) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,18 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else tensor
 
 
+@dataclass(slots=True)
+class Moment:
+    """The largest live total seen while rank 0 was at one place of the step (phase and unit), and each category's
+    largest size there: kept per place, so a trace of a few blocks can be extrapolated place by place."""
+
+    phase: str
+    where: str
+    total_bytes: int = -1
+    at_peak: dict[str, int] = field(default_factory=dict)
+    maxima: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRACKED, 0))
+
+
 class StepRecorder(TorchDispatchMode):
     """Live bytes by category, the peak and when it happened, and the collective ledger, per phase."""
 
@@ -58,15 +71,25 @@ class StepRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.recording = False
         self._scopes: list[bool] = []
-        self.reset_window()
-
-    def reset_window(self) -> None:
-        """Start a new measuring window (the steady-state step): peak and per-category maxima from now on."""
-        self.peak_bytes = self.live_total
-        self.peak_by_category = dict(self.live)
-        self.peak_moment = f"{self.phase}: {self.where}"
-        self.max_by_category = dict(self.live)
+        self.moments: dict[tuple[str, str], Moment] = {}
         self.rows: list[CollectiveRow] = []
+
+    def start_window(self) -> None:
+        """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
+        self.moments = {}
+        self.rows = []
+        self.recording = True
+        self._note_peak()
+
+    @property
+    def peak(self) -> Moment:
+        """The moment of the window with the most bytes live."""
+        return max(self.moments.values(), key=lambda moment: moment.total_bytes)
+
+    @property
+    def max_by_category(self) -> dict[str, int]:
+        """Each category's largest size in the window."""
+        return {category: max(moment.maxima[category] for moment in self.moments.values()) for category in TRACKED}
 
     # --- storage bookkeeping -------------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
@@ -89,14 +112,19 @@ class StepRecorder(TorchDispatchMode):
         self._note_peak()
 
     def _note_peak(self) -> None:
-        category_max = self.max_by_category
+        if not self.recording:
+            return
+        key = (self.phase, self.where)
+        moment = self.moments.get(key)
+        if moment is None:
+            moment = self.moments[key] = Moment(phase=self.phase, where=self.where)
+        maxima = moment.maxima
         for category, size in self.live.items():
-            if size > category_max[category]:
-                category_max[category] = size
-        if self.live_total > self.peak_bytes:
-            self.peak_bytes = self.live_total
-            self.peak_by_category = dict(self.live)
-            self.peak_moment = f"{self.phase}: {self.where}"
+            if size > maxima[category]:
+                maxima[category] = size
+        if self.live_total > moment.total_bytes:
+            moment.total_bytes = self.live_total
+            moment.at_peak = dict(self.live)
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Put these tensors' storages in a category (adding any not seen yet)."""

@@ -1,0 +1,37 @@
+"""Tracing a few blocks and extrapolating equals tracing every block, byte for byte (issue 4, item 5)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.trace.request import TraceRequest
+
+pytest.importorskip("torch")
+from shardscope.trace.runner import run_in_subprocess
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision", "checkpointing", "world"),
+    [("zero3", "bf16-mixed", "full", 8), ("zero2", "fp32", "none", 2)],
+)
+def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
+    strategy: str, precision: str, checkpointing: str, world: int
+) -> None:
+    scenario = Scenario(
+        model=replace(model_preset("tiny-llama"), num_layers=10, name="tiny-llama-10"),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
+        training=TrainingSpec(precision=precision, micro_batch_size=2, sequence_length=32, checkpointing=checkpointing),
+        strategy=Strategy(name=strategy),
+    )
+    full = run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=0, time_limit_s=240))
+    short = run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=6, time_limit_s=240))
+    assert full.traced_blocks == () and short.traced_blocks == (5, 6)
+    assert short.per_rank == full.per_rank
+    assert (short.peak_moment, dict(short.peak_by_category)) == (full.peak_moment, dict(full.peak_by_category))
+    assert short.ledger == full.ledger
+    assert short.flops == full.flops
+    assert short.per_module == full.per_module
