@@ -10,10 +10,12 @@ All-reduce Algorithms for Clusters of Workstations"). Needs torch; the core neve
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import os
 import signal
 import socket
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,17 +24,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardscope.presets.hardware import HardwareProfile, InterconnectSpec
+from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, OpCost
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_PAYLOADS = tuple(2**power for power in range(12, 25, 2))  # 4 KiB .. 16 MiB
 _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
-    """One measured collective: op, unsharded payload, ranks and median seconds per call."""
+    """One measured collective: op, unsharded payload, ranks and mean seconds per call."""
 
     op: str
     payload_bytes: int
@@ -56,11 +59,13 @@ def _ring(op: str, ranks: int) -> tuple[float, int]:
     """(wire bytes per unit of payload, steps) of a ring, as in core.network."""
     if op == "all_reduce":
         return 2 * (ranks - 1) / ranks, 2 * (ranks - 1)
+    if op == "broadcast":
+        return 1.0, ranks - 1
     return (ranks - 1) / ranks, ranks - 1
 
 
 def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
-    """Median seconds of `call` after a warm-up, each call fenced by a barrier."""
+    """Mean seconds of `call` after a warm-up, each call fenced by a barrier (see _mean_seconds: why a mean)."""
     for _ in range(2):
         call()
     durations = []
@@ -73,8 +78,7 @@ def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         durations.append(time.perf_counter() - start)
-    durations.sort()
-    return durations[len(durations) // 2]
+    return statistics.fmean(durations)
 
 
 def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.device) -> list[Sample]:
@@ -88,6 +92,7 @@ def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.
             "all_reduce": functools.partial(dist.all_reduce, full),
             "all_gather": functools.partial(dist.all_gather_into_tensor, full, shard),
             "reduce_scatter": functools.partial(dist.reduce_scatter_tensor, shard, full),
+            "broadcast": functools.partial(dist.broadcast, full, 0),
         }
         for op in OPS:
             seconds = _time_calls(calls[op], repeats, device)
@@ -95,7 +100,12 @@ def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.
     return samples
 
 
-def _median_seconds(work: Any, repeats: int, device: torch.device) -> float:
+def _mean_seconds(work: Any, repeats: int, device: torch.device) -> float:
+    """Mean seconds of `work` after a warm-up.
+
+    Means, not medians, here and in _time_calls: a training step is a sum of many such pieces, and the expectation of
+    a sum is the sum of the expectations, so the stalls a shared machine inflicts now and then count as they do in a
+    step. (The runtime reports a step's median, which over tens of pieces per step is close to its mean.)"""
     work()
     durations = []
     for _ in range(repeats):
@@ -106,31 +116,121 @@ def _median_seconds(work: Any, repeats: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         durations.append(time.perf_counter() - start)
-    durations.sort()
-    return durations[len(durations) // 2]
+    return statistics.fmean(durations)
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -> dict[str, float]:
     """Matmul FLOP/s, seconds per small autograd op, and copy bandwidth on this device."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    matmul = _median_seconds(lambda: torch.mm(a, b), 10, device)
+    matmul = _mean_seconds(lambda: torch.mm(a, b), 10, device)
     # A tiny op with autograd, forward and backward: what one kernel of a small model costs beyond its FLOPs.
     x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
 
     def tiny() -> None:
         for _ in range(50):
-            (x * 1.5).sum().backward()
+            (x * 1.5).sum().backward()  # type: ignore[no-untyped-call]
 
     # per iteration: mul and sum forward, their two backward kernels and the accumulation into x.grad
-    overhead = _median_seconds(tiny, 5, device) / (50 * 5)
+    overhead = _mean_seconds(tiny, 5, device) / (50 * 5)
     big = torch.empty(16 * 2**20, device=device, dtype=torch.float32)
     source = torch.ones_like(big)
-    copy = _median_seconds(lambda: big.copy_(source), 5, device)
+    copy = _mean_seconds(lambda: big.copy_(source), 5, device)
     return {
         "matmul_flops_per_s": 2.0 * size**3 / matmul,
         "kernel_overhead_s": overhead,
         "memory_bandwidth_bytes_per_s": 2.0 * big.numel() * 4 / copy,
+    }
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts aten ops, the unit of the core's per-op costs (core.compute's op counts are counted the same way)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(work: Any) -> int:
+    counter = _OpCounter()
+    with counter:
+        work()
+    return counter.ops
+
+
+# Framework micro-benchmarks: a stack of FRAMEWORK_UNITS tiny Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) units on a
+# (FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) input, small enough that FLOPs are negligible and what is timed is the
+# framework's own work: eager dispatch, autograd, hooks, DDP's reducer, FSDP2's per-unit bookkeeping.
+FRAMEWORK_UNITS = 4
+FRAMEWORK_WIDTH = 64
+
+
+def _stack() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) for _ in range(FRAMEWORK_UNITS)))
+
+
+def measure_framework(repeats: int = 15) -> dict[str, float]:
+    """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
+
+    Returned raw: seconds per forward and backward aten op, per optimizer tensor (plain and FSDP2's DTensors), and
+    step times of the same tiny stack plain, under DDP and under FSDP2, for calibrate() to subtract the modelled
+    collectives from.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    cpu = torch.device("cpu")
+    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(16):
+            y = torch.tanh(y * 1.01 + 0.1)
+        return y.sum()
+
+    forward_ops = _counted(chain)
+    loss = chain()
+    backward_ops = _counted(loss.backward)
+    forward_s = _mean_seconds(chain, repeats, cpu)
+    backward_s = _mean_seconds(lambda: chain().backward(), repeats, cpu) - forward_s  # type: ignore[no-untyped-call]
+    tensors = [torch.zeros(FRAMEWORK_WIDTH, requires_grad=True) for _ in range(32)]
+    for tensor in tensors:
+        tensor.grad = torch.ones_like(tensor)
+    adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
+    optimizer_tensor_s = _mean_seconds(adam.step, repeats, cpu) / len(tensors)
+    inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
+
+    def train_step(module: torch.nn.Module) -> None:
+        module(inputs).sum().backward()
+
+    plain = _stack()
+    plain_s = _mean_seconds(lambda: train_step(plain), repeats, cpu)
+    ddp = DistributedDataParallel(_stack())
+    for _ in range(3):  # DDP rebuilds its buckets after the first iteration
+        train_step(ddp)
+    ddp_s = _mean_seconds(lambda: train_step(ddp), repeats, cpu)
+    sharded = _stack()
+    for unit in sharded:
+        fully_shard(unit, reshard_after_forward=True)
+    fully_shard(sharded)
+    fsdp_s = _mean_seconds(lambda: train_step(sharded), repeats, cpu)
+    train_step(sharded)
+    dtensor_adam = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=False)
+    dtensor_adam.step()
+    fsdp_optimizer_tensor_s = _mean_seconds(dtensor_adam.step, repeats, cpu) / (2 * FRAMEWORK_UNITS)
+    return {
+        "forward_op_s": forward_s / forward_ops,
+        "backward_op_s": max(backward_s, 0.0) / backward_ops,
+        "optimizer_tensor_s": optimizer_tensor_s,
+        "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
+        "plain_step_s": plain_s,
+        "ddp_step_s": ddp_s,
+        "fsdp_step_s": fsdp_s,
     }
 
 
@@ -139,13 +239,19 @@ def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats
     ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of the *_tensor collectives
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(float(os.environ.get("SHARDSCOPE_CALIBRATE_STACKS_AFTER_S", "600")))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cpu")
     samples = _measure_collectives(payloads, repeats, device)
     dist.barrier()
     compute = measure_compute(device, torch.float32)  # every rank at once, as in training
+    dist.barrier()
+    compute.update(measure_framework())
     if rank == 0:
         queue.put((samples, compute))
+        # put() hands the data to a feeder thread; os._exit below would kill it before the pipe has the data
+        queue.close()
+        queue.join_thread()
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -205,12 +311,46 @@ def fit_samples(samples: list[Sample]) -> tuple[float, float, float, float]:
     return call, step, 1.0 / per_byte, error
 
 
+def fit_op(samples: list[Sample], op: str) -> OpCost:
+    """One op's own t = call + wire / bandwidth (least squares in relative error, as fit_samples)."""
+    mine = [sample for sample in samples if sample.op == op]
+    design = torch.tensor([[1.0, _ring(op, s.world_size)[0] * s.payload_bytes] for s in mine], dtype=torch.float64)
+    target = torch.tensor([s.seconds for s in mine], dtype=torch.float64).unsqueeze(1)
+    solution = torch.linalg.lstsq(design / target, target / target).solution.squeeze(1).tolist()
+    return OpCost(op=op, call_latency_s=max(solution[0], 0.0), bandwidth_bytes_per_s=1.0 / max(solution[1], 1e-15))
+
+
+def _op_seconds(cost: OpCost, payload_bytes: int, world_size: int) -> float:
+    return cost.call_latency_s + _ring(cost.op, world_size)[0] * payload_bytes / cost.bandwidth_bytes_per_s
+
+
+def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], world_size: int) -> dict[str, float]:
+    """The framework terms of the profile from measure_framework's timings: each engine's step of the tiny stack,
+    less the plain step and less its collectives as the per-op fit prices them."""
+    unit_bytes = (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4
+    all_reduce = _op_seconds(op_costs["all_reduce"], FRAMEWORK_UNITS * unit_bytes, world_size)
+    per_unit_comm = 2 * _op_seconds(op_costs["all_gather"], unit_bytes, world_size) + _op_seconds(
+        op_costs["reduce_scatter"], unit_bytes, world_size
+    )
+    fsdp = raw["fsdp_step_s"] - raw["plain_step_s"] - FRAMEWORK_UNITS * per_unit_comm
+    return {
+        "kernel_overhead_s": raw["forward_op_s"],
+        "backward_op_overhead_s": raw["backward_op_s"],
+        "optimizer_tensor_overhead_s": raw["optimizer_tensor_s"],
+        "ddp_step_overhead_s": max(0.0, raw["ddp_step_s"] - raw["plain_step_s"] - all_reduce),
+        "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
+        "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
+    }
+
+
 def calibrate(
     world_size: int = 2, payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 10, timeout_s: float = 300.0
 ) -> Calibration:
     """Measure this host with world_size gloo ranks and fit a profile."""
     samples, compute = run_local(world_size, payloads, repeats, timeout_s)
     call, step, bandwidth, error = fit_samples(samples)
+    op_costs = {op: fit_op(samples, op) for op in OPS}
+    overheads = framework_overheads(compute, op_costs, world_size)
     host = socket.gethostname()
     link = InterconnectSpec(
         id="measured",
@@ -236,8 +376,9 @@ def calibrate(
         overlap=False,
         matmul_flops_per_s=compute["matmul_flops_per_s"],
         efficiency=1.0,
-        kernel_overhead_s=compute["kernel_overhead_s"],
         memory_bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
+        op_costs=tuple(op_costs.values()),
+        **overheads,
         source=f"shardscope calibrate on {host} at {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"1 thread per rank; fit max relative error {error:.0%}",
     )

@@ -28,10 +28,48 @@ def test_fit_recovers_a_known_alpha_beta_model() -> None:
 def test_calibrate_two_gloo_ranks_writes_a_readable_profile() -> None:
     # hard timeout: calibrate kills both ranks after timeout_s and raises TimeoutError
     result = calibrate(world_size=2, payloads=(2**12, 2**16, 2**20), repeats=3, timeout_s=90)
-    assert len(result.samples) == 9
+    assert len(result.samples) == 12  # 3 payloads x all_reduce, all_gather, reduce_scatter, broadcast
+    assert profile_has_framework_terms(result.profile)
     assert all(sample.seconds > 0 for sample in result.samples)
     profile = result.profile
     assert profile.intra_node.bandwidth_bytes_per_s > 1e6
     assert profile.matmul_flops_per_s > 1e8
     assert profile.overlap is False
     assert parse_profile(profile_to_toml(profile)) == profile
+
+
+def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> None:
+    from shardscope.calibrate import FRAMEWORK_UNITS, FRAMEWORK_WIDTH, fit_op, framework_overheads
+
+    samples = [
+        Sample(op=op, payload_bytes=payload, world_size=2, seconds=call + 0.5 * payload / bandwidth)
+        for op, call, bandwidth in (("all_reduce", 4e-4, 1e9), ("all_gather", 3e-4, 1e9), ("reduce_scatter", 5e-4, 5e8))
+        for payload in (2**12, 2**16, 2**20)
+    ]
+    costs = {op: fit_op(samples, op) for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    assert costs["reduce_scatter"].call_latency_s == pytest.approx(5e-4, rel=1e-6)
+    assert costs["reduce_scatter"].bandwidth_bytes_per_s == pytest.approx(5e8, rel=1e-6)
+    unit = (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4
+    per_unit_comm = 2 * (3e-4 + 0.5 * unit / 1e9) + 5e-4 + 0.5 * unit / 5e8
+    raw = {
+        "forward_op_s": 5e-6,
+        "backward_op_s": 6e-6,
+        "optimizer_tensor_s": 3e-5,
+        "fsdp_optimizer_tensor_s": 1.3e-4,
+        "plain_step_s": 1e-3,
+        "ddp_step_s": 1e-3 + 4e-4 + 0.5 * FRAMEWORK_UNITS * unit / 1e9 + 7e-4,
+        "fsdp_step_s": 1e-3 + FRAMEWORK_UNITS * (per_unit_comm + 5e-3),
+    }
+    terms = framework_overheads(raw, costs, 2)
+    assert terms["ddp_step_overhead_s"] == pytest.approx(7e-4)
+    assert terms["fsdp_unit_overhead_s"] == pytest.approx(5e-3)
+    assert terms["fsdp_optimizer_tensor_overhead_s"] == pytest.approx(1e-4)
+
+
+def profile_has_framework_terms(profile) -> bool:  # type: ignore[no-untyped-def]
+    return (
+        profile.kernel_overhead_s > 0
+        and profile.backward_op_overhead_s > 0
+        and profile.optimizer_tensor_overhead_s > 0
+        and {cost.op for cost in profile.op_costs} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    )

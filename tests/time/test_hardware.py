@@ -68,3 +68,42 @@ def test_bad_profiles_say_what_is_wrong(text: str, message: str) -> None:
 def test_missing_profile_file(tmp_path: Path) -> None:
     with pytest.raises(HardwareError, match="cannot read"):
         load_profile(tmp_path / "absent.toml")
+
+
+def test_a_first_version_profile_still_loads_with_no_overheads() -> None:
+    text = (
+        'schema = "shardscope.hardware/v1"\n[compute]\nkernel_overhead_s = 5e-6\n'
+        "[network]\ncall_latency_s = 3e-4\noverlap = false\n"
+        "[network.intra_node]\nbandwidth_bytes_per_s = 1e9\nlatency_s = 0.0\n"
+    )
+    profile = parse_profile(text)
+    assert profile.kernel_overhead_s == 5e-6
+    assert profile.op_costs == ()
+    assert profile.backward_op_overhead_s == profile.fsdp_unit_overhead_s == profile.ddp_step_overhead_s == 0.0
+
+
+def test_overheads_and_per_op_costs_round_trip(tmp_path: Path) -> None:
+    import dataclasses
+
+    from shardscope.presets.hardware import OpCost
+
+    base = default_profile(gpu_preset("h100-80gb"))
+    assert base.fsdp_unit_overhead_s > 0 and base.kernel_overhead_s == 0  # stated GPU defaults
+    profile = dataclasses.replace(
+        base,
+        backward_op_overhead_s=3e-6,
+        fsdp_unit_overhead_s=5e-3,
+        op_costs=(OpCost(op="reduce_scatter", call_latency_s=5e-4, bandwidth_bytes_per_s=5e8),),
+    )
+    path = tmp_path / "profile.toml"
+    path.write_text(profile_to_toml(profile))
+    assert load_profile(path) == profile
+
+
+def test_a_per_op_cost_for_an_unknown_op_is_refused() -> None:
+    text = (
+        'schema = "shardscope.hardware/v1"\n[network]\nintra_node = "nvlink4"\n'
+        "[network.ops.gossip]\nbandwidth_bytes_per_s = 1e9\n"
+    )
+    with pytest.raises(HardwareError, match="gossip"):
+        parse_profile(text)

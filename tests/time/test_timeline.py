@@ -90,3 +90,23 @@ def test_core_time_model_imports_without_torch() -> None:
         "import shardscope.presets.hardware\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_framework_overheads_add_per_unit_per_step_and_per_tensor() -> None:
+    from shardscope.core.params import param_layout
+    from shardscope.core.timeline import optimizer_tensors
+
+    case = scenario(model="tiny-llama", strategy="zero3", world_size=2, gpus_per_node=2, sequence_length=32)
+    base = dataclasses.replace(_profile(overlap=False), fsdp_unit_overhead_s=0.0, ddp_step_overhead_s=0.0)
+    plain = estimate_time(case, base).step_time_s
+    units = case.model.num_layers + 1
+    costly = dataclasses.replace(base, fsdp_unit_overhead_s=1e-3, fsdp_optimizer_tensor_overhead_s=1e-4)
+    tensors = len(param_layout(case.model).tensors())
+    assert optimizer_tensors(case) == tensors
+    assert estimate_time(case, costly).step_time_s == pytest.approx(plain + units * 1e-3 + tensors * 1e-4)
+    teaching = dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, engine="paper"))
+    assert estimate_time(teaching, costly).step_time_s == pytest.approx(estimate_time(teaching, base).step_time_s)
+    assert optimizer_tensors(teaching) == units  # one flat shard per unit
+    ddp = scenario(model="tiny-llama", strategy="ddp", world_size=2, gpus_per_node=2, sequence_length=32)
+    with_ddp = dataclasses.replace(base, ddp_step_overhead_s=2e-3)
+    assert estimate_time(ddp, with_ddp).step_time_s == pytest.approx(estimate_time(ddp, base).step_time_s + 2e-3)

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(error), exit_code=1) from None
     rows = [[s.op, str(s.payload_bytes), f"{s.seconds * 1e6:.1f}"] for s in result.samples]
     profile = result.profile
-    print(render_table(["op", "payload bytes", "median us"], rows))
+    print(render_table(["op", "payload bytes", "mean us"], rows))
     print(
         f"\nfit: call latency {profile.call_latency_s * 1e6:.1f} us, step latency "
         f"{profile.intra_node.latency_s * 1e6:.1f} us, bandwidth {profile.intra_node.bandwidth_bytes_per_s / 1e9:.2f}"

@@ -24,13 +24,21 @@ from shardscope.core.params import ParamTensor, param_layout
 from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
 
 DEFAULT_EFFICIENCY = 0.5
-# Kernels one block launches in forward (matmuls, norms, activations, adds, views that copy), counted from the
-# reference modules in shardscope.runtime.models; backward launches about twice as many. An approximation that only
-# matters where kernels are tiny (CPU runs of tiny models): it is multiplied by the calibrated per-kernel overhead.
-KERNELS_PER_BLOCK = {"gpt2": 16, "llama": 30, "moe": 60}
-KERNELS_EMBED = 3
-KERNELS_HEAD = 10
-BACKWARD_KERNEL_FACTOR = 2.0
+# Ops (aten ops as torch dispatches them, views included) one block runs in forward and in backward, counted with a
+# dispatch-mode counter on shardscope.runtime.models at micro-batch 2 x 32 (tiny presets, fp32; the count does not
+# depend on sizes): (family, attention) -> (forward, backward). Multiplied by the calibrated per-op cost they are what
+# a CPU step of a small model spends beyond its FLOPs. MoE counts are tiny-moe's (4 experts, 2 per token).
+OPS_PER_BLOCK = {
+    ("gpt2", "eager"): (51, 88),
+    ("gpt2", "sdpa"): (32, 68),
+    ("llama", "eager"): (93, 158),
+    ("llama", "sdpa"): (68, 133),
+    ("moe", "eager"): (153, 295),
+    ("moe", "sdpa"): (128, 270),
+}
+# Ops outside the blocks (embeddings; final norm, head and cross-entropy loss), same counter: (forward, backward).
+OPS_EMBED = (2, 2)
+OPS_HEAD = {"gpt2": (14, 21), "llama": (27, 32), "moe": (27, 32)}
 # Adam(W) reads parameter, gradient and two moments and writes parameter and moments: 7 fp32 accesses per element
 # ("Adam: A Method for Stochastic Optimization", Algorithm 1); SGD with momentum 5, plain SGD 3.
 OPTIMIZER_ACCESSES = {"adamw": 7, "adam": 7, "sgd-momentum": 5, "sgd": 3}
@@ -48,7 +56,11 @@ class ComputeModel:
     efficiency: float = DEFAULT_EFFICIENCY
     """Fraction of the peak a training step's matmuls reach (an assumption; 1.0 when the peak was measured)."""
     kernel_overhead_s: float = 0.0
-    """Launch and dispatch cost of one kernel (measured by calibrate; ~0 for a busy GPU)."""
+    """Launch and dispatch cost of one forward op (measured by calibrate; ~0 for a busy GPU)."""
+    backward_op_overhead_s: float = 0.0
+    """The same for one backward op, autograd included."""
+    optimizer_tensor_overhead_s: float = 0.0
+    """Cost per parameter tensor of a single-tensor optimizer step; 0: its kernels x kernel_overhead_s."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth for the optimizer step; 0 to ignore its cost."""
 
@@ -59,12 +71,20 @@ class ComputeModel:
                 raise SpecError(f"ComputeModel.{name}={value} must be a positive number")
         if self.efficiency > 1:
             raise SpecError(f"ComputeModel.efficiency={self.efficiency} must be at most 1")
-        if not (self.kernel_overhead_s >= 0 and self.memory_bandwidth_bytes_per_s >= 0):
-            raise SpecError("ComputeModel.kernel_overhead_s and memory_bandwidth_bytes_per_s must be zero or more")
+        for name in ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise SpecError(f"ComputeModel.{name}={getattr(self, name)} must be zero or more")
+        if not self.memory_bandwidth_bytes_per_s >= 0:
+            raise SpecError("ComputeModel.memory_bandwidth_bytes_per_s must be zero or more")
 
     def seconds(self, flops: float, kernels: float) -> float:
-        """Time of work of so many FLOPs in so many kernels."""
+        """Time of forward work of so many FLOPs in so many ops."""
         return flops / (self.peak_flops_per_s * self.efficiency) + kernels * self.kernel_overhead_s
+
+    def backward_seconds(self, flops: float, ops: float) -> float:
+        """Time of backward work of so many FLOPs in so many ops (the forward per-op cost when none is measured)."""
+        per_op = self.backward_op_overhead_s or self.kernel_overhead_s
+        return flops / (self.peak_flops_per_s * self.efficiency) + ops * per_op
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,7 +100,9 @@ class StageFlops:
     recompute_flops: float
     """FLOPs recomputed in backward under checkpointing."""
     forward_kernels: float
-    """Kernels launched in forward."""
+    """Ops run in forward."""
+    backward_kernels: float
+    """Ops run in backward."""
     recompute_kernels: float
     """Kernels launched to recompute."""
 
@@ -115,7 +137,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
     block_matmuls = _matmul_flops(layout.block, tokens, model.experts_per_token, max(1, model.num_experts))
     attention = _attention_core_flops(model, training)
     block_forward = block_matmuls + attention
-    block_kernels = float(KERNELS_PER_BLOCK[model.family])
+    block_kernels, block_backward = (float(count) for count in OPS_PER_BLOCK[(model.family, training.attention)])
     if training.checkpointing == "full":
         recompute, recompute_kernels = block_forward, block_kernels
     elif training.checkpointing == "selective":
@@ -132,7 +154,8 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
             forward_flops=0.0,
             backward_flops=0.0,
             recompute_flops=0.0,
-            forward_kernels=KERNELS_EMBED,
+            forward_kernels=OPS_EMBED[0],
+            backward_kernels=OPS_EMBED[1],
             recompute_kernels=0.0,
         )
     ]
@@ -143,6 +166,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
             backward_flops=2 * block_forward,
             recompute_flops=recompute,
             forward_kernels=block_kernels,
+            backward_kernels=block_backward,
             recompute_kernels=recompute_kernels,
         )
         for index in range(model.num_layers)
@@ -153,7 +177,8 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
             forward_flops=head,
             backward_flops=2 * head,
             recompute_flops=0.0,
-            forward_kernels=KERNELS_HEAD,
+            forward_kernels=OPS_HEAD[model.family][0],
+            backward_kernels=OPS_HEAD[model.family][1],
             recompute_kernels=0.0,
         )
     )
@@ -178,7 +203,10 @@ def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int
     """The optimizer step over the rank's shard: memory-bound, fp32 state accesses over the memory bandwidth, plus
     the kernels it launches per tensor."""
     optimizer = scenario.training.optimizer
-    kernels = OPTIMIZER_KERNELS_PER_TENSOR[optimizer] * shard_tensors * compute.kernel_overhead_s
+    per_tensor = (
+        compute.optimizer_tensor_overhead_s or OPTIMIZER_KERNELS_PER_TENSOR[optimizer] * compute.kernel_overhead_s
+    )
+    kernels = per_tensor * shard_tensors
     if compute.memory_bandwidth_bytes_per_s <= 0:
         return kernels
     state_bytes = 8 if scenario.training.precision == "fp64" else 4

@@ -20,11 +20,13 @@ reduce-scatter and all-gather, x 1 for broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from shardscope.core.comm import CommEvent
 from shardscope.core.result import CollectiveRow
+from shardscope.presets.hardware import OpCost
 from shardscope.specs import Scenario, SpecError
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "auto")
@@ -65,6 +67,17 @@ class NetworkModel:
     """Fixed cost of one collective call (NCCL's baseLat; gloo's per-call overhead when calibrated)."""
     algorithm: str = "ring"
     """'ring', 'tree', 'hierarchical', or 'auto' (the fastest of ring and tree, as NCCL's tuner picks)."""
+    op_costs: tuple[OpCost, ...] = ()
+    """Measured per-op call latency and bandwidth (inside a node), replacing call_latency_s and the intra-node
+    bandwidth for that op: gloo's reduce_scatter is 1.5-3x slower than its all_gather at the same payload."""
+
+    def for_op(self, op: str) -> NetworkModel:
+        """This model with the op's own measured cost, if it has one."""
+        cost = next((cost for cost in self.op_costs if cost.op == op), None)
+        if cost is None:
+            return self
+        link = dataclasses.replace(self.intra_node, bandwidth_bytes_per_s=cost.bandwidth_bytes_per_s)
+        return dataclasses.replace(self, intra_node=link, call_latency_s=cost.call_latency_s, op_costs=())
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -163,6 +176,7 @@ def collective_cost(op: str, payload_bytes: float, where: Placement, net: Networ
     """Wire bytes and time of one call of a collective on a group placed as given."""
     if where.size <= 1:
         return CollectiveCost(wire_bytes=0.0, inter_node_bytes=0.0, time_s=0.0)
+    net = net.for_op(op)
     algorithm = net.algorithm
     if algorithm == "auto":
         candidates = [_ring(op, payload_bytes, where, net)]

@@ -126,6 +126,7 @@ def network_model(profile: HardwareProfile) -> NetworkModel:
         host=_link(profile.host),
         call_latency_s=profile.call_latency_s,
         algorithm=profile.algorithm,
+        op_costs=profile.op_costs,
     )
 
 
@@ -145,8 +146,47 @@ def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
         peak_flops_per_s=peak,
         efficiency=profile.efficiency,
         kernel_overhead_s=profile.kernel_overhead_s,
+        backward_op_overhead_s=profile.backward_op_overhead_s,
+        optimizer_tensor_overhead_s=profile.optimizer_tensor_overhead_s,
         memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
     )
+
+
+def _uses_fsdp2(scenario: Scenario) -> bool:
+    strategy = scenario.strategy
+    return strategy.engine == "pytorch" and (strategy.stage == 3 or strategy.name == "zero2")
+
+
+def _framework_s(scenario: Scenario, profile: HardwareProfile) -> dict[tuple[str, int], float]:
+    """The engine's own bookkeeping per micro-batch, by (kind, stage) it runs beside: torch DDP's per step (at the
+    first forward stage), FSDP2's per unit (half with the unit's forward, half with its backward)."""
+    strategy = scenario.strategy
+    extra: dict[tuple[str, int], float] = {}
+    if strategy.engine == "pytorch" and strategy.canonical_name in ("ddp", "zero1"):
+        extra[("forward", 0)] = profile.ddp_step_overhead_s
+    elif _uses_fsdp2(scenario):
+        half = profile.fsdp_unit_overhead_s / 2
+        extra[("forward", 0)] = extra[("backward", 0)] = half  # the root unit
+        for stage in range(1, scenario.model.num_layers + 1):
+            extra[("forward", stage)] = extra[("backward", stage)] = half
+    return extra
+
+
+def optimizer_tensors(scenario: Scenario) -> int:
+    """Tensors one rank's optimizer steps over: the teaching strategies keep one flat buffer (or shard) per unit;
+    torch's DDP every parameter; ZeroRedundancyOptimizer about 1/world of them; FSDP2 every parameter, as a
+    DTensor shard; DeepSpeed flat partitions (counted as the tensors of its shard)."""
+    layout = param_layout(scenario.model)
+    strategy = scenario.strategy
+    tensors = len(layout.tensors())
+    if strategy.engine == "paper":
+        return layout.num_blocks + 1
+    if strategy.engine == "pytorch":
+        if strategy.canonical_name == "zero1":
+            return -(-tensors // scenario.cluster.world_size)
+        return tensors
+    degree = 1 if strategy.stage == 0 else scenario.shard_degree
+    return tensors if degree == 1 else -(-tensors // degree)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,15 +200,19 @@ class _Task:
     after: tuple[int, ...]  # indices (into the task list) that must finish first
 
 
-def _compute_tasks(scenario: Scenario, compute: ComputeModel) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
+def _compute_tasks(
+    scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
+) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
     """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
     stages = stage_flops(scenario.model, scenario.training)
+    framework = _framework_s(scenario, profile)
     tasks: list[_Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
     def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
         where[(kind, micro_batch, stage)] = len(tasks)
         name = f"{kind} {stages[stage].name}" + (f" (micro-batch {micro_batch})" if micro_batch else "")
+        seconds += framework.get((kind, stage), 0.0)
         tasks.append(_Task(len(tasks), name, "compute", kind, seconds, 0, ()))
 
     for micro_batch in range(scenario.training.grad_accum_steps):
@@ -178,11 +222,13 @@ def _compute_tasks(scenario: Scenario, compute: ComputeModel) -> tuple[list[_Tas
             stage = stages[index]
             if stage.recompute_flops:
                 add("recompute", micro_batch, index, compute.seconds(stage.recompute_flops, stage.recompute_kernels))
-            add("backward", micro_batch, index, compute.seconds(stage.backward_flops, 2 * stage.forward_kernels))
+            add("backward", micro_batch, index, compute.backward_seconds(stage.backward_flops, stage.backward_kernels))
     layout = param_layout(scenario.model)
     degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
-    shard_tensors = len(layout.tensors()) if degree == 1 else -(-len(layout.tensors()) // degree)
+    shard_tensors = optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
+    if _uses_fsdp2(scenario):
+        seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
     where[("optimizer", 0, -1)] = len(tasks)
     tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
     return tasks, where
@@ -237,7 +283,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     comm_events(scenario)  # refuses a model without a shape before anything else
     compute = compute_model(scenario, profile)
     net = network_model(profile)
-    compute_tasks, where = _compute_tasks(scenario, compute)
+    compute_tasks, where = _compute_tasks(scenario, compute, profile)
     comm_tasks, waits = _comm_tasks(scenario, net, compute_tasks, where)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]

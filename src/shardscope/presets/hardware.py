@@ -8,8 +8,14 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     [compute]
     matmul_flops_per_s = 0.0        # 0: the GPU preset's datasheet peak for the step's dtype
     efficiency = 0.5                # fraction of that peak a training step reaches
-    kernel_overhead_s = 0.0         # launch/dispatch cost per kernel
+    kernel_overhead_s = 0.0         # launch/dispatch cost per forward op (aten op)
+    backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
+    optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
     memory_bandwidth_bytes_per_s = 0.0
+    [framework]                     # optional: engine bookkeeping beyond ops and collectives
+    ddp_step_overhead_s = 0.0       # DistributedDataParallel per step (reducer, hooks)
+    fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
+    fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -17,10 +23,16 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     intra_node = "nvlink4"          # a preset id, or a table {name, bandwidth_bytes_per_s, latency_s}
     inter_node = "ib-ndr"
     host = "pcie5-x16"
+    [network.ops.reduce_scatter]    # optional, per op: replaces call_latency_s and the link bandwidth
+    call_latency_s = 3.2e-4
+    bandwidth_bytes_per_s = 6e8
+
+Every field added after the first version is optional and defaults to 0 (not modelled), so older files still load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -69,6 +81,36 @@ class InterconnectSpec:
             raise HardwareError(f"interconnect {self.id!r}: latency_s={self.latency_s!r} must be zero or more")
 
 
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpCost:
+    """A collective op's own measured cost, where one op is much slower than another at the same payload (gloo's
+    reduce_scatter against its all_gather)."""
+
+    op: str
+    """'all_reduce', 'all_gather', 'reduce_scatter' or 'broadcast'."""
+    call_latency_s: float
+    """Fixed cost of one call of this op."""
+    bandwidth_bytes_per_s: float
+    """Ring wire bytes per second this op reaches."""
+
+    def __post_init__(self) -> None:
+        if self.op not in COLLECTIVE_OPS:
+            raise HardwareError(f"network.ops.{self.op} is not a collective; allowed: {', '.join(COLLECTIVE_OPS)}")
+        if not (isinstance(self.call_latency_s, int | float) and 0 <= self.call_latency_s < math.inf):
+            raise HardwareError(f"network.ops.{self.op}: call_latency_s={self.call_latency_s!r} must be zero or more")
+        if not (isinstance(self.bandwidth_bytes_per_s, int | float) and 0 < self.bandwidth_bytes_per_s < math.inf):
+            raise HardwareError(
+                f"network.ops.{self.op}: bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} must be positive"
+            )
+
+
+FRAMEWORK_FIELDS = ("ddp_step_overhead_s", "fsdp_unit_overhead_s", "fsdp_optimizer_tensor_overhead_s")
+OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HardwareProfile:
     """Everything the time model needs beyond the GPU preset: links, algorithm, compute speed assumptions."""
@@ -92,11 +134,29 @@ class HardwareProfile:
     efficiency: float = DEFAULT_EFFICIENCY
     """Fraction of the peak a training step's matmuls reach."""
     kernel_overhead_s: float = 0.0
-    """Launch and dispatch cost of one kernel."""
+    """Launch and dispatch cost of one forward op (one aten op, as core.compute counts them)."""
+    backward_op_overhead_s: float = 0.0
+    """The same for one backward op, the autograd engine's work included."""
+    optimizer_tensor_overhead_s: float = 0.0
+    """Cost of one parameter tensor in a single-tensor (foreach=False) optimizer step, beyond its memory traffic;
+    0: the optimizer's kernels per tensor times kernel_overhead_s."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth (optimizer step); 0 means the GPU preset's datasheet figure, if known."""
+    ddp_step_overhead_s: float = 0.0
+    """torch DistributedDataParallel's own work per step (forward pre-hook, reducer bookkeeping)."""
+    fsdp_unit_overhead_s: float = 0.0
+    """FSDP2's own work per unit per step: pre/post-forward and pre/post-backward hooks, all-gather copy-in and
+    copy-out, swapping DTensor and unsharded parameters."""
+    fsdp_optimizer_tensor_overhead_s: float = 0.0
+    """Extra cost of one FSDP2 (DTensor) parameter in the optimizer step, over a plain tensor's."""
+    op_costs: tuple[OpCost, ...] = ()
+    """Per-op collective costs replacing call_latency_s and the link bandwidth for that op (calibrated gloo)."""
     source: str = ""
     """Where the profile's numbers come from."""
+
+    def op_cost(self, op: str) -> OpCost | None:
+        """The measured cost of a collective op, if the profile has one."""
+        return next((cost for cost in self.op_costs if cost.op == op), None)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("ring", "tree", "hierarchical", "auto"):
@@ -104,7 +164,7 @@ class HardwareProfile:
                 f"profile {self.name!r}: algorithm={self.algorithm!r} is not known; allowed: ring, "
                 f"tree, hierarchical, auto"
             )
-        for name in ("call_latency_s", "matmul_flops_per_s", "kernel_overhead_s", "memory_bandwidth_bytes_per_s"):
+        for name in ("call_latency_s", "matmul_flops_per_s", "memory_bandwidth_bytes_per_s", *OVERHEAD_FIELDS):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
                 raise HardwareError(f"profile {self.name!r}: {name}={value!r} must be a number, zero or more")
@@ -149,15 +209,18 @@ def default_profile(gpu: GpuSpec) -> HardwareProfile:
     """The datasheet profile of a GPU preset: its typical links, NCCL's latencies, the default efficiency."""
     data = _data()
     links = data["gpu_defaults"].get(gpu.id, data["gpu_defaults"]["custom"])
-    return HardwareProfile(
+    profile = HardwareProfile(
         name=f"datasheet: {gpu.name}",
         intra_node=interconnect_preset(links["intra_node"]),
         inter_node=interconnect_preset(links["inter_node"]),
         host=interconnect_preset(links["host"]),
         call_latency_s=float(data["call_latency_s"]),
         memory_bandwidth_bytes_per_s=gpu_memory_bandwidth(gpu),
-        source=f"{gpu.source}; links: interconnects.json; {data['call_latency_source']}",
+        source=f"{gpu.source}; links: interconnects.json; {data['call_latency_source']}; "
+        f"framework: {data['framework_defaults']['source']}",
     )
+    overheads: dict[str, Any] = {name: float(data["framework_defaults"][name]) for name in OVERHEAD_FIELDS}
+    return dataclasses.replace(profile, **overheads)
 
 
 def _link(value: object, where: str) -> InterconnectSpec:
@@ -185,10 +248,21 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
         raise HardwareError(f"{origin} is not valid TOML: {error}") from None
     if data.get("schema") != PROFILE_SCHEMA:
         raise HardwareError(f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r}")
-    compute, network = data.get("compute", {}), data.get("network", {})
-    if not isinstance(compute, dict) or not isinstance(network, dict):
-        raise HardwareError(f"{origin}: [compute] and [network] must be tables")
+    compute, network, framework = data.get("compute", {}), data.get("network", {}), data.get("framework", {})
+    if not isinstance(compute, dict) or not isinstance(network, dict) or not isinstance(framework, dict):
+        raise HardwareError(f"{origin}: [compute], [network] and [framework] must be tables")
+    ops = network.get("ops", {})
+    if not isinstance(ops, dict) or not all(isinstance(value, dict) for value in ops.values()):
+        raise HardwareError(f"{origin}: [network.ops] must hold one table per collective op")
     try:
+        op_costs = tuple(
+            OpCost(
+                op=op,
+                call_latency_s=value.get("call_latency_s", 0.0),
+                bandwidth_bytes_per_s=value.get("bandwidth_bytes_per_s", 0.0),
+            )
+            for op, value in ops.items()
+        )
         return HardwareProfile(
             name=str(data.get("name", origin)),
             source=str(data.get("source", origin)),
@@ -201,7 +275,11 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
             matmul_flops_per_s=compute.get("matmul_flops_per_s", 0.0),
             efficiency=compute.get("efficiency", DEFAULT_EFFICIENCY),
             kernel_overhead_s=compute.get("kernel_overhead_s", 0.0),
+            backward_op_overhead_s=compute.get("backward_op_overhead_s", 0.0),
+            optimizer_tensor_overhead_s=compute.get("optimizer_tensor_overhead_s", 0.0),
             memory_bandwidth_bytes_per_s=compute.get("memory_bandwidth_bytes_per_s", 0.0),
+            **{name: framework.get(name, 0.0) for name in FRAMEWORK_FIELDS},
+            op_costs=op_costs,
         )
     except TypeError as error:
         raise HardwareError(f"{origin}: a value has the wrong type ({error})") from None
@@ -244,7 +322,12 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         f"matmul_flops_per_s = {float(profile.matmul_flops_per_s)!r}",
         f"efficiency = {float(profile.efficiency)!r}",
         f"kernel_overhead_s = {float(profile.kernel_overhead_s)!r}",
+        f"backward_op_overhead_s = {float(profile.backward_op_overhead_s)!r}",
+        f"optimizer_tensor_overhead_s = {float(profile.optimizer_tensor_overhead_s)!r}",
         f"memory_bandwidth_bytes_per_s = {float(profile.memory_bandwidth_bytes_per_s)!r}",
+        "",
+        "[framework]",
+        *(f"{name} = {float(getattr(profile, name))!r}" for name in FRAMEWORK_FIELDS),
         "",
         "[network]",
         f"algorithm = {_string(profile.algorithm)}",
@@ -253,4 +336,9 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         "",
     ]
     links = [_link_toml(name, getattr(profile, name)) for name in ("intra_node", "inter_node", "host")]
-    return "\n".join(lines) + "\n" + "\n".join(links)
+    ops = [
+        f"[network.ops.{cost.op}]\ncall_latency_s = {float(cost.call_latency_s)!r}\n"
+        f"bandwidth_bytes_per_s = {float(cost.bandwidth_bytes_per_s)!r}\n"
+        for cost in profile.op_costs
+    ]
+    return "\n".join(lines) + "\n" + "\n".join(links + ops)
