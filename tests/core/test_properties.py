@@ -44,8 +44,10 @@ def test_sharded_categories_never_grow_with_more_gpus(
 
 
 @settings(max_examples=60, deadline=None)
-@given(MODELS, st.integers(1, 1024), PRECISIONS, OPTIMIZERS)
+@given(MODELS, st.integers(1, 1024), PRECISIONS, st.sampled_from(["adamw", "adam", "sgd-momentum"]))
 def test_paper_stages_are_ordered(model: str, world: int, precision: str, optimizer: str) -> None:
+    # Plain SGD has no optimizer state, so stage 1 saves nothing and its padded flat buffers cost a few bytes more
+    # than DDP's; with any optimizer state, each stage holds at most what the one below holds.
     states = [
         estimate_memory(make(model, name, "paper", world, precision, optimizer)).per_rank.model_state_bytes
         for name in ("zero3", "zero2", "zero1", "ddp")
@@ -78,4 +80,4 @@ def test_paper_zero3_states_of_all_ranks_cover_the_model(total: int, world: int)
     )
     per_rank = estimate_memory(scenario).per_rank
     assert per_rank.model_state_bytes * world >= 16 * total
-    assert per_rank.model_state_bytes * world < 16 * (total + world)
+    assert per_rank.model_state_bytes * world < 16 * (total + world) + 4 * world  # and Adam's 4-byte step

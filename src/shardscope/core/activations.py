@@ -37,6 +37,10 @@ class ActivationEstimate:
     """Transient bytes at the loss in forward beyond what is saved: the logits and their fp32 copy."""
     loss_backward_spike_bytes: int
     """Transient bytes at the start of backward: gradients of the log-softmax output and input."""
+    head_bytes: int
+    """What the head saves (final norm, output head input, log-softmax output), freed first in backward."""
+    hidden_bytes: int
+    """One tokens x hidden tensor in the compute dtype (the gradient flowing between blocks)."""
 
 
 def activation_bytes_per_element(training: TrainingSpec) -> int:
@@ -173,4 +177,6 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec) -> Activation
         logits_bytes=logits,
         loss_forward_spike_bytes=forward_spike,
         loss_backward_spike_bytes=backward_spike,
+        head_bytes=head + log_softmax,
+        hidden_bytes=sizes.hidden,
     )

@@ -2,19 +2,24 @@
 
 The peak is the largest of the moments that matter, not the plain sum of the categories:
 - end of forward: weights, optimizer state, every saved activation, the gathered units and the loss spike;
-- start of backward: the same with the gradient of the log-softmax instead of the forward spike;
-- end of backward: all gradients, the last block's activations (and its recomputation under checkpointing);
+- start of backward: the same with the gradients of the log-softmax instead of the forward spike;
+- top block's backward: the head's activations freed, its gradients and the top block's in flight;
+- between the top two blocks: the top block's activations freed, two blocks gathered, their gradients in flight;
 - optimizer step: weights, gradients, optimizer state and the step's workspace.
-Overhead (framework context, allocator headroom) is added on top as a stated assumption.
+Under checkpointing the top block's backward also holds its recomputed activations. Overhead (framework context,
+allocator headroom) is added on top as a stated assumption.
 """
 
 from __future__ import annotations
 
 from shardscope.core.activations import ActivationEstimate, estimate_activations
-from shardscope.core.model_states import ModelStates, model_states
+from shardscope.core.deepspeed_states import deepspeed_states
+from shardscope.core.model_states import ModelStates, offload
+from shardscope.core.paper_states import paper_states
 from shardscope.core.params import param_layout
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate
 from shardscope.core.sharding import whole_tensor_shards
+from shardscope.core.torch_states import torch_states
 from shardscope.specs import Scenario
 from shardscope.units import MIB
 
@@ -26,7 +31,20 @@ _NO_ACTIVATIONS = ActivationEstimate(
     logits_bytes=0,
     loss_forward_spike_bytes=0,
     loss_backward_spike_bytes=0,
+    head_bytes=0,
+    hidden_bytes=0,
 )
+LOSS_GRAD_BYTES = 4  # the scalar gradient of the loss
+
+
+def model_states(scenario: Scenario, rank: int) -> ModelStates:
+    """Model states of one rank under the scenario's strategy and engine."""
+    engine = scenario.strategy.engine
+    if engine == "paper":
+        return offload(scenario, paper_states(scenario))
+    if engine == "deepspeed":
+        return deepspeed_states(scenario)
+    return offload(scenario, torch_states(scenario, rank))
 
 
 def busiest_rank(scenario: Scenario) -> int:
@@ -41,26 +59,37 @@ def busiest_rank(scenario: Scenario) -> int:
 def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) -> dict[str, int]:
     """Bytes live at each moment of a step (without overhead)."""
     base = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
-    grads_early = states.gradients_bytes if states.gradients_persist or accumulating else 0
+    base += states.gradients_bytes if states.gradients_persist or accumulating else 0
+    after_head = acts.saved_bytes - acts.head_bytes
     return {
         "end of forward": base
-        + grads_early
         + acts.saved_bytes
         + states.forward_buffers_bytes
         + states.forward_temporary_bytes
         + acts.loss_forward_spike_bytes,
         "start of backward": base
-        + grads_early
         + acts.saved_bytes
-        + states.backward_buffers_bytes
+        + states.forward_buffers_bytes
         + acts.loss_backward_spike_bytes
-        + acts.recompute_bytes,
-        "end of backward": base
-        + states.gradients_bytes
+        + LOSS_GRAD_BYTES,
+        "top block's backward": base
+        + after_head
+        + acts.loss_backward_spike_bytes
+        + acts.hidden_bytes
+        + LOSS_GRAD_BYTES
         + states.backward_buffers_bytes
-        + acts.stored_block_bytes
+        + states.backward_grads_bytes
         + acts.recompute_bytes,
-        "optimizer step": base + states.gradients_bytes + states.optimizer_temporary_bytes,
+        "between blocks in backward": base
+        + after_head
+        - acts.stored_block_bytes
+        + states.boundary_buffers_bytes
+        + states.boundary_grads_bytes,
+        "optimizer step": states.parameters_bytes
+        + states.optimizer_state_bytes
+        + states.persistent_buffers_bytes
+        + states.gradients_bytes
+        + states.optimizer_temporary_bytes,
     }
 
 
@@ -85,10 +114,11 @@ def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstima
         optimizer_state_bytes=states.optimizer_state_bytes,
         activations_bytes=acts.saved_bytes,
         buffers_bytes=states.persistent_buffers_bytes
-        + max(states.forward_buffers_bytes, states.backward_buffers_bytes),
+        + max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes),
         temporary_bytes=max(
             states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
-            acts.loss_backward_spike_bytes + acts.recompute_bytes,
+            acts.loss_backward_spike_bytes + acts.recompute_bytes + states.backward_grads_bytes,
+            states.boundary_grads_bytes,
             states.optimizer_temporary_bytes,
         ),
         overhead_bytes=overhead,
@@ -108,13 +138,13 @@ def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
     """Plain-English statements of what an estimate assumed."""
     scenario, rank = estimate.scenario, estimate.rank
     overheads, strategy, training = scenario.overheads, scenario.strategy, scenario.training
+    engines = {
+        "paper": "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)",
+        "pytorch": "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)",
+        "deepspeed": "DeepSpeed's own estimators (largest layer gathered under ZeRO-3, 1.5x host buffers)",
+    }
     notes = [
-        f"engine {strategy.engine}: "
-        + {
-            "paper": "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)",
-            "pytorch": "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)",
-            "deepspeed": "DeepSpeed's own estimators (largest layer gathered under ZeRO-3, 1.5x host buffers)",
-        }[strategy.engine],
+        f"engine {strategy.engine}: {engines[strategy.engine]}",
         f"framework context {overheads.context_bytes / MIB:.0f} MiB per GPU and allocator headroom "
         f"{overheads.allocator_headroom:.0%} of the tensor peak (override with --context-memory, --allocator-headroom)",
         f"rank {rank} shown (the busiest)",

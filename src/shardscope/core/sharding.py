@@ -108,3 +108,46 @@ def largest_module_numel(layout: ParamLayout) -> int:
         module = tensor.name.rsplit(".", 1)[0]
         modules[module] = modules.get(module, 0) + tensor.numel
     return max(modules.values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlatUnits:
+    """The teaching strategies' flat buffers (one per unit, each padded to a multiple of the shard degree)."""
+
+    count: int
+    """Flat buffers: the root and one per block (one for a bare parameter count)."""
+    shard_numel: int
+    """Elements a rank holds of all buffers: the sum of ceil(P_u / D)."""
+    padded_numel: int
+    """Elements of all whole buffers, padding included: the sum of ceil(P_u / D) * D."""
+    largest_shard_numel: int
+    """The largest single shard (what one optimizer step works on at once)."""
+    root_padded_numel: int
+    """The whole root buffer."""
+    block_padded_numel: int
+    """One whole block buffer."""
+
+
+@cache
+def flat_units(layout: ParamLayout | int, degree: int) -> FlatUnits:
+    """Flat buffers of a layout (or of a bare parameter count, as one buffer) sharded over `degree` ranks."""
+    if isinstance(layout, int):
+        shard = ceil_div(layout, degree)
+        return FlatUnits(
+            count=1,
+            shard_numel=shard,
+            padded_numel=shard * degree,
+            largest_shard_numel=shard,
+            root_padded_numel=shard * degree,
+            block_padded_numel=0,
+        )
+    root, block = ceil_div(layout.root_numel, degree), ceil_div(layout.block_numel, degree)
+    blocks = layout.num_blocks
+    return FlatUnits(
+        count=1 + blocks,
+        shard_numel=root + blocks * block,
+        padded_numel=(root + blocks * block) * degree,
+        largest_shard_numel=max(root, block),
+        root_padded_numel=root * degree,
+        block_padded_numel=block * degree,
+    )

@@ -1,0 +1,107 @@
+"""The 'pytorch' engine: what DistributedDataParallel, ZeroRedundancyOptimizer and FSDP2 `fully_shard` allocate.
+
+Mixed precision keeps fp32 parameters (autocast computes in 16 bits for DDP; a MixedPrecisionPolicy for FSDP2), Adam
+keeps a 4-byte step per parameter tensor, DDP keeps a bucket copy of the gradients (unless gradient_as_bucket_view)
+and, measured on torch 2.13, allocates a second one when backward starts; ZeroRedundancyOptimizer gives whole tensors
+to ranks; FSDP2 pads every parameter's dim 0 to a multiple of the shard degree and gathers units in the compute
+dtype, keeping the root gathered while forward ends and the head's gradients unsharded through backward.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments, step_tensor_bytes
+from shardscope.core.params import ParamLayout, model_facts
+from shardscope.core.sharding import dim0_shards, dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
+from shardscope.specs import Scenario
+
+
+@cache
+def head_numel(layout: ParamLayout) -> int:
+    """Parameters whose gradients backward makes first: the final norm and the output head (the tied embedding)."""
+    tail = sum(t.numel for t in layout.root if not t.name.startswith("embed"))
+    tied = not any(t.name.startswith("lm_head") for t in layout.root)
+    return tail + (layout.root[0].numel if tied else 0)
+
+
+def torch_states(scenario: Scenario, rank: int) -> ModelStates:
+    """Model states of one rank under torch's engine for the strategy."""
+    if scenario.strategy.stage <= 1:
+        return _replicated(scenario, rank)
+    return _fully_sharded(scenario, rank)
+
+
+def _replicated(scenario: Scenario, rank: int) -> ModelStates:
+    """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
+    training, strategy = scenario.training, scenario.strategy
+    total, layout = model_facts(scenario.model)
+    stored = 2 if training.precision == "bf16" else dtype_bytes(training.precision)  # mixed keeps fp32 weights
+    moments = optimizer_moments(training.optimizer)
+    if strategy.stage == 0:
+        optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
+    elif layout is not None:
+        shards = whole_tensor_shards(layout, scenario.cluster.world_size)
+        optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
+    else:  # a bare parameter count: an even split is the best available assumption
+        optimizer_numel, optimizer_tensors = flat_shard_numel(total, scenario.shard_degree), 1
+    bucket = 0 if strategy.gradient_as_bucket_view else total * stored
+    head = head_numel(layout) * stored if layout else 0
+    block = layout.block_numel * stored if layout else 0
+    return ModelStates(
+        parameters_bytes=total * stored,
+        gradients_bytes=total * stored,
+        optimizer_state_bytes=optimizer_numel * moments * stored
+        + optimizer_tensors * step_tensor_bytes(training.optimizer),
+        persistent_buffers_bytes=bucket,
+        backward_grads_bytes=bucket + head,
+        boundary_grads_bytes=bucket + head + block,
+        forward_temporary_bytes=(layout.matrix_numel if layout else total) * dtype_bytes(training.precision)
+        if training.is_mixed
+        else 0,
+        optimizer_temporary_bytes=optimizer_numel * stored if moments else 0,
+    )
+
+
+def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
+    """FSDP2 `fully_shard` on every block and the root: zero3 reshards after forward, zero2 keeps units gathered
+    until backward, hsdp shards inside groups of the shard degree."""
+    training, strategy = scenario.training, scenario.strategy
+    total, layout = model_facts(scenario.model)
+    stored = 2 if training.precision == "bf16" else dtype_bytes(training.precision)
+    compute = dtype_bytes(training.precision)
+    degree = scenario.shard_degree
+    if layout is None:  # a bare parameter count: one flat shard, no unit sizes to gather
+        padded = local = flat_shard_numel(total, degree)
+        owned, root, block, blocks, head, block_numel = 1, 0, 0, 0, 0, 0
+    else:
+        shards = dim0_shards(layout, degree, rank)
+        padded, local, owned = shards.padded_numel, shards.local_numel, shards.tensors_with_rows
+        root, block = dim0_unit_sizes(layout, degree)
+        blocks, head, block_numel = layout.num_blocks, head_numel(layout), layout.block_numel
+    # Unsharded gradients are made in the compute dtype; under mixed precision the reduce-scatter input is an fp32
+    # copy of the unit's gradients.
+    block_grads = block_numel * (compute + (4 if training.is_mixed else 0))
+    in_flight_blocks, staging = 1, 0
+    if strategy.name == "zero2" or not strategy.reshard_after_forward:
+        # Measured on torch 2.13 (mechanism not pinned down): when forward ends, one block's worth more than the
+        # gathered model is live, and in backward the block's gradients add nothing beyond the gathered model.
+        gathered_forward = gathered_backward = gathered_boundary = (root + blocks * block) * compute
+        in_flight_blocks, staging = 0, block * compute
+    else:
+        gathered_forward = root * compute
+        gathered_backward = (root + block) * compute
+        gathered_boundary = (root + 2 * block) * compute
+    moments = optimizer_moments(training.optimizer)
+    return ModelStates(
+        parameters_bytes=padded * stored,
+        gradients_bytes=padded * stored,
+        optimizer_state_bytes=local * moments * stored + owned * step_tensor_bytes(training.optimizer),
+        forward_buffers_bytes=gathered_forward,
+        backward_buffers_bytes=gathered_backward,
+        boundary_buffers_bytes=gathered_boundary,
+        forward_temporary_bytes=staging,
+        backward_grads_bytes=head * compute + in_flight_blocks * block_grads,
+        boundary_grads_bytes=head * compute + 2 * in_flight_blocks * block_grads,
+        optimizer_temporary_bytes=local * stored if moments else 0,
+    )
