@@ -23,9 +23,9 @@ CASES = list(
 )
 
 
-def saved_bytes(model_name: str, training: TrainingSpec) -> int:
+def saved_bytes(model_name: str, training: TrainingSpec, autocast: bool = False) -> int:
     spec = model_preset(model_name)
-    model = build_model(spec, training, dtype=DTYPES[training.precision])
+    model = build_model(spec, training, dtype=torch.float32 if autocast else DTYPES[training.precision])
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     ids, targets = sample_batch(spec, training, num_sequences=training.micro_batch_size)
     seen: dict[int, int] = {}
@@ -37,7 +37,11 @@ def saved_bytes(model_name: str, training: TrainingSpec) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        lm_loss(model(ids), targets)
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                lm_loss(model(ids), targets)
+        else:
+            lm_loss(model(ids), targets)
     return sum(seen.values())
 
 
@@ -55,3 +59,16 @@ def test_saved_activations_match_the_reference_modules(
 def test_fp64_and_a_longer_sequence() -> None:
     training = TrainingSpec(micro_batch_size=2, sequence_length=64, precision="fp64", attention="eager")
     assert estimate_activations(model_preset("tiny-llama"), training).saved_bytes == saved_bytes("tiny-llama", training)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "attention", "checkpointing"),
+    list(itertools.product(("tiny-gpt2", "tiny-llama", "tiny-moe"), ("sdpa", "eager"), ("none", "full", "selective"))),
+)
+def test_autocast_over_fp32_weights(model_name: str, attention: str, checkpointing: str) -> None:
+    # torch's DDP under bf16-mixed: fp32 weights, torch.autocast computing in bf16.
+    training = TrainingSpec(
+        micro_batch_size=2, sequence_length=32, precision="bf16-mixed", attention=attention, checkpointing=checkpointing
+    )
+    predicted = estimate_activations(model_preset(model_name), training, autocast=True).saved_bytes
+    assert predicted == saved_bytes(model_name, training, autocast=True)

@@ -66,15 +66,16 @@ def run(args: argparse.Namespace) -> int:
         except HardwareError as error:
             raise CliError(str(error)) from None
     from shardscope.runtime.config import RunError
-    from shardscope.validate.runner import validate_case
+    from shardscope.validate.runner import validate_cases
 
-    results = []
-    for index, case in enumerate(cases, 1):
-        print(f"[{index}/{len(cases)}] {case.label}", file=sys.stderr, flush=True)
-        try:
-            results.append(validate_case(case, hardware=hardware, with_trace=not args.no_trace))
-        except RunError as error:
-            raise CliError(f"{case.label}: the real run failed: {error}", exit_code=1) from None
+    def progress(text: str) -> None:
+        print(f"  {text}", file=sys.stderr, flush=True)
+
+    print(f"validating {len(cases)} cases", file=sys.stderr, flush=True)
+    try:
+        results = validate_cases(cases, hardware=hardware, with_trace=not args.no_trace, progress=progress)
+    except RunError as error:
+        raise CliError(f"a real run failed: {error}", exit_code=1) from None
     ok = all(result.ok for result in results)
     if args.json:
         document = {

@@ -145,15 +145,48 @@ def _shared_bytes(model: ModelSpec, training: TrainingSpec) -> int:
     return rope + mask
 
 
+def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> tuple[int, int, int]:
+    """What torch.autocast saves beyond 16-bit compute: (per block, per checkpointed block input, head and shared).
+
+    Autocast keeps fp32 weights and an fp32 residual stream: every matmul saves a 16-bit copy of its weight, the
+    norms see fp32 inputs, RoPE's tables stay fp32 and llama's rotated q and k are made in fp32 and cast again
+    (three more tokens x hidden 16-bit tensors per block, measured).
+    """
+    from shardscope.core.params import param_layout
+
+    layout = param_layout(model)
+    head_weight = model.vocab_size * model.hidden_size * sizes.element  # lm_head's copy, tied or not
+    block_weights = sum(t.numel for t in layout.block if len(t.shape) == 2) * sizes.element
+    widen = 4 - sizes.element
+    if model.family == "gpt2":
+        norm = sizes.tokens * model.hidden_size * widen + 2 * sizes.tokens * widen  # fp32 input and statistics
+        return block_weights + 2 * norm, sizes.tokens * model.hidden_size * widen, head_weight + norm
+    rope = 2 * training.sequence_length * model.head_dim * widen if training.checkpointing != "full" else 0
+    # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
+    selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
+    # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
+    routed = sizes.tokens * model.experts_per_token * model.hidden_size * 3 * widen // 2
+    return (
+        block_weights + 3 * sizes.hidden + selective + routed,
+        sizes.tokens * model.hidden_size * widen,
+        head_weight + rope,
+    )
+
+
 @cache
-def estimate_activations(model: ModelSpec, training: TrainingSpec) -> ActivationEstimate:
-    """Saved activations of one micro-batch; requires a shaped model."""
+def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: bool = False) -> ActivationEstimate:
+    """Saved activations of one micro-batch; requires a shaped model. `autocast`: torch.autocast over fp32 weights
+    (torch's DDP under mixed precision) rather than 16-bit weights."""
     sizes = _sizes(model, training)
     block, selective_dropped = _block_bytes(model, training)
     shared = _shared_bytes(model, training)
+    block_extra = input_extra = head_extra = 0
+    if autocast and training.is_mixed:
+        block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
+        block += block_extra
     if training.checkpointing == "full":
         # Only each block's input is kept; the shared tensors are recreated with the block in backward.
-        stored, recompute, shared = sizes.hidden, block, 0
+        stored, recompute, shared = sizes.hidden + input_extra, block, 0
     elif training.checkpointing == "selective":
         stored, recompute = block - selective_dropped, selective_dropped
     else:
@@ -166,6 +199,7 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec) -> Activation
     head = _norm_bytes(model, sizes) + sizes.hidden
     log_softmax = tokens * model.vocab_size * loss_element
     ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
+    head += head_extra
     saved = model.num_layers * stored + shared + head + log_softmax + ids + loss_element
     forward_spike = logits + (tokens * model.vocab_size * loss_element if sizes.element != loss_element else 0)
     backward_spike = 2 * tokens * model.vocab_size * loss_element

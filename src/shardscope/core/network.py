@@ -68,15 +68,16 @@ class NetworkModel:
     algorithm: str = "ring"
     """'ring', 'tree', 'hierarchical', or 'auto' (the fastest of ring and tree, as NCCL's tuner picks)."""
     op_costs: tuple[OpCost, ...] = ()
-    """Measured per-op call latency and bandwidth (inside a node), replacing call_latency_s and the intra-node
-    bandwidth for that op: gloo's reduce_scatter is 1.5-3x slower than its all_gather at the same payload."""
+    """Measured per-op call latency and bandwidth (inside a node), replacing call_latency_s, the intra-node step
+    latency and bandwidth for that op: gloo's reduce_scatter is 1.5-3x slower than its all_gather at the same
+    payload. Measured at the calibration's group size, whose ring steps the call latency then includes."""
 
     def for_op(self, op: str) -> NetworkModel:
         """This model with the op's own measured cost, if it has one."""
         cost = next((cost for cost in self.op_costs if cost.op == op), None)
         if cost is None:
             return self
-        link = dataclasses.replace(self.intra_node, bandwidth_bytes_per_s=cost.bandwidth_bytes_per_s)
+        link = dataclasses.replace(self.intra_node, bandwidth_bytes_per_s=cost.bandwidth_bytes_per_s, latency_s=0.0)
         return dataclasses.replace(self, intra_node=link, call_latency_s=cost.call_latency_s, op_costs=())
 
     def __post_init__(self) -> None:

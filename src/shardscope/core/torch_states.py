@@ -36,7 +36,7 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
     """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
     training, strategy = scenario.training, scenario.strategy
     total, layout = model_facts(scenario.model)
-    stored = 2 if training.precision == "bf16" else dtype_bytes(training.precision)  # mixed keeps fp32 weights
+    stored = 4 if training.is_mixed else dtype_bytes(training.precision)  # mixed keeps fp32 weights
     moments = optimizer_moments(training.optimizer)
     if strategy.stage == 0:
         optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
@@ -56,9 +56,9 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
         persistent_buffers_bytes=bucket,
         backward_grads_bytes=bucket + head,
         boundary_grads_bytes=bucket + head + block,
-        forward_temporary_bytes=(layout.matrix_numel if layout else total) * dtype_bytes(training.precision)
-        if training.is_mixed
-        else 0,
+        # Autocast's 16-bit weight copies are saved for backward: the activations count them (without a shape,
+        # which has no activations, they are counted here).
+        forward_temporary_bytes=total * dtype_bytes(training.precision) if training.is_mixed and not layout else 0,
         optimizer_temporary_bytes=optimizer_numel * stored if moments else 0,
     )
 
@@ -68,7 +68,7 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     until backward, hsdp shards inside groups of the shard degree."""
     training, strategy = scenario.training, scenario.strategy
     total, layout = model_facts(scenario.model)
-    stored = 2 if training.precision == "bf16" else dtype_bytes(training.precision)
+    stored = 4 if training.is_mixed else dtype_bytes(training.precision)
     compute = dtype_bytes(training.precision)
     degree = scenario.shard_degree
     if layout is None:  # a bare parameter count: one flat shard, no unit sizes to gather
@@ -102,6 +102,6 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
         boundary_buffers_bytes=gathered_boundary,
         forward_temporary_bytes=staging,
         backward_grads_bytes=head * compute + in_flight_blocks * block_grads,
-        boundary_grads_bytes=head * compute + 2 * in_flight_blocks * block_grads,
+        boundary_grads_bytes=head * compute + in_flight_blocks * block_grads,
         optimizer_temporary_bytes=local * stored if moments else 0,
     )

@@ -139,7 +139,8 @@ class MoE(nn.Module):
         for index, expert in enumerate(self.experts):
             rows, slot = (chosen == index).nonzero(as_tuple=True)
             if rows.numel():
-                out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+                routed = expert(tokens[rows]) * weights[rows, slot, None]
+                out = out.index_add(0, rows, routed.to(out.dtype))  # autocast computes experts in 16 bits
         return out.view_as(x)
 
 

@@ -88,6 +88,7 @@ def compare_case(
     predicted_step_s: float,
     traced: MemoryBreakdown | None,
     traced_ledger: tuple[CollectiveRow, ...] | None,
+    traced_peak: int | None,
     measured: MemoryBreakdown,
     measured_ledger: tuple[CollectiveRow, ...],
     measured_step_s: float,
@@ -109,7 +110,7 @@ def compare_case(
             case=case,
             quantity="peak",
             predicted=predicted.peak_bytes,
-            traced=None if traced is None else traced.peak_bytes,
+            traced=traced_peak,
             measured=measured.peak_bytes,
         )
     )

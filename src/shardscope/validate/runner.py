@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardscope.core.comm import collective_ledger
 from shardscope.core.memory import estimate_memory
@@ -11,6 +12,9 @@ from shardscope.core.result import CollectiveRow, MemoryBreakdown
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.validate.cases import ValidationCase
 from shardscope.validate.compare import ValidationRow, compare_case
+
+if TYPE_CHECKING:
+    from shardscope.runtime.api import RunResult
 
 Progress = Callable[[str], None]
 
@@ -34,31 +38,80 @@ class CaseResult:
 
 def _trace(
     case: ValidationCase, progress: Progress
-) -> tuple[MemoryBreakdown | None, tuple[CollectiveRow, ...] | None, str]:
-    """The trace of rank 0, or None and the reason when the trace does not cover this case."""
+) -> tuple[MemoryBreakdown | None, tuple[CollectiveRow, ...] | None, int | None, str]:
+    """The trace of rank 0 and its comparable peak, or None and the reason where the trace does not cover a case."""
     if case.engine != "pytorch":
-        return None, None, "trace: replays torch's engines; teaching strategies are compared with the core and the run"
+        return (
+            None,
+            None,
+            None,
+            ("trace: replays torch's engines; teaching strategies are compared with the core and the run"),
+        )
     from shardscope.trace.request import TraceRequest
     from shardscope.trace.runner import TraceError, run_in_subprocess
 
     try:
         result = run_in_subprocess(TraceRequest(scenario=case.scenario(), time_limit_s=300), progress)
     except TraceError as error:
-        return None, None, f"trace failed: {error}"
-    return result.per_rank, result.ledger, ""
+        return None, None, None, f"trace failed: {error}"
+    if case.strategy in ("ddp", "zero1"):
+        # torch's DistributedDataParallel cannot run on fake tensors; the trace runs `replicate` instead, whose
+        # buffers and peak are not DDP's, so only its model states, activations and ledger are compared.
+        return (
+            result.per_rank,
+            result.ledger,
+            None,
+            (
+                "trace: ddp and zero1 replay torch's `replicate`, not DistributedDataParallel; their traced peak is "
+                "not DDP's and is not compared"
+            ),
+        )
+    return result.per_rank, result.ledger, result.per_rank.peak_bytes, ""
 
 
-def validate_case(
-    case: ValidationCase,
+def validate_cases(
+    cases: Sequence[ValidationCase],
     *,
     hardware: HardwareProfile | None = None,
     with_trace: bool = True,
     steps: int = 3,
     progress: Progress = lambda _text: None,
-) -> CaseResult:
-    """Predict, trace and run one case, and compare rank 0 of each."""
-    from shardscope.runtime.api import run_training
+) -> list[CaseResult]:
+    """Predict, trace and really run every case, and compare rank 0 of each. Real runs of one world size share one
+    launch; the measured step is the last (DDP reallocates its buckets in the second step, so steps >= 3)."""
+    from shardscope.runtime.api import run_suite, run_training
+    from shardscope.runtime.config import RunConfig
 
+    configs = {
+        case: RunConfig(
+            model=case.model,
+            strategy=case.strategy,
+            engine=case.engine,
+            world_size=case.world_size,
+            steps=steps,
+            precision=case.precision,
+            micro_batch_size=case.micro_batch_size,
+            sequence_length=case.sequence_length,
+            checkpointing=case.checkpointing,
+            shard_group=case.shard_group,
+        )
+        for case in cases
+    }
+    measured = {}
+    for world in sorted({case.world_size for case in cases}):
+        group = [case for case in cases if case.world_size == world]
+        progress(f"running {len(group)} cases on {world} ranks")
+        if len(group) == 1:
+            measured[group[0]] = run_training(configs[group[0]], progress=progress)
+            continue
+        for case, result in zip(group, run_suite([configs[case] for case in group], progress=progress), strict=True):
+            measured[case] = result
+    return [_compare(case, measured[case], hardware, with_trace, progress) for case in cases]
+
+
+def _compare(
+    case: ValidationCase, measured: RunResult, hardware: HardwareProfile | None, with_trace: bool, progress: Progress
+) -> CaseResult:
     scenario = case.scenario()
     predicted = estimate_memory(scenario, rank=0).per_rank
     predicted_ledger = collective_ledger(scenario)
@@ -68,25 +121,11 @@ def validate_case(
 
         predicted_step_s = estimate_time(scenario, hardware).step_time_s
     notes = []
-    traced, traced_ledger = None, None
+    traced, traced_ledger, traced_peak = None, None, None
     if with_trace:
-        traced, traced_ledger, note = _trace(case, progress)
+        traced, traced_ledger, traced_peak, note = _trace(case, progress)
         if note:
             notes.append(note)
-    progress(f"running {case.label}")
-    measured = run_training(
-        model=case.model,
-        strategy=case.strategy,
-        engine=case.engine,
-        world_size=case.world_size,
-        steps=steps,
-        precision=case.precision,
-        micro_batch_size=case.micro_batch_size,
-        sequence_length=case.sequence_length,
-        checkpointing=case.checkpointing,
-        shard_group=case.shard_group,
-        progress=progress,
-    )
     rows = compare_case(
         case,
         predicted,
@@ -94,6 +133,7 @@ def validate_case(
         predicted_step_s,
         traced,
         traced_ledger,
+        traced_peak,
         measured.per_rank[0],
         measured.ledger,
         measured.step_time_s,
