@@ -91,7 +91,7 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     else:
         gathered_forward = root * compute
         gathered_backward = (root + block) * compute
-        gathered_boundary = (root + 2 * block) * compute
+        gathered_boundary = (root + block) * compute  # measured: FSDP2 frees a block before gathering the next
     moments = optimizer_moments(training.optimizer)
     return ModelStates(
         parameters_bytes=padded * stored,
