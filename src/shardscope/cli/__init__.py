@@ -17,7 +17,7 @@ from shardscope.cli.errors import CliError, OneLineParser
 from shardscope.specs import SpecError
 from shardscope.units import UnitError
 
-# name -> module under shardscope.cli; imported lazily so a command never pays for another's imports.
+# name -> module under shardscope.cli; a command imports only its own module (see build_parser).
 COMMANDS = {
     "estimate": "estimate",
     "demo": "demo",
@@ -31,23 +31,27 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand attached."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand attached; with `only`, the others are bare names (their modules
+    are not imported), which keeps a command's start-up to its own imports."""
     parser = OneLineParser(
         prog="shardscope",
         description="Per-rank memory, communication and step time of DDP, ZeRO-1/2/3, FSDP and HSDP: "
         "predicted, replayed on fake tensors, and measured on torch.distributed.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
-    for _name, module in COMMANDS.items():
-        importlib.import_module(f"shardscope.cli.{module}").add_parser(subparsers)
+    for name, module in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(f"shardscope.cli.{module}").add_parser(subparsers)
+        else:
+            subparsers.add_parser(name)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 1 a check failed, 2 bad input)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(args_list[0] if args_list and args_list[0] in COMMANDS else None)
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exit_:  # argparse prints its own one-line usage error

@@ -29,7 +29,8 @@ def paper_states(scenario: Scenario) -> ModelStates:
     moment = 4 if training.is_mixed else weight
     moments = optimizer_moments(training.optimizer)
     optimizer_numel = units.shard_numel if stage >= 1 else units.padded_numel
-    states = ModelStates(
+    in_flight = _in_flight(layout, units.root_padded_numel, units.block_padded_numel, weight, stage)
+    return ModelStates(
         parameters_bytes=(units.shard_numel if stage >= 3 else units.padded_numel) * weight,
         gradients_bytes=(units.shard_numel if stage >= 2 else units.padded_numel) * weight,
         optimizer_state_bytes=optimizer_numel * (master + moments * moment)
@@ -41,29 +42,28 @@ def paper_states(scenario: Scenario) -> ModelStates:
         if moments
         else 0,
         gradients_persist=True,
+        forward_buffers_bytes=in_flight[0],
+        backward_buffers_bytes=in_flight[1],
+        boundary_buffers_bytes=in_flight[2],
+        backward_grads_bytes=in_flight[3],
+        boundary_grads_bytes=in_flight[4],
     )
-    if layout is None or stage < 2:
-        return states  # stage 0 and 1 keep whole flat gradient buffers: nothing else is in flight
-    return _in_flight(states, layout, units.root_padded_numel, units.block_padded_numel, weight, stage)
 
 
 def _in_flight(
-    states: ModelStates, layout: ParamLayout, root_padded: int, block_padded: int, weight: int, stage: int
-) -> ModelStates:
-    """Stages 2 and 3: a unit's per-parameter gradients live until its last one lands and is reduce-scattered; the
-    root's land last, so they are in flight through all of backward. Stage 3 also keeps the root gathered from
-    forward to the end of backward, a block while it runs, and the next block gathered at the boundary."""
-    from dataclasses import replace
+    layout: ParamLayout | None, root_padded: int, block_padded: int, weight: int, stage: int
+) -> tuple[int, int, int, int, int]:
+    """(gathered when forward ends, gathered in the top block's backward, gathered between blocks, gradients in
+    flight in the top block's backward, and between blocks).
 
+    Stages 0 and 1 keep whole flat gradient buffers: nothing else is in flight. Stages 2 and 3: a unit's
+    per-parameter gradients live until its last one lands and is reduce-scattered; the root's land last, so they are
+    in flight through all of backward. Stage 3 also keeps the root gathered from forward to the end of backward, a
+    block while it runs, and the next block gathered at the boundary."""
+    if layout is None or stage < 2:
+        return 0, 0, 0, 0, 0
     root, block = layout.root_numel * weight, layout.block_numel * weight
     if stage < 3:
-        return replace(states, backward_grads_bytes=root, boundary_grads_bytes=root + block + block_padded * weight)
+        return 0, 0, 0, root, root + block + block_padded * weight
     gathered_root, gathered_block = root_padded * weight, block_padded * weight
-    return replace(
-        states,
-        forward_buffers_bytes=gathered_root,
-        backward_buffers_bytes=gathered_root + gathered_block,
-        boundary_buffers_bytes=gathered_root + 2 * gathered_block,
-        backward_grads_bytes=root,
-        boundary_grads_bytes=root + block,
-    )
+    return (gathered_root, gathered_root + gathered_block, gathered_root + 2 * gathered_block, root, root + block)
