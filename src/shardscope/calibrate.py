@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import functools
+import math
 import os
 import signal
 import socket
@@ -65,7 +66,7 @@ def _ring(op: str, ranks: int) -> tuple[float, int]:
 
 
 def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
-    """Mean seconds of `call` after a warm-up, each call fenced by a barrier (see _mean_seconds: why a mean)."""
+    """Median seconds of `call` after a warm-up, each call fenced by a barrier."""
     for _ in range(2):
         call()
     durations = []
@@ -78,7 +79,7 @@ def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         durations.append(time.perf_counter() - start)
-    return statistics.fmean(durations)
+    return statistics.median(durations)
 
 
 def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.device) -> list[Sample]:
@@ -100,30 +101,35 @@ def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.
     return samples
 
 
-def _mean_seconds(work: Any, repeats: int, device: torch.device) -> float:
-    """Mean seconds of `work` after a warm-up.
+# A timing window about as long as a small model's step: per-op costs are medians of such windows, so the stalls a
+# shared machine inflicts count at the rate a step sees them, while a rare long stall does not swing the result.
+WINDOW_S = 5e-3
 
-    Means, not medians, here and in _time_calls: a training step is a sum of many such pieces, and the expectation of
-    a sum is the sum of the expectations, so the stalls a shared machine inflicts now and then count as they do in a
-    step. (The runtime reports a step's median, which over tens of pieces per step is close to its mean.)"""
-    work()
-    durations = []
-    for _ in range(repeats):
+
+def _typical_seconds(work: Any, repeats: int, device: torch.device, collective: bool = False) -> float:
+    """Seconds per call of `work`: the median over `repeats` windows of about WINDOW_S, each running it n times.
+    Work that communicates runs once per window, so that every rank makes the same number of calls."""
+
+    def timed(count: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        work()
+        for _ in range(count):
+            work()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        durations.append(time.perf_counter() - start)
-    return statistics.fmean(durations)
+        return time.perf_counter() - start
+
+    first = timed(1)
+    count = 1 if collective else max(1, math.ceil(WINDOW_S / max(first, 1e-9)))
+    return statistics.median(timed(count) / count for _ in range(repeats))
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -> dict[str, float]:
     """Matmul FLOP/s, seconds per small autograd op, and copy bandwidth on this device."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    matmul = _mean_seconds(lambda: torch.mm(a, b), 10, device)
+    matmul = _typical_seconds(lambda: torch.mm(a, b), 10, device)
     # A tiny op with autograd, forward and backward: what one kernel of a small model costs beyond its FLOPs.
     x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
 
@@ -132,10 +138,10 @@ def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -
             (x * 1.5).sum().backward()  # type: ignore[no-untyped-call]
 
     # per iteration: mul and sum forward, their two backward kernels and the accumulation into x.grad
-    overhead = _mean_seconds(tiny, 5, device) / (50 * 5)
+    overhead = _typical_seconds(tiny, 5, device) / (50 * 5)
     big = torch.empty(16 * 2**20, device=device, dtype=torch.float32)
     source = torch.ones_like(big)
-    copy = _mean_seconds(lambda: big.copy_(source), 5, device)
+    copy = _typical_seconds(lambda: big.copy_(source), 5, device)
     return {
         "matmul_flops_per_s": 2.0 * size**3 / matmul,
         "kernel_overhead_s": overhead,
@@ -196,33 +202,33 @@ def measure_framework(repeats: int = 15) -> dict[str, float]:
     forward_ops = _counted(chain)
     loss = chain()
     backward_ops = _counted(loss.backward)
-    forward_s = _mean_seconds(chain, repeats, cpu)
-    backward_s = _mean_seconds(lambda: chain().backward(), repeats, cpu) - forward_s  # type: ignore[no-untyped-call]
+    forward_s = _typical_seconds(chain, repeats, cpu)
+    backward_s = _typical_seconds(lambda: chain().backward(), repeats, cpu) - forward_s  # type: ignore[no-untyped-call]
     tensors = [torch.zeros(FRAMEWORK_WIDTH, requires_grad=True) for _ in range(32)]
     for tensor in tensors:
         tensor.grad = torch.ones_like(tensor)
     adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
-    optimizer_tensor_s = _mean_seconds(adam.step, repeats, cpu) / len(tensors)
+    optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
 
     def train_step(module: torch.nn.Module) -> None:
         module(inputs).sum().backward()
 
     plain = _stack()
-    plain_s = _mean_seconds(lambda: train_step(plain), repeats, cpu)
+    plain_s = _typical_seconds(lambda: train_step(plain), repeats, cpu)
     ddp = DistributedDataParallel(_stack())
     for _ in range(3):  # DDP rebuilds its buckets after the first iteration
         train_step(ddp)
-    ddp_s = _mean_seconds(lambda: train_step(ddp), repeats, cpu)
+    ddp_s = _typical_seconds(lambda: train_step(ddp), repeats, cpu, collective=True)
     sharded = _stack()
     for unit in sharded:
         fully_shard(unit, reshard_after_forward=True)
     fully_shard(sharded)
-    fsdp_s = _mean_seconds(lambda: train_step(sharded), repeats, cpu)
+    fsdp_s = _typical_seconds(lambda: train_step(sharded), repeats, cpu, collective=True)
     train_step(sharded)
     dtensor_adam = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=False)
     dtensor_adam.step()
-    fsdp_optimizer_tensor_s = _mean_seconds(dtensor_adam.step, repeats, cpu) / (2 * FRAMEWORK_UNITS)
+    fsdp_optimizer_tensor_s = _typical_seconds(dtensor_adam.step, repeats, cpu, collective=True) / (2 * FRAMEWORK_UNITS)
     return {
         "forward_op_s": forward_s / forward_ops,
         "backward_op_s": max(backward_s, 0.0) / backward_ops,

@@ -93,12 +93,12 @@ def test_a_measured_per_op_cost_replaces_call_latency_and_bandwidth() -> None:
     from shardscope.core.network import Link, NetworkModel, Placement, collective_cost
     from shardscope.presets.hardware import OpCost
 
-    link = Link(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    link = Link(name="gloo", bandwidth_bytes_per_s=1e9, latency_s=1e-4)
     slow_scatter = OpCost(op="reduce_scatter", call_latency_s=5e-4, bandwidth_bytes_per_s=0.5e9)
     net = NetworkModel(intra_node=link, inter_node=link, host=link, call_latency_s=3e-4, op_costs=(slow_scatter,))
     pair = Placement(size=2, per_node=2)
     gather = collective_cost("all_gather", 2e6, pair, net)
     scatter = collective_cost("reduce_scatter", 2e6, pair, net)
-    assert gather.time_s == pytest.approx(3e-4 + 1e6 / 1e9)
-    assert scatter.time_s == pytest.approx(5e-4 + 1e6 / 0.5e9)
+    assert gather.time_s == pytest.approx(3e-4 + 1e-4 + 1e6 / 1e9)  # one ring step at the link's latency
+    assert scatter.time_s == pytest.approx(5e-4 + 1e6 / 0.5e9)  # measured per call, steps included
     assert scatter.wire_bytes == gather.wire_bytes

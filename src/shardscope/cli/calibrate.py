@@ -60,9 +60,21 @@ def run(args: argparse.Namespace) -> int:
         f" GB/s (max relative error {result.fit_error:.0%})"
     )
     print(
-        f"compute: matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, kernel overhead "
-        f"{profile.kernel_overhead_s * 1e6:.1f} us, memory copy {profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+        f"compute: matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory copy "
+        f"{profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; per op: forward "
+        f"{profile.kernel_overhead_s * 1e6:.1f} us, backward {profile.backward_op_overhead_s * 1e6:.1f} us; "
+        f"optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor"
     )
+    print(
+        f"framework: DDP {profile.ddp_step_overhead_s * 1e3:.2f} ms per step, FSDP2 "
+        f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms per unit per step and "
+        f"{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer"
+    )
+    for cost in profile.op_costs:
+        print(
+            f"  {cost.op:<14} {cost.call_latency_s * 1e6:7.1f} us per call + ring wire bytes at "
+            f"{cost.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
+        )
     try:
         Path(args.out).write_text(profile_to_toml(profile), encoding="utf-8")
     except OSError as error:
