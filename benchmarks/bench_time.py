@@ -50,7 +50,8 @@ def _profile_line(profile: HardwareProfile) -> str:
         f" us, backward {profile.backward_op_overhead_s * 1e6:.1f} us; optimizer "
         f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
-        f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; {costs}"
+        f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
+        f"sync wait {profile.sync_wait_s * 1e3:.2f} ms; {costs}"
     )
 
 

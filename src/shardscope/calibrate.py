@@ -101,13 +101,14 @@ def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.
     return samples
 
 
-# A timing window about as long as a small model's step: per-op costs are medians of such windows, so the stalls a
-# shared machine inflicts count at the rate a step sees them, while a rare long stall does not swing the result.
+# A timing window about as long as a small model's step. Per-op costs are trimmed means over such windows (the
+# slowest and fastest tenth dropped): a step is a sum of many pieces, so its expected time is the sum of their
+# expected times, stalls of a shared machine included; trimming keeps one rare long stall from swinging the figure.
 WINDOW_S = 5e-3
 
 
 def _typical_seconds(work: Any, repeats: int, device: torch.device, collective: bool = False) -> float:
-    """Seconds per call of `work`: the median over `repeats` windows of about WINDOW_S, each running it n times.
+    """Seconds per call of `work`: the trimmed mean over `repeats` windows of about WINDOW_S, each running it n times.
     Work that communicates runs once per window, so that every rank makes the same number of calls."""
 
     def timed(count: int) -> float:
@@ -122,7 +123,9 @@ def _typical_seconds(work: Any, repeats: int, device: torch.device, collective: 
 
     first = timed(1)
     count = 1 if collective else max(1, math.ceil(WINDOW_S / max(first, 1e-9)))
-    return statistics.median(timed(count) / count for _ in range(repeats))
+    windows = sorted(timed(count) / count for _ in range(repeats))
+    trim = len(windows) // 10
+    return statistics.fmean(windows[trim : len(windows) - trim])
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -> dict[str, float]:
@@ -178,6 +181,38 @@ FRAMEWORK_WIDTH = 64
 def _stack() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(*(torch.nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) for _ in range(FRAMEWORK_UNITS)))
+
+
+def measure_sync_wait(repeats: int = 15) -> float:
+    """Extra wait at a blocking collective that follows compute, over the compute and the collective alone.
+
+    Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
+    for the later one, so a step pays E[max of the ranks' compute] rather than E[compute] at every synchronisation.
+    Measured as (compute segment + 4-byte all_reduce) - segment - the all_reduce fenced by a barrier, with a segment
+    of about one block's forward and backward on a small model (~2 ms)."""
+    cpu = torch.device("cpu")
+    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
+    flag = torch.ones(1)
+
+    def segment() -> None:
+        y = x
+        for _ in range(60):
+            y = torch.tanh(y * 1.01 + 0.1)
+
+    def fenced() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        return time.perf_counter() - start
+
+    def segment_then_sync() -> None:
+        segment()
+        dist.all_reduce(flag)
+
+    alone = _typical_seconds(segment, repeats, cpu, collective=True)
+    call = statistics.median(fenced() for _ in range(repeats))
+    both = _typical_seconds(segment_then_sync, repeats, cpu, collective=True)
+    return max(0.0, both - alone - call)
 
 
 def measure_framework(repeats: int = 15) -> dict[str, float]:
@@ -253,6 +288,8 @@ def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats
     compute = measure_compute(device, torch.float32)  # every rank at once, as in training
     dist.barrier()
     compute.update(measure_framework())
+    dist.barrier()
+    compute["sync_wait_s"] = measure_sync_wait()
     if rank == 0:
         queue.put((samples, compute))
         # put() hands the data to a feeder thread; os._exit below would kill it before the pipe has the data
@@ -346,6 +383,7 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "ddp_step_overhead_s": max(0.0, raw["ddp_step_s"] - raw["plain_step_s"] - all_reduce),
         "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
         "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
+        "sync_wait_s": raw.get("sync_wait_s", 0.0),
     }
 
 

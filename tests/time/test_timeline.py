@@ -110,3 +110,14 @@ def test_framework_overheads_add_per_unit_per_step_and_per_tensor() -> None:
     ddp = scenario(model="tiny-llama", strategy="ddp", world_size=2, gpus_per_node=2, sequence_length=32)
     with_ddp = dataclasses.replace(base, ddp_step_overhead_s=2e-3)
     assert estimate_time(ddp, with_ddp).step_time_s == pytest.approx(estimate_time(ddp, base).step_time_s + 2e-3)
+
+
+def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
+    from shardscope.core.comm import comm_events
+
+    case = scenario(model="tiny-llama", strategy="zero1", engine="paper", world_size=2, gpus_per_node=2)
+    base = _profile(overlap=False)
+    waiting = dataclasses.replace(base, sync_wait_s=1e-3)
+    places = {(e.micro_batch, e.stage, e.trigger) for e in comm_events(case)}
+    assert len(places) == 2  # every unit reduce-scattered after backward, every unit gathered after the step
+    assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)

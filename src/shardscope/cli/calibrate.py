@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"framework: DDP {profile.ddp_step_overhead_s * 1e3:.2f} ms per step, FSDP2 "
         f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms per unit per step and "
-        f"{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer"
+        f"{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer; wait for the later "
+        f"rank {profile.sync_wait_s * 1e3:.2f} ms per synchronisation"
     )
     for cost in profile.op_costs:
         print(

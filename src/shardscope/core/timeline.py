@@ -244,7 +244,11 @@ def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
 
 
 def _comm_tasks(
-    scenario: Scenario, net: NetworkModel, compute_tasks: list[_Task], where: dict[tuple[str, int, int], int]
+    scenario: Scenario,
+    net: NetworkModel,
+    compute_tasks: list[_Task],
+    where: dict[tuple[str, int, int], int],
+    sync_wait_s: float = 0.0,
 ) -> tuple[list[_Task], dict[int, list[int]]]:
     """Communication tasks with their issue keys, and the gathers each compute task waits for."""
     optimizer = where[("optimizer", 0, -1)]
@@ -271,6 +275,8 @@ def _comm_tasks(
             event.stage,
             event.trigger,
         )
+        if not same_place and stream == "comm":  # the first collective after compute waits for the later rank
+            duration += sync_wait_s
         if same_place:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after.append(len(compute_tasks) + len(tasks) - 1)
         tasks.append(_Task(key, event.label, stream, event.row.op, duration, event.row.payload_bytes, tuple(after)))
@@ -284,7 +290,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     compute = compute_model(scenario, profile)
     net = network_model(profile)
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
-    comm_tasks, waits = _comm_tasks(scenario, net, compute_tasks, where)
+    comm_tasks, waits = _comm_tasks(scenario, net, compute_tasks, where, profile.sync_wait_s)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     waits[optimizer] = [

@@ -16,6 +16,7 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     ddp_step_overhead_s = 0.0       # DistributedDataParallel per step (reducer, hooks)
     fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
     fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
+    sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -107,7 +108,12 @@ class OpCost:
             )
 
 
-FRAMEWORK_FIELDS = ("ddp_step_overhead_s", "fsdp_unit_overhead_s", "fsdp_optimizer_tensor_overhead_s")
+FRAMEWORK_FIELDS = (
+    "ddp_step_overhead_s",
+    "fsdp_unit_overhead_s",
+    "fsdp_optimizer_tensor_overhead_s",
+    "sync_wait_s",
+)
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
 
 
@@ -149,6 +155,9 @@ class HardwareProfile:
     copy-out, swapping DTensor and unsharded parameters."""
     fsdp_optimizer_tensor_overhead_s: float = 0.0
     """Extra cost of one FSDP2 (DTensor) parameter in the optimizer step, over a plain tensor's."""
+    sync_wait_s: float = 0.0
+    """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
+    shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
     op_costs: tuple[OpCost, ...] = ()
     """Per-op collective costs replacing call_latency_s and the link bandwidth for that op (calibrated gloo)."""
     source: str = ""
