@@ -51,7 +51,8 @@ def _profile_line(profile: HardwareProfile) -> str:
         f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
         f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
-        f"sync wait {profile.sync_wait_s * 1e3:.2f} ms; {costs}"
+        f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "
+        f"{costs}"
     )
 
 

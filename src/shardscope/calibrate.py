@@ -255,6 +255,13 @@ def measure_framework(repeats: int = 15) -> dict[str, float]:
     for _ in range(3):  # DDP rebuilds its buckets after the first iteration
         train_step(ddp)
     ddp_s = _typical_seconds(lambda: train_step(ddp), repeats, cpu, collective=True)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero_stack = _stack()
+    train_step(zero_stack)
+    zero = ZeroRedundancyOptimizer(list(zero_stack.parameters()), torch.optim.AdamW, lr=1e-3, foreach=False)
+    zero.step()
+    zero_s = _typical_seconds(zero.step, repeats, cpu, collective=True)
     sharded = _stack()
     for unit in sharded:
         fully_shard(unit, reshard_after_forward=True)
@@ -272,6 +279,7 @@ def measure_framework(repeats: int = 15) -> dict[str, float]:
         "plain_step_s": plain_s,
         "ddp_step_s": ddp_s,
         "fsdp_step_s": fsdp_s,
+        "zero_step_s": zero_s,
     }
 
 
@@ -376,6 +384,15 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         op_costs["reduce_scatter"], unit_bytes, world_size
     )
     fsdp = raw["fsdp_step_s"] - raw["plain_step_s"] - FRAMEWORK_UNITS * per_unit_comm
+    # ZeroRedundancyOptimizer over the stack: the rank's AdamW over half the tensors, one broadcast per tensor
+    tensors = 2 * FRAMEWORK_UNITS
+    zero = 0.0
+    if "zero_step_s" in raw:
+        broadcasts = FRAMEWORK_UNITS * (
+            _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * FRAMEWORK_WIDTH * 4, world_size)
+            + _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * 4, world_size)
+        )
+        zero = raw["zero_step_s"] - broadcasts - tensors / world_size * raw["optimizer_tensor_s"]
     return {
         "kernel_overhead_s": raw["forward_op_s"],
         "backward_op_overhead_s": raw["backward_op_s"],
@@ -384,6 +401,7 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
         "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
         "sync_wait_s": raw.get("sync_wait_s", 0.0),
+        "zero_tensor_overhead_s": max(0.0, zero / tensors),
     }
 
 

@@ -61,6 +61,14 @@ def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> N
         "fsdp_step_s": 1e-3 + FRAMEWORK_UNITS * (per_unit_comm + 5e-3),
     }
     terms = framework_overheads(raw, costs, 2)
+    assert terms["zero_tensor_overhead_s"] == 0.0  # not measured: not modelled
+    costs["broadcast"] = fit_op(
+        [Sample(op="broadcast", payload_bytes=p, world_size=2, seconds=1e-4 + p / 4e9) for p in (2**12, 2**20)],
+        "broadcast",
+    )
+    broadcasts = FRAMEWORK_UNITS * (2e-4 + (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4 / 4e9)
+    raw["zero_step_s"] = broadcasts + FRAMEWORK_UNITS * 3e-5 + 2 * FRAMEWORK_UNITS * 2e-4
+    assert framework_overheads(raw, costs, 2)["zero_tensor_overhead_s"] == pytest.approx(2e-4)
     assert terms["ddp_step_overhead_s"] == pytest.approx(7e-4)
     assert terms["fsdp_unit_overhead_s"] == pytest.approx(5e-3)
     assert terms["fsdp_optimizer_tensor_overhead_s"] == pytest.approx(1e-4)

@@ -121,3 +121,15 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
     places = {(e.micro_batch, e.stage, e.trigger) for e in comm_events(case)}
     assert len(places) == 2  # every unit reduce-scattered after backward, every unit gathered after the step
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)
+
+
+def test_zero_redundancy_optimizer_pays_its_overhead_on_every_tensor() -> None:
+    from shardscope.core.params import param_layout
+
+    case = scenario(model="tiny-gpt2", strategy="zero1", world_size=2, gpus_per_node=2, sequence_length=32)
+    base = _profile(overlap=False)
+    costly = dataclasses.replace(base, zero_tensor_overhead_s=1e-4)
+    tensors = len(param_layout(case.model).tensors())
+    assert estimate_time(case, costly).step_time_s == pytest.approx(
+        estimate_time(case, base).step_time_s + tensors * 1e-4
+    )

@@ -229,6 +229,8 @@ def _compute_tasks(
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
     if _uses_fsdp2(scenario):
         seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
+    if scenario.strategy.engine == "pytorch" and scenario.strategy.canonical_name == "zero1":
+        seconds += len(layout.tensors()) * profile.zero_tensor_overhead_s  # ZeroRedundancyOptimizer, every tensor
     where[("optimizer", 0, -1)] = len(tasks)
     tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
     return tasks, where

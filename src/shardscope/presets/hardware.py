@@ -17,6 +17,7 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
     fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
     sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
+    zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -113,6 +114,7 @@ FRAMEWORK_FIELDS = (
     "fsdp_unit_overhead_s",
     "fsdp_optimizer_tensor_overhead_s",
     "sync_wait_s",
+    "zero_tensor_overhead_s",
 )
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
 
@@ -155,6 +157,9 @@ class HardwareProfile:
     copy-out, swapping DTensor and unsharded parameters."""
     fsdp_optimizer_tensor_overhead_s: float = 0.0
     """Extra cost of one FSDP2 (DTensor) parameter in the optimizer step, over a plain tensor's."""
+    zero_tensor_overhead_s: float = 0.0
+    """torch's ZeroRedundancyOptimizer's own work per parameter tensor per step (its per-tensor broadcast
+    bookkeeping), beyond the broadcasts and the wrapped optimizer's step."""
     sync_wait_s: float = 0.0
     """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
     shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
