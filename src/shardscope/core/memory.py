@@ -61,6 +61,7 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) 
     base = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
     base += states.gradients_bytes if states.gradients_persist or accumulating else 0
     after_head = acts.saved_bytes - acts.head_bytes
+    recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
     return {
         "end of forward": base
         + acts.saved_bytes
@@ -79,7 +80,8 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) 
         + LOSS_GRAD_BYTES
         + states.backward_buffers_bytes
         + states.backward_grads_bytes
-        + acts.recompute_bytes,
+        + acts.recompute_bytes
+        + recomputed_block_grads,
         "between blocks in backward": base
         + after_head
         - acts.stored_block_bytes

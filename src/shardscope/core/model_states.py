@@ -35,6 +35,9 @@ class ModelStates:
     """Unsharded gradients in flight while the top block runs backward (beyond `gradients_bytes`)."""
     boundary_grads_bytes: int = 0
     """Unsharded gradients in flight between the top two blocks' backward."""
+    recompute_grads_bytes: int = 0
+    """Under checkpointing, the top block's own gradients, made while its recomputed activations are still whole
+    (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""
     forward_temporary_bytes: int = 0
     """Autocast's 16-bit weight copies, cached for the whole forward."""
     optimizer_temporary_bytes: int = 0
