@@ -39,6 +39,9 @@ class ActivationEstimate:
     """Transient bytes at the start of backward: gradients of the log-softmax output and input."""
     head_bytes: int
     """What the head saves (final norm, output head input, log-softmax output), freed first in backward."""
+    head_gradient_bytes: int
+    """The logits' gradient still live as backward leaves the head: the loss's fp32 gradients, or their 16-bit cast
+    when the model computes in 16 bits (the fp32 ones are freed once the cast has passed them on)."""
     hidden_bytes: int
     """One tokens x hidden tensor in the compute dtype (the gradient flowing between blocks)."""
 
@@ -212,5 +215,6 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
         loss_forward_spike_bytes=forward_spike,
         loss_backward_spike_bytes=backward_spike,
         head_bytes=head + log_softmax,
+        head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
         hidden_bytes=sizes.hidden,
     )

@@ -32,6 +32,7 @@ _NO_ACTIVATIONS = ActivationEstimate(
     loss_forward_spike_bytes=0,
     loss_backward_spike_bytes=0,
     head_bytes=0,
+    head_gradient_bytes=0,
     hidden_bytes=0,
 )
 LOSS_GRAD_BYTES = 4  # the scalar gradient of the loss
@@ -75,7 +76,7 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) 
         + LOSS_GRAD_BYTES,
         "top block's backward": base
         + after_head
-        + acts.loss_backward_spike_bytes
+        + acts.head_gradient_bytes
         + acts.hidden_bytes
         + LOSS_GRAD_BYTES
         + states.backward_buffers_bytes
