@@ -11,9 +11,10 @@ class BlockTorch:
             raise ImportError("torch is blocked in this test")
         return None
 sys.meta_path.insert(0, BlockTorch())
-import shardscope.core.memory, shardscope.core.activations, shardscope.cli, shardscope.lesson
+import shardscope.core.memory, shardscope.core.activations, shardscope.cli, shardscope.lesson, shardscope.planner
 from shardscope.cli import main
 code = main(["estimate", "--model", "llama-3-70b", "--gpus", "64", "--strategy", "all", "--json"])
+assert main(["plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--seq-len", "2048", "--max-gpus", "16", "--global-batch-tokens", "256K", "--json"]) == 0
 assert code == 0, code
 assert "torch" not in sys.modules
 print("ok")
