@@ -100,5 +100,5 @@ def compute_lower_bound_s(scenario: Scenario, hardware: HardwareProfile) -> floa
     for stage in stage_flops(scenario.model, scenario.training):
         per_micro_batch += compute.seconds(stage.forward_flops, stage.forward_kernels)
         per_micro_batch += compute.seconds(stage.recompute_flops, stage.recompute_kernels)
-        per_micro_batch += compute.seconds(stage.backward_flops, 2 * stage.forward_kernels)
+        per_micro_batch += compute.backward_seconds(stage.backward_flops, stage.backward_kernels)
     return per_micro_batch * scenario.training.grad_accum_steps
