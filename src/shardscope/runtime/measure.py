@@ -121,7 +121,7 @@ class MemoryTracker(TorchDispatchMode):
     def live_bytes(self) -> int:
         """Bytes of all tracked storages now."""
         resizable = 0
-        for record in self._live.values():
+        for record in list(self._live.values()):  # a weakref callback may drop entries mid-loop
             if record.resizable:
                 storage = record.ref() if record.ref else None
                 record.nbytes = storage.nbytes() if storage is not None else 0
@@ -132,7 +132,7 @@ class MemoryTracker(TorchDispatchMode):
         """Bytes live now, by label."""
         self.live_bytes()
         totals: dict[str, int] = {}
-        for record in self._live.values():
+        for record in list(self._live.values()):  # a weakref callback may drop entries mid-loop
             totals[record.label] = totals.get(record.label, 0) + record.nbytes
         return totals
 
@@ -143,7 +143,7 @@ class MemoryTracker(TorchDispatchMode):
         live = sum(by_label.values())
         if live > self.peak_bytes:
             self.peak_bytes = live
-            self.peak_live = [(record.ident, record.nbytes) for record in self._live.values()]
+            self.peak_live = [(record.ident, record.nbytes) for record in list(self._live.values())]
 
     def peak_by_final_label(self) -> dict[str, int]:
         """What was live at the peak, by each storage's last label (gradients relabelled after backward count as
