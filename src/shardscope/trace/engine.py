@@ -159,6 +159,7 @@ def _trace_depth(
                     recorder.phase, recorder.where = "loss", "loss"
                     loss = traced.loss(outputs, targets)
                 del outputs
+                recorder.end_forward(loss)
                 recorder.phase, recorder.where = "backward", "backward"
                 progress(f"step {step + 1}/{request.steps}{label}: backward")
                 with counters["backward"] if counting else ExitStack():
@@ -180,7 +181,7 @@ def _trace_depth(
             parameters_bytes=maxima["parameters"],
             gradients_bytes=maxima["gradients"],
             optimizer_state_bytes=maxima["optimizer_state"],
-            activations_bytes=maxima["activations"],
+            activations_bytes=recorder.saved_activations,
             buffers_bytes=maxima["buffers"],
             temporary_bytes=maxima["temporary"],
             peak_bytes=peak.total_bytes,

@@ -132,7 +132,7 @@ def extrapolate(shallow: DepthTrace, deep: DepthTrace, blocks: int) -> TraceResu
         parameters_bytes=maxima["parameters"],
         gradients_bytes=maxima["gradients"],
         optimizer_state_bytes=maxima["optimizer_state"],
-        activations_bytes=maxima["activations"],
+        activations_bytes=_line(result_a.per_rank.activations_bytes, result_b.per_rank.activations_bytes, steps),
         buffers_bytes=maxima["buffers"],
         temporary_bytes=maxima["temporary"],
         peak_bytes=totals[peak_key],

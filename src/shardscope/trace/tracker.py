@@ -1,7 +1,7 @@
 """A dispatch mode that follows every tensor storage rank 0 allocates, by category, and every collective it sends.
 
 Each storage gets a category when it first appears: by the op that made it (FSDP's all-gather and reduce-scatter
-staging are `buffers`) or else by the phase (forward -> activations, loss/backward/optimizer -> temporary). Known
+staging are `buffers`) or else by the phase (forward and loss -> activations, backward/optimizer -> temporary). Known
 tensors are re-labelled exactly at phase ends (parameters, gradients, optimizer state), and storages FSDP2 resizes
 in place (gathered parameters) are `buffers`. Bytes are storage bytes, deduplicated by storage, as the runtime
 counts live tensors.
@@ -27,7 +27,9 @@ TRACKED = ("parameters", "gradients", "optimizer_state", "activations", "buffers
 _PHASE_CATEGORY = {
     "setup": "",
     "forward": "activations",
-    "loss": "temporary",
+    # The loss is part of forward: what it saves for backward (cross entropy's fp32 log-softmax) is an activation,
+    # as the runtime counts it. In bf16-mixed that is twice the 16-bit logits it replaces.
+    "loss": "activations",
     "backward": "temporary",
     "optimizer": "temporary",
 }
@@ -73,13 +75,27 @@ class StepRecorder(TorchDispatchMode):
         self._scopes: list[bool] = []
         self.moments: dict[tuple[str, str], Moment] = {}
         self.rows: list[CollectiveRow] = []
+        self.saved_activations = 0
 
     def start_window(self) -> None:
         """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
         self.moments = {}
         self.rows = []
+        self.saved_activations = 0
         self.recording = True
         self._note_peak()
+
+    def end_forward(self, loss: torch.Tensor) -> None:
+        """Forward and loss are done (their outputs dropped): what is still alive in `activations` is what autograd
+        saved for backward, the category's figure (less the loss itself, as the runtime counts it). Not the largest
+        size seen in forward: with checkpointing, a block's recomputable intermediates live only while it runs."""
+        if not self.recording:
+            return
+        saved = self.live["activations"]
+        key = id(local_tensor(loss).untyped_storage())
+        if self._category.get(key) == "activations":
+            saved -= self._bytes[key]
+        self.saved_activations = max(self.saved_activations, saved)
 
     @property
     def peak(self) -> Moment:
