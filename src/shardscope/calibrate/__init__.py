@@ -1,0 +1,216 @@
+"""Measure this machine and write a hardware profile: collectives over a payload sweep fitted to latency and
+bandwidth, matmul throughput, per-kernel overhead and memory bandwidth.
+
+Collectives run on real process groups: gloo across `world_size` local processes on CPU, or nccl on GPUs when started
+under torchrun. The fit is the alpha-beta model of core.network: t = call latency + steps x step latency +
+wire bytes / bandwidth, least squares over every op and payload (ring steps and wire bytes from "Bandwidth Optimal
+All-reduce Algorithms for Clusters of Workstations"). Needs torch; the core never imports this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shardscope.calibrate.collectives import (
+    DEFAULT_PAYLOADS,
+    OPS,
+    Sample,
+    _measure_collectives,
+    fit_op,
+    fit_samples,
+)
+from shardscope.calibrate.overheads import (
+    FRAMEWORK_UNITS,
+    FRAMEWORK_WIDTH,
+    framework_overheads,
+    measure_compute,
+    measure_framework,
+    measure_sync_wait,
+)
+from shardscope.presets.hardware import HardwareProfile, InterconnectSpec
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """What calibrate measured, and the profile fitted from it."""
+
+    samples: tuple[Sample, ...]
+    """Every collective timing."""
+    profile: HardwareProfile
+    """The fitted profile."""
+    fit_error: float
+    """Largest relative error of the fitted model over the samples."""
+
+
+def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats: int, queue: Any) -> None:
+    """One local gloo rank: measure, hand rank 0's numbers back, leave cleanly (DESIGN.md's rules)."""
+    ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of the *_tensor collectives
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(float(os.environ.get("SHARDSCOPE_CALIBRATE_STACKS_AFTER_S", "600")))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    samples = _measure_collectives(payloads, repeats, device)
+    dist.barrier()
+    compute = measure_compute(device, torch.float32)  # every rank at once, as in training
+    dist.barrier()
+    compute.update(measure_framework())
+    dist.barrier()
+    compute["sync_wait_s"] = measure_sync_wait()
+    if rank == 0:
+        queue.put((samples, compute))
+        # put() hands the data to a feeder thread; os._exit below would kill it before the pipe has the data
+        queue.close()
+        queue.join_thread()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def run_local(
+    world_size: int, payloads: tuple[int, ...], repeats: int, timeout_s: float
+) -> tuple[list[Sample], dict[str, float]]:
+    """Launch world_size gloo processes on this host; kill them all if the deadline passes."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    workers = [
+        context.Process(target=_worker, args=(rank, world_size, port, payloads, repeats, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        samples, compute = queue.get(timeout=timeout_s)
+        deadline = time.monotonic() + 30
+        for worker in workers:
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+    except Exception as error:
+        raise TimeoutError(f"calibration ranks did not finish within {timeout_s:.0f} s") from error
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+    return samples, compute
+
+
+def calibrate(
+    world_size: int = 2, payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 10, timeout_s: float = 300.0
+) -> Calibration:
+    """Measure this host with world_size gloo ranks and fit a profile."""
+    samples, compute = run_local(world_size, payloads, repeats, timeout_s)
+    call, step, bandwidth, error = fit_samples(samples)
+    op_costs = {op: fit_op(samples, op) for op in OPS}
+    overheads = framework_overheads(compute, op_costs, world_size)
+    host = socket.gethostname()
+    link = InterconnectSpec(
+        id="measured",
+        name=f"gloo on {host}",
+        bandwidth_bytes_per_s=bandwidth,
+        latency_s=step,
+        source=f"shardscope calibrate: {len(samples)} gloo timings, world size {world_size}",
+    )
+    memory = InterconnectSpec(
+        id="measured-memory",
+        name=f"memory copy on {host}",
+        bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
+        latency_s=0.0,
+        source="shardscope calibrate: 64 MiB copy",
+    )
+    profile = HardwareProfile(
+        name=f"calibrated: {host}, gloo, {world_size} ranks",
+        intra_node=link,
+        inter_node=link,
+        host=memory,
+        call_latency_s=call,
+        algorithm="ring",
+        overlap=False,
+        matmul_flops_per_s=compute["matmul_flops_per_s"],
+        efficiency=1.0,
+        memory_bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
+        op_costs=tuple(op_costs.values()),
+        **overheads,
+        source=f"shardscope calibrate on {host} at {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
+        f"1 thread per rank; fit max relative error {error:.0%}",
+    )
+    return Calibration(samples=tuple(samples), profile=profile, fit_error=error)
+
+
+def calibrate_torchrun(payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 10) -> Calibration | None:
+    """Under torchrun: nccl on GPUs (gloo without), every rank measures, rank 0 gets the Calibration."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    world = dist.get_world_size()
+    samples = _measure_collectives(payloads, repeats, device) if world > 1 else []
+    compute = measure_compute(device, torch.bfloat16 if cuda else torch.float32, size=8192 if cuda else 512)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    call, step, bandwidth, error = fit_samples(samples) if samples else (0.0, 0.0, 1.0, 0.0)
+    where = "intra-node" if per_node == world else "whole job (inter-node bound)"
+    link = InterconnectSpec(
+        id="measured",
+        name=f"{'nccl' if cuda else 'gloo'} {where}",
+        bandwidth_bytes_per_s=bandwidth,
+        latency_s=step,
+        source=f"shardscope calibrate under torchrun, world size {world}",
+    )
+    profile = HardwareProfile(
+        name=f"calibrated: torchrun, {world} ranks",
+        intra_node=link,
+        inter_node=link,
+        host=link,
+        call_latency_s=call,
+        algorithm="ring",
+        overlap=cuda,
+        matmul_flops_per_s=compute["matmul_flops_per_s"],
+        efficiency=1.0,
+        kernel_overhead_s=compute["kernel_overhead_s"],
+        memory_bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
+        source=f"shardscope calibrate under torchrun, torch {torch.__version__}; fit max relative error {error:.0%}",
+    )
+    return Calibration(samples=tuple(samples), profile=profile, fit_error=error)
+
+
+__all__ = [
+    "DEFAULT_PAYLOADS",
+    "FRAMEWORK_UNITS",
+    "FRAMEWORK_WIDTH",
+    "OPS",
+    "Calibration",
+    "Sample",
+    "calibrate",
+    "calibrate_torchrun",
+    "fit_op",
+    "fit_samples",
+    "framework_overheads",
+    "run_local",
+]

@@ -1,0 +1,245 @@
+"""Framework overheads measured by micro-benchmarks: matmul throughput, per-op dispatch, per-tensor optimizer work,
+DDP and FSDP2 bookkeeping, and the wait at a synchronisation point; then the profile terms fitted from them."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscope.calibrate.collectives import _op_seconds
+from shardscope.presets.hardware import OpCost
+
+# A timing window about as long as a small model's step. Per-op costs are trimmed means over such windows (the
+# slowest and fastest tenth dropped): a step is a sum of many pieces, so its expected time is the sum of their
+# expected times, stalls of a shared machine included; trimming keeps one rare long stall from swinging the figure.
+WINDOW_S = 5e-3
+
+
+def _typical_seconds(work: Any, repeats: int, device: torch.device, collective: bool = False) -> float:
+    """Seconds per call of `work`: the trimmed mean over `repeats` windows of about WINDOW_S, each running it n times.
+    Work that communicates runs once per window, so that every rank makes the same number of calls."""
+
+    def timed(count: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            work()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    first = timed(1)
+    count = 1 if collective else max(1, math.ceil(WINDOW_S / max(first, 1e-9)))
+    return _trimmed_mean([timed(count) / count for _ in range(repeats)])
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """Mean without the slowest and fastest tenth."""
+    ordered = sorted(values)
+    trim = len(ordered) // 10
+    return statistics.fmean(ordered[trim : len(ordered) - trim])
+
+
+def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -> dict[str, float]:
+    """Matmul FLOP/s, seconds per small autograd op, and copy bandwidth on this device."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    matmul = _typical_seconds(lambda: torch.mm(a, b), 10, device)
+    # A tiny op with autograd, forward and backward: what one kernel of a small model costs beyond its FLOPs.
+    x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
+
+    def tiny() -> None:
+        for _ in range(50):
+            (x * 1.5).sum().backward()  # type: ignore[no-untyped-call]
+
+    # per iteration: mul and sum forward, their two backward kernels and the accumulation into x.grad
+    overhead = _typical_seconds(tiny, 5, device) / (50 * 5)
+    big = torch.empty(16 * 2**20, device=device, dtype=torch.float32)
+    source = torch.ones_like(big)
+    copy = _typical_seconds(lambda: big.copy_(source), 5, device)
+    return {
+        "matmul_flops_per_s": 2.0 * size**3 / matmul,
+        "kernel_overhead_s": overhead,
+        "memory_bandwidth_bytes_per_s": 2.0 * big.numel() * 4 / copy,
+    }
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts aten ops, the unit of the core's per-op costs (core.compute's op counts are counted the same way)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(work: Any) -> int:
+    counter = _OpCounter()
+    with counter:
+        work()
+    return counter.ops
+
+
+# Framework micro-benchmarks: a stack of FRAMEWORK_UNITS tiny Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) units on a
+# (FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) input, small enough that FLOPs are negligible and what is timed is the
+# framework's own work: eager dispatch, autograd, hooks, DDP's reducer, FSDP2's per-unit bookkeeping.
+FRAMEWORK_UNITS = 4
+FRAMEWORK_WIDTH = 64
+
+
+def _stack() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) for _ in range(FRAMEWORK_UNITS)))
+
+
+def _backward_seconds(make_loss: Any, repeats: int, per_window: int) -> float:
+    """Seconds of one backward alone (the graphs built untimed), trimmed mean over windows of per_window backwards:
+    timing forward + backward and subtracting forward can come out negative on a noisy machine."""
+    windows = []
+    for _ in range(repeats):
+        losses = [make_loss() for _ in range(per_window)]
+        start = time.perf_counter()
+        for loss in losses:
+            loss.backward()
+        windows.append((time.perf_counter() - start) / per_window)
+    return _trimmed_mean(windows)
+
+
+def measure_sync_wait(repeats: int = 15) -> float:
+    """Extra wait at a blocking collective that follows compute, over the compute and the collective alone.
+
+    Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
+    for the later one, so a step pays E[max of the ranks' compute] rather than E[compute] at every synchronisation.
+    Measured as (compute segment + 4-byte all_reduce) - segment - the all_reduce fenced by a barrier, with a segment
+    of about one block's forward and backward on a small model (~2 ms)."""
+    cpu = torch.device("cpu")
+    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
+    flag = torch.ones(1)
+
+    def segment() -> None:
+        y = x
+        for _ in range(60):
+            y = torch.tanh(y * 1.01 + 0.1)
+
+    def fenced() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        return time.perf_counter() - start
+
+    def segment_then_sync() -> None:
+        segment()
+        dist.all_reduce(flag)
+
+    alone = _typical_seconds(segment, repeats, cpu, collective=True)
+    call = statistics.median(fenced() for _ in range(repeats))
+    both = _typical_seconds(segment_then_sync, repeats, cpu, collective=True)
+    return max(0.0, both - alone - call)
+
+
+def measure_framework(repeats: int = 15) -> dict[str, float]:
+    """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
+
+    Returned raw: seconds per forward and backward aten op, per optimizer tensor (plain and FSDP2's DTensors), and
+    step times of the same tiny stack plain, under DDP and under FSDP2, for calibrate() to subtract the modelled
+    collectives from.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    cpu = torch.device("cpu")
+    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(16):
+            y = torch.tanh(y * 1.01 + 0.1)
+        return y.sum()
+
+    forward_ops = _counted(chain)
+    loss = chain()
+    backward_ops = _counted(loss.backward)
+    forward_s = _typical_seconds(chain, repeats, cpu)
+    backward_s = _backward_seconds(chain, repeats, max(1, math.ceil(WINDOW_S / max(forward_s, 1e-9))))
+    tensors = [torch.zeros(FRAMEWORK_WIDTH, requires_grad=True) for _ in range(32)]
+    for tensor in tensors:
+        tensor.grad = torch.ones_like(tensor)
+    adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
+    optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
+    inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
+
+    def train_step(module: torch.nn.Module) -> None:
+        module(inputs).sum().backward()
+
+    plain = _stack()
+    plain_s = _typical_seconds(lambda: train_step(plain), repeats, cpu)
+    ddp = DistributedDataParallel(_stack())
+    for _ in range(3):  # DDP rebuilds its buckets after the first iteration
+        train_step(ddp)
+    ddp_s = _typical_seconds(lambda: train_step(ddp), repeats, cpu, collective=True)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero_stack = _stack()
+    train_step(zero_stack)
+    zero = ZeroRedundancyOptimizer(list(zero_stack.parameters()), torch.optim.AdamW, lr=1e-3, foreach=False)
+    zero.step()
+    zero_s = _typical_seconds(zero.step, repeats, cpu, collective=True)
+    sharded = _stack()
+    for unit in sharded:
+        fully_shard(unit, reshard_after_forward=True)
+    fully_shard(sharded)
+    fsdp_s = _typical_seconds(lambda: train_step(sharded), repeats, cpu, collective=True)
+    train_step(sharded)
+    dtensor_adam = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=False)
+    dtensor_adam.step()
+    fsdp_optimizer_tensor_s = _typical_seconds(dtensor_adam.step, repeats, cpu, collective=True) / (2 * FRAMEWORK_UNITS)
+    return {
+        "forward_op_s": forward_s / forward_ops,
+        "backward_op_s": backward_s / backward_ops,
+        "optimizer_tensor_s": optimizer_tensor_s,
+        "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
+        "plain_step_s": plain_s,
+        "ddp_step_s": ddp_s,
+        "fsdp_step_s": fsdp_s,
+        "zero_step_s": zero_s,
+    }
+
+
+def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], world_size: int) -> dict[str, float]:
+    """The framework terms of the profile from measure_framework's timings: each engine's step of the tiny stack,
+    less the plain step and less its collectives as the per-op fit prices them."""
+    unit_bytes = (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4
+    all_reduce = _op_seconds(op_costs["all_reduce"], FRAMEWORK_UNITS * unit_bytes, world_size)
+    per_unit_comm = 2 * _op_seconds(op_costs["all_gather"], unit_bytes, world_size) + _op_seconds(
+        op_costs["reduce_scatter"], unit_bytes, world_size
+    )
+    fsdp = raw["fsdp_step_s"] - raw["plain_step_s"] - FRAMEWORK_UNITS * per_unit_comm
+    # ZeroRedundancyOptimizer over the stack: the rank's AdamW over half the tensors, one broadcast per tensor
+    tensors = 2 * FRAMEWORK_UNITS
+    zero = 0.0
+    if "zero_step_s" in raw:
+        broadcasts = FRAMEWORK_UNITS * (
+            _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * FRAMEWORK_WIDTH * 4, world_size)
+            + _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * 4, world_size)
+        )
+        zero = raw["zero_step_s"] - broadcasts - tensors / world_size * raw["optimizer_tensor_s"]
+    return {
+        "kernel_overhead_s": raw["forward_op_s"],
+        "backward_op_overhead_s": raw["backward_op_s"],
+        "optimizer_tensor_overhead_s": raw["optimizer_tensor_s"],
+        "ddp_step_overhead_s": max(0.0, raw["ddp_step_s"] - raw["plain_step_s"] - all_reduce),
+        "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
+        "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
+        "sync_wait_s": raw.get("sync_wait_s", 0.0),
+        "zero_tensor_overhead_s": max(0.0, zero / tensors),
+    }
