@@ -67,7 +67,7 @@ def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
     """One entry of `strategies`."""
     scenario = estimate.scenario
     return {
-        "strategy": scenario.strategy.canonical_name if scenario.strategy.name != "fsdp" else "fsdp",
+        "strategy": scenario.strategy.name,
         "engine": scenario.strategy.engine,
         "world_size": scenario.cluster.world_size,
         "shard_group": scenario.shard_degree,
