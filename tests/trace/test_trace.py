@@ -16,6 +16,12 @@ from shardscope.trace.request import TraceRequest, request_from_json
 torch = pytest.importorskip("torch")
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
+# A gloo run's measured figures can differ between runs by a buffer gloo holds for a moment (one fp32 copy of a
+# block's gradients or gathered parameters, depending on when its worker thread finishes): seen in CI as 199,936 B
+# more activations and 49,664 B more peak than in other runs of the same case. A comparison with a real run is made
+# against a fresh run once more before it fails; a trace that is wrong fails both.
+GLOO_ATTEMPTS = 2
+
 
 def _request(model: str, world: int, strategy: str, precision: str = "fp32", **training: int) -> TraceRequest:
     shape = {"micro_batch_size": 2, "sequence_length": 32, **training}
@@ -114,22 +120,25 @@ def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, sh
     What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own."""
     from shardscope.runtime.api import run_training
 
-    run = run_training(
-        model="tiny-llama",
-        strategy=strategy,
-        engine="pytorch",
-        world_size=world,
-        shard_group=shard_group,
-        precision="fp32",
-        micro_batch_size=2,
-        sequence_length=32,
-        timeout_s=240,
-    )
     scenario = replace(
         _request("tiny-llama", world, "zero3").scenario,
         strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
     )
     trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120))
+    for _attempt in range(GLOO_ATTEMPTS):
+        run = run_training(
+            model="tiny-llama",
+            strategy=strategy,
+            engine="pytorch",
+            world_size=world,
+            shard_group=shard_group,
+            precision="fp32",
+            micro_batch_size=2,
+            sequence_length=32,
+            timeout_s=240,
+        )
+        if abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes:
+            break
     assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
 
 
@@ -162,21 +171,7 @@ def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
     # more (1,639,672 B); alone it is 1,539,832 B, as `shardscope run` says.
     cases = [("fp32", "full"), ("bf16-mixed", "none")]
     shape = {"micro_batch_size": 2, "sequence_length": 32}
-    runs = [
-        run_training(
-            model="tiny-gpt2",
-            strategy="zero3",
-            engine="pytorch",
-            world_size=2,
-            precision=precision,
-            checkpointing=checkpointing,
-            timeout_s=240,
-            **shape,
-        )
-        for precision, checkpointing in cases
-    ]
-    for (precision, checkpointing), run in zip(cases, runs, strict=True):
-        real = run.per_rank[0]
+    for precision, checkpointing in cases:
         scenario = Scenario(
             model=model_preset("tiny-gpt2"),
             cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2),
@@ -185,14 +180,36 @@ def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
         )
         request = TraceRequest(scenario=scenario, time_limit_s=120)
         trace = run_in_subprocess(request).per_rank
-        assert abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes, (trace, real)
-        if precision == "fp32":
-            assert abs(trace.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (trace, real)
-            continue
-        helper = Path(__file__).with_name("gloo_peak.py")
-        done = subprocess.run(
-            [sys.executable, str(helper), request.to_json()], capture_output=True, text=True, timeout=180, check=True
-        )
-        gloo = json.loads(done.stdout)
-        assert gloo["peak_bytes"] == trace.peak_bytes < real.peak_bytes
-        assert abs(gloo["gloo_peak_bytes"] - real.peak_bytes) <= 0.01 * real.peak_bytes, (gloo, real)
+        # The peak the run should show: the trace's, plus gloo's clone of a reduce-scatter input under bf16-mixed.
+        expected_peak = trace.peak_bytes
+        if precision != "fp32":
+            helper = Path(__file__).with_name("gloo_peak.py")
+            done = subprocess.run(
+                [sys.executable, str(helper), request.to_json()],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                check=True,
+            )
+            gloo = json.loads(done.stdout)
+            assert gloo["peak_bytes"] == trace.peak_bytes
+            expected_peak = gloo["gloo_peak_bytes"]
+        for _attempt in range(GLOO_ATTEMPTS):
+            real = run_training(
+                model="tiny-gpt2",
+                strategy="zero3",
+                engine="pytorch",
+                world_size=2,
+                precision=precision,
+                checkpointing=checkpointing,
+                timeout_s=240,
+                **shape,
+            ).per_rank[0]
+            activations_ok = abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes
+            peak_ok = abs(expected_peak - real.peak_bytes) <= 0.01 * real.peak_bytes
+            if activations_ok and peak_ok:
+                break
+        assert activations_ok, (trace, real)
+        assert peak_ok, (expected_peak, trace, real)
+        if precision != "fp32":
+            assert trace.peak_bytes < real.peak_bytes
