@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from shardscope.core.params import param_layout
 from shardscope.specs import ModelSpec, TrainingSpec
 
 INDEX_BYTES = 8  # token ids and targets are int64
@@ -155,8 +156,6 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> 
     norms see fp32 inputs, RoPE's tables stay fp32 and llama's rotated q and k are made in fp32 and cast again
     (three more tokens x hidden 16-bit tensors per block, measured).
     """
-    from shardscope.core.params import param_layout
-
     layout = param_layout(model)
     head_weight = model.vocab_size * model.hidden_size * sizes.element  # lm_head's copy, tied or not
     block_weights = sum(t.numel for t in layout.block if len(t.shape) == 2) * sizes.element

@@ -105,10 +105,7 @@ def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstima
         raise ValueError(f"rank={rank} must be between 0 and world_size-1={world - 1}")
     states = model_states(scenario, rank)
     model, training = scenario.model, scenario.training
-    strategy = scenario.strategy
-    # torch's DDP (and ZeroRedundancyOptimizer over it) computes mixed precision with autocast over fp32 weights.
-    autocast = strategy.engine == "pytorch" and strategy.stage <= 1 and training.is_mixed
-    acts = estimate_activations(model, training, autocast) if model.has_shape else _NO_ACTIVATIONS
+    acts = estimate_activations(model, training, states.autocast) if model.has_shape else _NO_ACTIVATIONS
     moments = _moments(states, acts, training.grad_accum_steps > 1)
     peak_moment = max(moments, key=lambda name: moments[name])
     tensor_peak = moments[peak_moment]

@@ -42,6 +42,8 @@ class ModelStates:
     """Autocast's 16-bit weight copies, cached for the whole forward."""
     optimizer_temporary_bytes: int = 0
     """Workspace of the optimizer step."""
+    autocast: bool = False
+    """Mixed precision by torch.autocast over fp32 weights (torch's DDP), which saves more for backward."""
     gradients_persist: bool = False
     """Gradients stay allocated between steps (flat buffers), so they are live during forward too."""
     host_bytes: int = 0

@@ -57,6 +57,7 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
         backward_grads_bytes=bucket + head,
         boundary_grads_bytes=bucket + head + block,
         recompute_grads_bytes=block,
+        autocast=training.is_mixed,
         # Autocast's 16-bit weight copies are saved for backward: the activations count them (without a shape,
         # which has no activations, they are counted here).
         forward_temporary_bytes=total * dtype_bytes(training.precision) if training.is_mixed and not layout else 0,
