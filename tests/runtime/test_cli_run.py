@@ -14,7 +14,7 @@ from shardscope.core.result import MemoryBreakdown
     ("argv", "message"),
     [
         (["--strategy", "zero4"], "strategy='zero4' is not known"),
-        (["--world-size", "9"], "world_size=9 must be between 1 and 8"),
+        (["--world-size", "9"], "--world-size 9 must be between 1 and 8"),
         (["--engine", "deepspeed"], "engine='deepspeed' is not known"),
         (["--dtype", "float16"], "--dtype 'float16' is not known"),
         (["--strategy", "hsdp", "--world-size", "4", "--shard-group", "3"], "must divide world_size=4"),

@@ -87,8 +87,14 @@ def render(result: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, print; exit 0 when parity holds, 1 when it does not, 2 on bad input or a failed rank."""
     from shardscope.runtime import RunConfig, RunError, run_training
+    from shardscope.runtime.config import MAX_LOCAL_WORLD_SIZE
     from shardscope.specs import SpecError
 
+    if not 1 <= args.world_size <= MAX_LOCAL_WORLD_SIZE:
+        raise CliError(
+            f"--world-size {args.world_size} must be between 1 and {MAX_LOCAL_WORLD_SIZE} local processes; "
+            "for more ranks run the worker under torchrun (docs/cluster.md)"
+        )
     try:
         config = RunConfig(
             model=args.model,

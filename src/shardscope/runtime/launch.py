@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shardscope.runtime.config import RunConfig, RunError
+from shardscope.runtime.config import MAX_LOCAL_WORLD_SIZE, RunConfig, RunError
 
 PORT_ATTEMPTS = 3
 POLL_S = 0.05
@@ -153,6 +153,11 @@ def launch(
     (raises RunError naming the failed rank). The deadline is the sum of the configs' timeouts."""
     if len({(c.world_size, c.backend, c.rendezvous) for c in configs}) != 1:
         raise RunError("configs launched together must share world_size, backend and rendezvous")
+    if configs[0].world_size > MAX_LOCAL_WORLD_SIZE:
+        raise RunError(
+            f"world_size={configs[0].world_size} is more local processes than this launcher starts "
+            f"(at most {MAX_LOCAL_WORLD_SIZE}); use torchrun for more (docs/cluster.md)"
+        )
     timeout_s = sum(config.timeout_s for config in configs)
     with tempfile.TemporaryDirectory(prefix="shardscope-run-") as scratch:
         base = run_dir or Path(scratch)

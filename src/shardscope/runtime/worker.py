@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from shardscope.runtime.config import RunConfig
+from shardscope.specs import SpecError
 
 PR_SET_PDEATHSIG = 1
 
@@ -141,27 +142,49 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
         if rank == 0:
             reference = reference_parameters(config, device)
             diff = max(
-                float((full[name].double().cpu() - value.double().cpu()).abs().max())
+                float((full[name].detach().double().cpu() - value.detach().double().cpu()).abs().max())
                 for name, value in reference.items()
             )
             results.append({"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff})
     if rank == 0:
         (run_dir / "result.json").write_text(json.dumps(results))
+        if "SHARDSCOPE_LAUNCHER_PID" not in os.environ:  # under torchrun nobody else turns it into the document
+            write_run_documents(configs, results, run_dir)
     status("done")
     dist.barrier()
     dist.destroy_process_group()
 
 
+def write_run_documents(configs: list[RunConfig], results: list[dict[str, Any]], run_dir: Path) -> None:
+    """Under torchrun: `run.json`, the shardscope.run/v1 document (a list of them for a suite), and a line per run."""
+    from shardscope.runtime.api import result_from_launch
+
+    documents = [result_from_launch(c, raw).to_json() for c, raw in zip(configs, results, strict=True)]
+    (run_dir / "run.json").write_text(json.dumps(documents[0] if len(documents) == 1 else documents, indent=1))
+    for document in documents:
+        peak = document["per_rank"][0]["peak_bytes"]
+        print(
+            f"shardscope: {document['strategy']} ({document['engine']}) on {document['world_size']} ranks: rank 0 "
+            f"peak {peak:,} B, parity {document['parity']['max_abs_diff']:.1e}; wrote {run_dir / 'run.json'}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point for one rank; never returns (os._exit), so gloo cannot abort at interpreter exit."""
     die_with_parent()
-    configs, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        configs, run_dir = parse_config(sys.argv[1:] if argv is None else argv)
+    except SpecError as error:  # bad flags under torchrun: one line per rank, exit 2
+        print(f"shardscope worker rank {rank}: {error}", file=sys.stderr, flush=True)
+        os._exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         run_rank(configs, rank, run_dir)
     except BaseException as error:
         (run_dir / f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        print(f"shardscope worker rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush()
