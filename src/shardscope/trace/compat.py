@@ -1,8 +1,8 @@
 """Every private torch API the trace needs, in this one module, behind a version check with a clear message.
 
 The fake process group (torch.testing._internal.distributed.fake_pg), the fake tensor mode (torch._subclasses),
-the FSDP2-based `replicate` (torch.distributed._composable.replicate_with_fsdp) and the storage resize hook are
-not public and move between releases; nothing else in shardscope.trace imports them.
+the storage resize hook and what lets DistributedDataParallel run on fake tensors (its shape check, its reducer's
+bucket rebuild) are not public and move between releases; nothing else in shardscope.trace imports them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def require_torch() -> None:
         )
     try:
         for name in (
-            "torch.distributed._composable.replicate_with_fsdp",
             "torch.testing._internal.distributed.fake_pg",
             "torch._subclasses.fake_tensor",
         ):
@@ -75,13 +74,6 @@ def data_dependent_errors() -> tuple[type[BaseException], ...]:
     return DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
 
 
-def fsdp_replicate() -> Callable[..., Any]:
-    """torch's FSDP2-based `replicate` (DDP semantics on the fully_shard machinery; runs on fake tensors)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    return replicate
-
-
 @contextmanager
 def storage_resize_hook(on_resize: Callable[[torch.UntypedStorage, int, int], None]) -> Iterator[None]:
     """Call on_resize(storage, old_bytes, new_bytes) on every UntypedStorage.resize_.
@@ -112,3 +104,43 @@ def resolve_group_size(group: Any) -> int:
     if isinstance(group, str):
         return int(_resolve_process_group(group).size())
     return int(dist.ProcessGroup.unbox(group).size())
+
+
+@contextmanager
+def ddp_on_fake_tensors() -> Iterator[None]:
+    """Let DistributedDataParallel be built over fake parameters.
+
+    Its constructor checks every rank's parameter shapes by reading the parameters' data
+    (torch.distributed.utils._verify_param_shape_across_processes), which fake tensors do not have. In a replay
+    every rank is this one, so the check is skipped; the rest of the constructor (buckets, broadcast) runs as is.
+    """
+    import torch.nn.parallel.distributed as ddp_module
+
+    original = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *_args, **_kwargs: None
+    try:
+        yield
+    finally:
+        ddp_module._verify_param_shape_across_processes = original
+
+
+def rebuild_ddp_buckets(ddp: Any) -> bool:
+    """Run the DDP reducer's bucket rebuild (done by DDP itself at the second forward) on fake tensors.
+
+    The rebuild writes the new bucket indices into int32 tensors and reads them back in C++ (Reducer::
+    sync_bucket_indices); those few index tensors are made real, the buckets themselves stay fake.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    empty = torch.ops.aten.empty.memory_format
+
+    class RealIndices(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is empty and kwargs.get("dtype") == torch.int32:
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    with RealIndices():
+        return bool(ddp.reducer._rebuild_buckets())

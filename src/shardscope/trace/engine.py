@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from shardscope.core.result import MemoryBreakdown
-from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
+from shardscope.trace.ddp import DDP_STEPS, before_forward, forward_context, materialise, uses_ddp, wrap_ddp
 from shardscope.trace.extrapolate import DepthTrace, extrapolate
 from shardscope.trace.flops import attention_flops, flop_counter, module_flops
 from shardscope.trace.request import TraceRequest
@@ -94,7 +94,9 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     """Trace rank 0 of the request's scenario; raises on a model that cannot run on fake tensors.
 
     A model deeper than request.traced_blocks is traced cut to traced_blocks - 1 and traced_blocks blocks, in this
-    process, and extrapolated to its depth (shardscope.trace.extrapolate says why that is exact).
+    process, and extrapolated to its depth (shardscope.trace.extrapolate says why that is exact). Not ddp and zero1:
+    DDP's buckets (25 MiB each) and ZeroRedundancyOptimizer's partition (largest tensors first, to the least loaded
+    rank) do not grow by the same amount per block, so their models are traced whole.
     """
     started = time.monotonic()
     require_torch()
@@ -102,7 +104,7 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     depth = model_depth(request)
     wanted = request.traced_blocks
     result: TraceResult | None = None
-    if depth is not None and wanted and depth > wanted:
+    if depth is not None and wanted and depth > wanted and not uses_ddp(request.scenario):
         shallow = _trace_depth(request, wanted - 1, progress)
         deep = _trace_depth(request, wanted, progress)
         if shallow is not None and deep is not None:
@@ -111,9 +113,6 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
         full = _trace_depth(request, None, progress, flat=True)
         assert full is not None  # flat traces always return
         result = full.result
-    if request.scenario.strategy.canonical_name == "zero1":
-        per_rank, fallbacks = _zero1_optimizer_from_core(result.per_rank, request.scenario)
-        result = replace(result, per_rank=per_rank, fallbacks=fallbacks)
     return replace(result, elapsed_s=time.monotonic() - started)
 
 
@@ -139,35 +138,42 @@ def _trace_depth(
         stack.enter_context(fake_tensor_mode())
         stack.enter_context(storage_resize_hook(recorder.on_resize))
         stack.enter_context(recorder)
-        traced.root.to_empty(device="cpu")
+        if uses_ddp(scenario):
+            materialise(traced.root)
+            model = wrap_ddp(traced.root, recorder)
+        else:
+            traced.root.to_empty(device="cpu")
+            model = traced.root
+        steps = max(request.steps, DDP_STEPS) if uses_ddp(scenario) else request.steps
         params = [param for param in traced.root.parameters()]
         optimizer = make_optimizer(traced.root, scenario)
         recorder.label(params, "parameters")
-        for step in range(request.steps):
-            last = step == request.steps - 1
+        for step in range(steps):
+            last = step == steps - 1
             # FLOPs are counted in the first step, memory in the last: FlopCounterMode decomposes composite ops
             # (silu_backward into five element-wise ops, say), which changes what a step allocates.
             counting = step == 0
             if last:
                 recorder.start_window()
             for micro in range(scenario.training.grad_accum_steps):
+                before_forward(model, recorder)
                 recorder.phase, recorder.where = "forward", "forward"
-                progress(f"step {step + 1}/{request.steps}{label} micro-batch {micro + 1}: forward")
+                progress(f"step {step + 1}/{steps}{label} micro-batch {micro + 1}: forward")
                 inputs, targets = traced.make_batch()
-                with counters["forward"] if counting else ExitStack():
-                    outputs = traced.root(inputs)
+                with counters["forward"] if counting else ExitStack(), forward_context(scenario):
+                    outputs = model(inputs)
                     recorder.phase, recorder.where = "loss", "loss"
                     loss = traced.loss(outputs, targets)
                 del outputs
                 recorder.end_forward(loss)
                 recorder.phase, recorder.where = "backward", "backward"
-                progress(f"step {step + 1}/{request.steps}{label}: backward")
+                progress(f"step {step + 1}/{steps}{label}: backward")
                 with counters["backward"] if counting else ExitStack():
                     loss.backward()
                 del loss
             recorder.label([p.grad for p in params if p.grad is not None], "gradients")
             recorder.phase, recorder.where = "optimizer", "optimizer step"
-            progress(f"step {step + 1}/{request.steps}{label}: optimizer")
+            progress(f"step {step + 1}/{steps}{label}: optimizer")
             with counters["optimizer"] if counting else ExitStack():
                 optimizer.step()
             state = _optimizer_state(optimizer)
@@ -231,31 +237,6 @@ def _block_prefix(traced: TracedModel) -> str | None:
         return None
     prefix = names[0][:-1]
     return prefix if names == [f"{prefix}{index}" for index in range(len(names))] else None
-
-
-def _zero1_optimizer_from_core(
-    traced: MemoryBreakdown, scenario: Scenario
-) -> tuple[MemoryBreakdown, tuple[tuple[str, str], ...]]:
-    """zero1 was traced as ddp; its sharded optimizer state (and the peak's share of it) comes from the core."""
-    why = (
-        "ZeroRedundancyOptimizer cannot run on fake tensors over replicate's DTensor parameters; traced as ddp, "
-        "optimizer_state is the core's closed-form zero1 figure and the peak is adjusted by the difference; the "
-        "ledger lacks the optimizer's parameter broadcasts"
-    )
-    try:
-        from shardscope.core.memory import estimate_memory
-    except ImportError:
-        return traced, (
-            (
-                "optimizer_state",
-                why.split(";")[0] + "; the core is not available, so the ddp trace's whole optimizer state is shown",
-            ),
-        )
-    core = estimate_memory(scenario).per_rank.optimizer_state_bytes
-    adjusted = replace(
-        traced, optimizer_state_bytes=core, peak_bytes=traced.peak_bytes - traced.optimizer_state_bytes + core
-    )
-    return adjusted, (("optimizer_state", why),)
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

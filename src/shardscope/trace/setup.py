@@ -2,11 +2,9 @@
 
 Three model sources: shardscope's reference modules from a ModelSpec, a Hugging Face config.json through
 transformers, or a user's factory `package.module:function` returning (module, sample batch). Strategies map to
-torch's own engines: zero3/fsdp/hsdp -> fully_shard (hsdp on a 2-D mesh), zero2 -> fully_shard without resharding
-after forward (torch's SHARD_GRAD_OP), ddp -> the FSDP2-based `replicate` (torch's DDP reducer cannot run on fake
-tensors). zero1 runs as `replicate` with a whole optimizer: ZeroRedundancyOptimizer cannot run on replicate's
-DTensor parameters under fake tensors (c10d.broadcast_ has no DTensor sharding rule), so the engine takes zero1's
-optimizer state from the core's closed form and says so.
+torch's own engines, as the runtime runs them: zero3/fsdp/hsdp -> fully_shard (hsdp on a 2-D mesh), zero2 ->
+fully_shard without resharding after forward (torch's SHARD_GRAD_OP), ddp -> DistributedDataParallel, zero1 -> DDP
+with ZeroRedundancyOptimizer (shardscope.trace.ddp wraps the model once its fake parameters exist).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch
 from torch import nn
 
 from shardscope.specs import Scenario
-from shardscope.trace.compat import fsdp_replicate
 from shardscope.trace.request import TraceRequest
 
 DTYPES = {
@@ -226,21 +223,20 @@ def make_mesh(scenario: Scenario) -> Any:
 
 
 def apply_strategy(traced: TracedModel, scenario: Scenario) -> str:
-    """Wrap each block and the root with torch's engine for the strategy; returns the engine's name."""
+    """Wrap each block and the root with torch's engine for the strategy; returns the engine's name. ddp and
+    zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     strategy, training = scenario.strategy, scenario.training
+    if strategy.canonical_name == "ddp":
+        return "torch DistributedDataParallel"
+    if strategy.canonical_name == "zero1":
+        return "torch DistributedDataParallel + ZeroRedundancyOptimizer"
     mesh = make_mesh(scenario)
     compute = COMPUTE_DTYPES.get(training.precision)
     policy = (
         MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     )
-    units = [*traced.blocks, traced.root]
-    if strategy.canonical_name in ("ddp", "zero1"):
-        replicate = fsdp_replicate()
-        for unit in units:
-            replicate(unit, mesh=mesh, mp_policy=policy)
-        return "torch replicate (FSDP2-based)"
     reshard = strategy.reshard_after_forward and strategy.canonical_name != "zero2"
     for unit in traced.blocks:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -249,7 +245,8 @@ def apply_strategy(traced: TracedModel, scenario: Scenario) -> str:
 
 
 def make_optimizer(root: nn.Module, scenario: Scenario) -> torch.optim.Optimizer:
-    """The scenario's optimizer with foreach=False (foreach kernels report wrong state on fake tensors)."""
+    """The scenario's optimizer with foreach=False (foreach kernels report wrong state on fake tensors); for zero1
+    inside torch's ZeroRedundancyOptimizer, as the runtime's TorchDDP."""
     name = scenario.training.optimizer
     params = [param for param in root.parameters() if param.requires_grad]
     kinds: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -259,4 +256,8 @@ def make_optimizer(root: nn.Module, scenario: Scenario) -> torch.optim.Optimizer
         "sgd-momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
     }
     cls, options = kinds[name]
+    if scenario.strategy.canonical_name == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, cls, foreach=False, **options)
     return cls(params, foreach=False, **options)
