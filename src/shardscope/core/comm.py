@@ -19,10 +19,11 @@ al.): DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x (Section 7).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from shardscope.core.params import ParamLayout, ParamTensor, param_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.core.sharding import ceil_div, dim0_unit_padded_numel, flat_shard_numel
+from shardscope.core.sharding import ceil_div, dim0_unit_sizes, flat_shard_numel
 from shardscope.specs import Scenario, SpecError
 
 # torch DDP's first gradient bucket is 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES); later ones bucket_bytes.
@@ -110,16 +111,24 @@ def _units(layout: ParamLayout) -> tuple[_Unit, ...]:
     return (root, *blocks)
 
 
-def _unit_gathered_numel(scenario: Scenario, unit: _Unit) -> int:
-    """Elements of a unit once gathered, padding included, by the engine's sharding rule."""
+def _unit_gathered_numels(scenario: Scenario, layout: ParamLayout) -> tuple[int, int]:
+    """Elements of the root unit and of one block once gathered, padding included, by the engine's sharding rule
+    (every block is the same, so a step's hundreds of unit events need these two numbers only)."""
     degree = scenario.shard_degree
     engine = scenario.strategy.engine
     if engine == "pytorch":  # FSDP2 pads every tensor's dim 0 to a multiple of the degree
-        return dim0_unit_padded_numel(unit.tensors, degree)
+        return dim0_unit_sizes(layout, degree)
     if engine == "deepspeed":  # DeepSpeed ZeRO-3 partitions each parameter flat, padded to the degree
-        return sum(ceil_div(tensor.numel, degree) * degree for tensor in unit.tensors)
-    numel = sum(tensor.numel for tensor in unit.tensors)  # the paper: one flat buffer per unit
-    return flat_shard_numel(numel, degree) * degree
+
+        def padded(tensors: tuple[ParamTensor, ...]) -> int:
+            return sum(ceil_div(tensor.numel, degree) * degree for tensor in tensors)
+
+        return padded(layout.root), padded(layout.block)
+    # the paper: one flat buffer per unit
+    return (
+        flat_shard_numel(layout.root_numel, degree) * degree,
+        flat_shard_numel(layout.block_numel, degree) * degree,
+    )
 
 
 def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
@@ -155,9 +164,15 @@ def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
     return tuple(buckets)
 
 
+@lru_cache(maxsize=4096)
+def _row(phase: str, op: str, size: int, payload: int) -> CollectiveRow:
+    """One call's ledger row, shared by every event of that shape (a 70B step has hundreds of identical ones)."""
+    return CollectiveRow(phase=phase, op=op, group_size=size, payload_bytes=payload, count=1)
+
+
 def _event(phase: str, op: str, size: int, payload: int, group: str, at: tuple[int, int, str], label: str) -> CommEvent:
     """One call of `op` on a group of `size` ranks; `at` is (micro-batch, stage, trigger)."""
-    row = CollectiveRow(phase=phase, op=op, group_size=size, payload_bytes=payload, count=1)
+    row = _row(phase, op, size, payload)
     micro_batch, stage, trigger = at
     return CommEvent(row=row, group=group, micro_batch=micro_batch, stage=stage, trigger=trigger, label=label)
 
@@ -223,11 +238,13 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
     # `shardscope run`. reshard_after_forward=False keeps every unit (ZeRO-2-like SHARD_GRAD_OP).
     regather_root = strategy.engine != "paper"
     reshard = strategy.reshard_after_forward and strategy.name != "zero2"
-    units = _units(param_layout(scenario.model))
+    layout = param_layout(scenario.model)
+    units = _units(layout)
+    root_numel, block_numel = _unit_gathered_numels(scenario, layout)
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):
         for unit in units:
-            numel = _unit_gathered_numel(scenario, unit)
+            numel = root_numel if unit.name == "root" else block_numel
             at = (micro_batch, unit.first_stage, "before_forward")
             if offload_params:
                 events.append(
@@ -239,7 +256,7 @@ def _sharded_events(scenario: Scenario) -> list[CommEvent]:
                 _event("forward", "all_gather", degree, numel * param_bytes, group, at, f"all_gather {unit.name}")
             )
         for unit in reversed(units):
-            numel = _unit_gathered_numel(scenario, unit)
+            numel = root_numel if unit.name == "root" else block_numel
             at = (micro_batch, unit.last_stage, "before_backward")
             if reshard and (unit.name != "root" or regather_root):
                 if offload_params:

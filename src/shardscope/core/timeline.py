@@ -16,8 +16,10 @@ that `core.chrome_trace` turns into a Chrome trace.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
 
-from shardscope.core.comm import CommEvent, collective_ledger, comm_events
+from shardscope.core.comm import CommEvent, comm_events
 from shardscope.core.compute import (
     ComputeModel,
     compute_dtype,
@@ -25,9 +27,9 @@ from shardscope.core.compute import (
     optimizer_step_s,
     stage_flops,
 )
-from shardscope.core.network import Link, NetworkModel, event_cost
+from shardscope.core.network import CollectiveCost, Link, NetworkModel, event_cost
 from shardscope.core.params import param_layout
-from shardscope.core.result import CollectiveRow
+from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, default_profile
 from shardscope.specs import Scenario, SpecError
@@ -82,8 +84,23 @@ class TimeEstimate:
     """FLOPs per rank per step without recomputation."""
     peak_flops_per_s: float
     """The peak MFU is measured against (datasheet, or measured matmul throughput)."""
-    spans: tuple[Span, ...]
-    """Every piece of work, for the trace."""
+    schedule: tuple[tuple[str, str, str, float, float, int], ...]
+    """Every piece of work as (name, stream, category, start_s, duration_s, payload_bytes), in start order. Plain
+    tuples, because the planner simulates hundreds of steps of a thousand pieces each and reads none of them;
+    `spans` gives them as Span objects."""
+
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        """Every piece of work, for the trace."""
+        return tuple(
+            Span(name=name, stream=stream, category=category, start_s=start, duration_s=duration, payload_bytes=size)
+            for name, stream, category, start, duration, size in self.schedule
+        )
+
+    @property
+    def host_copy_s(self) -> float:
+        """Time spent copying between GPU and host (offload), in the step's order."""
+        return sum(duration for _, stream, _, _, duration, _ in self.schedule if stream == "host")
 
     @property
     def tokens_per_s(self) -> float:
@@ -178,7 +195,7 @@ def optimizer_tensors(scenario: Scenario) -> int:
     DTensor shard; DeepSpeed flat partitions (counted as the tensors of its shard)."""
     layout = param_layout(scenario.model)
     strategy = scenario.strategy
-    tensors = len(layout.tensors())
+    tensors = layout.tensor_count
     if strategy.engine == "paper":
         return layout.num_blocks + 1
     if strategy.engine == "pytorch":
@@ -189,8 +206,10 @@ def optimizer_tensors(scenario: Scenario) -> int:
     return tensors if degree == 1 else -(-tensors // degree)
 
 
-@dataclass(frozen=True, slots=True)
-class _Task:
+class _Task(NamedTuple):
+    """One piece of work before it is scheduled (a tuple: a 70B step has thousands and the planner simulates
+    hundreds of steps)."""
+
     key: float
     name: str
     stream: str
@@ -230,7 +249,7 @@ def _compute_tasks(
     if _uses_fsdp2(scenario):
         seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
     if scenario.strategy.engine == "pytorch" and scenario.strategy.canonical_name == "zero1":
-        seconds += len(layout.tensors()) * profile.zero_tensor_overhead_s  # ZeroRedundancyOptimizer, every tensor
+        seconds += layout.tensor_count * profile.zero_tensor_overhead_s  # ZeroRedundancyOptimizer, every tensor
     where[("optimizer", 0, -1)] = len(tasks)
     tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
     return tasks, where
@@ -245,9 +264,23 @@ def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
     return where[(kind, event.micro_batch, event.stage)]
 
 
+def _event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
+    """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
+    kind and op) hundreds of times."""
+    priced: dict[tuple[str, str, int, int], CollectiveCost] = {}
+    costs = []
+    for event in events:
+        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
+        cost = priced.get(key)
+        if cost is None:
+            cost = priced[key] = event_cost(event, scenario, net)
+        costs.append(cost)
+    return tuple(costs)
+
+
 def _comm_tasks(
-    scenario: Scenario,
-    net: NetworkModel,
+    events: tuple[CommEvent, ...],
+    costs: tuple[CollectiveCost, ...],
     compute_tasks: list[_Task],
     where: dict[tuple[str, int, int], int],
     sync_wait_s: float = 0.0,
@@ -257,8 +290,8 @@ def _comm_tasks(
     tasks: list[_Task] = []
     waits: dict[int, list[int]] = {}
     previous: CommEvent | None = None
-    for event in comm_events(scenario):
-        duration = event_cost(event, scenario, net).time_s
+    for event, cost in zip(events, costs, strict=True):
+        duration = cost.time_s
         stream = "host" if event.group == "host" else "comm"
         after: list[int] = []
         if event.trigger in ("before_forward", "before_backward"):
@@ -288,45 +321,39 @@ def _comm_tasks(
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Run the step's tasks through the streams and measure what comes out."""
-    comm_events(scenario)  # refuses a model without a shape before anything else
+    events = comm_events(scenario)  # built once per call (refuses a model without a shape before anything else)
     compute = compute_model(scenario, profile)
-    net = network_model(profile)
+    costs = _event_costs(scenario, events, network_model(profile))
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
-    comm_tasks, waits = _comm_tasks(scenario, net, compute_tasks, where, profile.sync_wait_s)
+    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     waits[optimizer] = [
         index for index, task in enumerate(tasks) if index >= len(compute_tasks) and task.key < optimizer
     ]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
-    order = sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index >= len(compute_tasks), index))
+    computes = len(compute_tasks)
+    order = sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index >= computes, index))
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
-    spans: list[Span] = []
+    schedule: list[tuple[str, str, str, float, float, int]] = []
     for index in order:
         task = tasks[index]
         stream = task.stream if profile.overlap else "compute"
-        ready = max([finish[dep] for dep in (*task.after, *waits.get(index, ()))], default=0.0)
-        start = max(free[stream], ready)
+        start = free[stream]
+        for dep in task.after:
+            start = max(start, finish[dep])
+        for dep in waits.get(index, ()):
+            start = max(start, finish[dep])
         finish[index] = free[stream] = start + task.duration_s
-        spans.append(
-            Span(
-                name=task.name,
-                stream=task.stream,
-                category=task.category,
-                start_s=start,
-                duration_s=task.duration_s,
-                payload_bytes=task.payload_bytes,
-            )
-        )
+        schedule.append((task.name, task.stream, task.category, start, task.duration_s, task.payload_bytes))
     step = max(finish, default=0.0)
     compute_busy = sum(task.duration_s for task in compute_tasks)
-    events = comm_events(scenario)
-    wire = sum(event_cost(event, scenario, net).wire_bytes for event in events)
+    wire = sum(cost.wire_bytes for cost in costs)
     return TimeEstimate(
         scenario=scenario,
         hardware=profile,
-        ledger=collective_ledger(scenario),
+        ledger=merge_ledger([event.row for event in events]),
         wire_bytes_per_rank=round(wire),
         comm_time_s=sum(task.duration_s for task in comm_tasks),
         exposed_comm_s=max(0.0, step - compute_busy),
@@ -334,7 +361,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
         step_time_s=step,
         model_flops=model_flops_per_step(scenario),
         peak_flops_per_s=compute.peak_flops_per_s,
-        spans=tuple(sorted(spans, key=lambda span: span.start_s)),
+        schedule=tuple(sorted(schedule, key=itemgetter(3))),
     )
 
 

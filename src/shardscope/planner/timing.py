@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from shardscope.core.compute import model_flops_per_step, stage_flops
-from shardscope.core.timeline import TimeEstimate, compute_model, estimate_time
+from shardscope.core.timeline import compute_model, estimate_time
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -45,10 +45,6 @@ class PlanTiming:
     """Micro-batches the simulation ran; fewer than the plan's means the rest were extended linearly."""
 
 
-def _host_copy_s(estimate: TimeEstimate) -> float:
-    return sum(span.duration_s for span in estimate.spans if span.stream == "host")
-
-
 def _with_micro_batches(scenario: Scenario, count: int) -> Scenario:
     return dataclasses.replace(scenario, training=dataclasses.replace(scenario.training, grad_accum_steps=count))
 
@@ -65,7 +61,7 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
             compute_time_s=exact.compute_time_s,
             comm_time_s=exact.comm_time_s,
             exposed_comm_s=exact.exposed_comm_s,
-            host_copy_s=_host_copy_s(exact),
+            host_copy_s=exact.host_copy_s,
             wire_bytes_per_rank=exact.wire_bytes_per_rank,
             tokens_per_s=tokens / exact.step_time_s,
             mfu=model_flops / (exact.step_time_s * exact.peak_flops_per_s),
@@ -85,7 +81,7 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
         compute_time_s=compute,
         comm_time_s=extend(one.comm_time_s, two.comm_time_s),
         exposed_comm_s=max(0.0, step - compute),
-        host_copy_s=extend(_host_copy_s(one), _host_copy_s(two)),
+        host_copy_s=extend(one.host_copy_s, two.host_copy_s),
         wire_bytes_per_rank=round(extend(one.wire_bytes_per_rank, two.wire_bytes_per_rank)),
         tokens_per_s=tokens / step,
         mfu=model_flops / (step * two.peak_flops_per_s),
