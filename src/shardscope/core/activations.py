@@ -45,6 +45,10 @@ class ActivationEstimate:
     when the model computes in 16 bits (the fp32 ones are freed once the cast has passed them on)."""
     hidden_bytes: int
     """One tokens x hidden tensor in the compute dtype (the gradient flowing between blocks)."""
+    block_backward_bytes: int = 0
+    """Bytes a block holds at the peak of its own backward beyond what it stored in forward: under checkpointing its
+    recomputed tensors, and in its MLP's backward the output projection's weight gradient and the MLP's activation
+    gradients (see `_mlp_backward_bytes`)."""
 
 
 def activation_bytes_per_element(training: TrainingSpec) -> int:
@@ -134,6 +138,21 @@ def _mlp_bytes(model: ModelSpec, sizes: _Sizes) -> int:
     return router + routed * per_routed
 
 
+def _mlp_backward_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+    """Bytes a block's MLP backward adds at its peak, beyond the block's saved tensors. The output projection's
+    backward frees its saved input (tokens x ffn) and makes its weight (and bias) gradient and its input's gradient;
+    then gpt2's GELU backward makes one more tokens x ffn tensor, and SwiGLU's product backward two (the gate's and
+    the up projection's gradients) while its own input gradient is still live. Measured with the trace's tracker
+    (`shardscope trace --model tiny-gpt2 --gpus 4 --gpus-per-node 4 --checkpointing full --strategy zero3 --engine
+    pytorch --micro-batch 2 --seq-len 32`: peak at gelu_backward of the bottom block; tiny-llama's at the SwiGLU
+    product's backward)."""
+    ffn = sizes.tokens * model.ffn_hidden_size * sizes.element
+    weight = model.ffn_hidden_size * model.hidden_size * sizes.element
+    if model.family == "gpt2":
+        return weight + model.hidden_size * sizes.element + ffn
+    return weight + 2 * ffn
+
+
 def _block_bytes(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
     """(bytes one block saves, bytes that selective checkpointing does not keep)."""
     sizes = _sizes(model, training)
@@ -186,13 +205,19 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     if autocast and training.is_mixed:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
         block += block_extra
+    # gpt2's first LayerNorm saves the block's input itself, as does llama's RMSNorm in fp32 (its upcast is a no-op):
+    # under full checkpointing that tensor is the one stored, not recomputed.
+    input_reused = sizes.hidden if model.family == "gpt2" or sizes.element == sizes.stat else 0
     if training.checkpointing == "full":
         # Only each block's input is kept; the shared tensors are recreated with the block in backward.
         stored, recompute, shared = sizes.hidden + input_extra, block, 0
+        block_backward = block - input_reused
     elif training.checkpointing == "selective":
         stored, recompute = block - selective_dropped, selective_dropped
+        block_backward = recompute
     else:
-        stored, recompute = block, 0
+        stored, recompute, block_backward = block, 0, 0
+    block_backward += _mlp_backward_bytes(model, sizes)
     loss_element = sizes.stat
     tokens = sizes.tokens
     logits = tokens * model.vocab_size * sizes.element
@@ -216,4 +241,5 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
         head_bytes=head + log_softmax,
         head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
         hidden_bytes=sizes.hidden,
+        block_backward_bytes=block_backward,
     )

@@ -5,6 +5,8 @@ The peak is the largest of the moments that matter, not the plain sum of the cat
 - start of backward: the same with the gradients of the log-softmax instead of the forward spike;
 - top block's backward: the head's activations freed, its gradients and the top block's in flight;
 - between the top two blocks: the top block's activations freed, two blocks gathered, their gradients in flight;
+- bottom block's backward (engines that say so): the blocks above freed and their gradient shards landed, the block's
+  own backward (recomputed tensors, MLP gradients) and the block above's communication buffers still in flight;
 - optimizer step: weights, gradients, optimizer state and the step's workspace.
 Under checkpointing the top block's backward also holds its recomputed activations. Overhead (framework context,
 allocator headroom) is added on top as a stated assumption.
@@ -57,12 +59,34 @@ def busiest_rank(scenario: Scenario) -> int:
     return 0
 
 
-def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool) -> dict[str, int]:
+def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, blocks: int) -> dict[str, int]:
     """Bytes live at each moment of a step (without overhead)."""
     base = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
-    base += states.gradients_bytes if states.gradients_persist or accumulating else 0
+    gradients_in_base = states.gradients_persist or accumulating
+    base += states.gradients_bytes if gradients_in_base else 0
     after_head = acts.saved_bytes - acts.head_bytes
     recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
+    moments = _coarse_moments(states, acts, base, after_head, recomputed_block_grads)
+    if states.bottom_block_moment:
+        # The blocks above have freed what they stored and landed their gradients; the bottom block holds its own
+        # stored tensors, what its backward makes, and the gradient flowing in from above.
+        moments["bottom block's backward"] = (
+            base
+            + after_head
+            - max(blocks - 1, 0) * acts.stored_block_bytes
+            + acts.block_backward_bytes
+            + acts.hidden_bytes
+            + LOSS_GRAD_BYTES
+            + states.bottom_buffers_bytes
+            + states.bottom_grads_bytes
+            + (0 if gradients_in_base else states.bottom_landed_grads_bytes)
+        )
+    return moments
+
+
+def _coarse_moments(
+    states: ModelStates, acts: ActivationEstimate, base: int, after_head: int, recomputed_block_grads: int
+) -> dict[str, int]:
     return {
         "end of forward": base
         + acts.saved_bytes
@@ -106,7 +130,7 @@ def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstima
     states = model_states(scenario, rank)
     model, training = scenario.model, scenario.training
     acts = estimate_activations(model, training, states.autocast) if model.has_shape else _NO_ACTIVATIONS
-    moments = _moments(states, acts, training.grad_accum_steps > 1)
+    moments = _moments(states, acts, training.grad_accum_steps > 1, model.num_layers)
     peak_moment = max(moments, key=lambda name: moments[name])
     tensor_peak = moments[peak_moment]
     overheads = scenario.overheads

@@ -35,6 +35,14 @@ class ModelStates:
     """Unsharded gradients in flight while the top block runs backward (beyond `gradients_bytes`)."""
     boundary_grads_bytes: int = 0
     """Unsharded gradients in flight between the top two blocks' backward."""
+    bottom_block_moment: bool = False
+    """Whether the bottom block's backward (the last block to run it) is a moment of its own for this engine."""
+    bottom_buffers_bytes: int = 0
+    """Gathered parameters and communication buffers while the bottom block runs backward."""
+    bottom_landed_grads_bytes: int = 0
+    """Gradients of the blocks above that have landed (sharded) when the bottom block runs backward."""
+    bottom_grads_bytes: int = 0
+    """Unsharded gradients in flight while the bottom block runs backward (beyond the landed ones)."""
     recompute_grads_bytes: int = 0
     """Under checkpointing, the top block's own gradients, made while its recomputed activations are still whole
     (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""
