@@ -1,18 +1,24 @@
 """Predicted against measured step time (and ledger) for world-size-2 gloo runs of the tiny presets.
 
 Usage: python benchmarks/bench_time.py [--profile profile.toml] [--models tiny-gpt2,tiny-llama] [--steps 8]
+       [--rounds 3] [--strategies ddp,zero3] [--engines teaching]
 Without --profile it calibrates this machine first (shardscope calibrate), then, per model, runs the eight
 strategy x engine runs for real in one launch (two local gloo processes, one thread each; measured = the median of the
 steps after the first, slowest rank) and predicts each with core.timeline on the profile. The ledger column compares
 the predicted setup + step ledger (core.comm.run_ledger) with what the run recorded, row for row.
 The goal (issue 5) is within 15% on every row; the table says which rows miss it.
+It prints the load average at start and end (the machine is shared: judge a run by its ratios, not its absolute
+times) and its own wall time; one round of both models takes about a minute on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import sys
+import time
 
 from shardscope.core.comm import run_ledger
 from shardscope.core.timeline import estimate_time
@@ -52,7 +58,7 @@ def _profile_line(profile: HardwareProfile) -> str:
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
         f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
         f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "
-        f"{costs}"
+        f"hook {profile.hook_overhead_s * 1e6:.1f} us; beside async +{profile.async_compute_slowdown:.2f}; {costs}"
     )
 
 
@@ -62,10 +68,18 @@ def main() -> int:
     parser.add_argument("--models", default="tiny-gpt2,tiny-llama")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="calibrate-then-run rounds; medians are reported")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="a subset, e.g. ddp,zero3")
+    parser.add_argument("--engines", default=",".join(name for name, _ in ENGINES), help="teaching, pytorch or both")
     args = parser.parse_args()
+    strategies = [name for name in args.strategies.split(",") if name in STRATEGIES]
+    engines = [pair for pair in ENGINES if pair[0] in args.engines.split(",")]
+    started = time.monotonic()
+    print(f"load average at start: {' '.join(f'{value:.2f}' for value in os.getloadavg())}", flush=True)
     predicted: dict[tuple[str, str, str], list[float]] = {}
     measured: dict[tuple[str, str, str], list[float]] = {}
     ledgers: dict[tuple[str, str, str], bool] = {}
+    # the prediction without the hook and async terms, to see what they add in the same run
+    without_hooks: dict[tuple[str, str, str], list[float]] = {}
     for round_index in range(args.rounds):
         for model in args.models.split(","):
             # calibration and runs interleaved: a shared machine's speed drifts from minute to minute
@@ -88,19 +102,22 @@ def main() -> int:
                     sequence_length=SEQ_LEN,
                     timeout_s=300,
                 )
-                for strategy in STRATEGIES
-                for run_engine, _ in ENGINES
+                for strategy in strategies
+                for run_engine, _ in engines
             ]
             for config, result in zip(configs, run_suite(configs), strict=True):
                 key = (model, config.strategy, config.engine)
                 scenario = scenario_for(model, config.strategy, dict(ENGINES)[config.engine])
                 predicted.setdefault(key, []).append(estimate_time(scenario, profile).step_time_s)
+                without = dataclasses.replace(profile, hook_overhead_s=0.0, async_compute_slowdown=0.0)
+                without_hooks.setdefault(key, []).append(estimate_time(scenario, without).step_time_s)
                 measured.setdefault(key, []).append(result.step_time_s)
                 ledgers[key] = ledgers.get(key, True) and ledger_rows(run_ledger(scenario)) == ledger_rows(
                     result.ledger
                 )
     header = (
-        f"{'model':<11} {'strategy':<6} {'engine':<9} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  ledger"
+        f"{'model':<11} {'strategy':<6} {'engine':<9} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  "
+        f"{'w/o hook+async':>14}  ledger"
     )
     print(f"\nmedians over {args.rounds} rounds\n{header}\n{'-' * len(header)}")
     worst = 0.0
@@ -111,9 +128,11 @@ def main() -> int:
         model, strategy, engine = key
         print(
             f"{model:<11} {strategy:<6} {engine:<9} {guess * 1e3:12.2f} {truth * 1e3:11.2f} {error:+7.0%}  "
-            f"{'same' if ledgers[key] else 'differs'}"
+            f"{statistics.median(without_hooks[key]) / truth - 1:+14.0%}  {'same' if ledgers[key] else 'differs'}"
         )
     print(f"\nworst error {worst:.0%}; goal 15%: {'met' if worst <= 0.15 else 'NOT met'}")
+    print(f"load average at end: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    print(f"wall time {(time.monotonic() - started) / 60:.1f} min")
     return 0
 
 

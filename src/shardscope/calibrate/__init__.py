@@ -31,6 +31,7 @@ from shardscope.calibrate.collectives import (
     fit_op,
     fit_samples,
 )
+from shardscope.calibrate.hooks import measure_async_slowdown, measure_hook_s
 from shardscope.calibrate.overheads import (
     FRAMEWORK_UNITS,
     FRAMEWORK_WIDTH,
@@ -71,6 +72,10 @@ def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats
     compute.update(measure_framework())
     dist.barrier()
     compute["sync_wait_s"] = measure_sync_wait()
+    dist.barrier()
+    compute["hook_s"] = measure_hook_s()
+    dist.barrier()
+    compute["async_slowdown"] = measure_async_slowdown()
     if rank == 0:
         queue.put((samples, compute))
         # put() hands the data to a feeder thread; os._exit below would kill it before the pipe has the data

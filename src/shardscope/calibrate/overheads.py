@@ -242,4 +242,6 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
         "sync_wait_s": raw.get("sync_wait_s", 0.0),
         "zero_tensor_overhead_s": max(0.0, zero / tensors),
+        "hook_overhead_s": raw.get("hook_s", 0.0),
+        "async_compute_slowdown": raw.get("async_slowdown", 0.0),
     }

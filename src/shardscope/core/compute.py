@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from shardscope.core.params import ParamTensor, param_layout
+from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
 
 DEFAULT_EFFICIENCY = 0.5
@@ -212,3 +213,25 @@ def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int
     state_bytes = 8 if scenario.training.precision == "fp64" else 4
     accessed = OPTIMIZER_ACCESSES[optimizer] * state_bytes * shard_numel
     return kernels + accessed / compute.memory_bandwidth_bytes_per_s
+
+
+def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
+    """The compute half: measured matmul throughput if the profile has it, else the GPU's datasheet peak."""
+    peak = profile.matmul_flops_per_s
+    if peak <= 0:
+        dtype = compute_dtype(scenario.training)
+        datasheet = scenario.cluster.gpu.peak_flops(dtype)
+        if datasheet is None:
+            raise SpecError(
+                f"GPU {scenario.cluster.gpu.id!r} has no datasheet peak for {dtype}; give a calibrated "
+                f"--hardware profile or choose a GPU preset"
+            )
+        peak = datasheet
+    return ComputeModel(
+        peak_flops_per_s=peak,
+        efficiency=profile.efficiency,
+        kernel_overhead_s=profile.kernel_overhead_s,
+        backward_op_overhead_s=profile.backward_op_overhead_s,
+        optimizer_tensor_overhead_s=profile.optimizer_tensor_overhead_s,
+        memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+    )

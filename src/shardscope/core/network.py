@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from shardscope.core.comm import CommEvent
 from shardscope.core.result import CollectiveRow
-from shardscope.presets.hardware import OpCost
+from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, OpCost
 from shardscope.specs import Scenario, SpecError
 
 ALGORITHMS = ("ring", "tree", "hierarchical", "auto")
@@ -224,3 +224,19 @@ def bus_bandwidth_bytes_per_s(row: CollectiveRow, time_s: float) -> float:
     if factor is None:
         raise SpecError(f"op {row.op!r} has no bus bandwidth; it is not a collective")
     return algorithm_bandwidth * factor
+
+
+def _link(spec: InterconnectSpec) -> Link:
+    return Link(name=spec.name, bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s, latency_s=spec.latency_s)
+
+
+def network_model(profile: HardwareProfile) -> NetworkModel:
+    """The network half of a hardware profile."""
+    return NetworkModel(
+        intra_node=_link(profile.intra_node),
+        inter_node=_link(profile.inter_node),
+        host=_link(profile.host),
+        call_latency_s=profile.call_latency_s,
+        algorithm=profile.algorithm,
+        op_costs=profile.op_costs,
+    )

@@ -22,17 +22,24 @@ from typing import NamedTuple
 from shardscope.core.comm import CommEvent, comm_events
 from shardscope.core.compute import (
     ComputeModel,
-    compute_dtype,
+    compute_model,
     model_flops_per_step,
     optimizer_step_s,
     stage_flops,
 )
-from shardscope.core.network import CollectiveCost, Link, NetworkModel, event_cost
+from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, network_model
+from shardscope.core.overheads import (
+    async_slowdown_s,
+    framework_s,
+    is_async,
+    optimizer_tensors,
+    uses_fsdp2,
+)
 from shardscope.core.params import param_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import flat_shard_numel
-from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, default_profile
-from shardscope.specs import Scenario, SpecError
+from shardscope.presets.hardware import HardwareProfile, default_profile
+from shardscope.specs import Scenario
 
 STREAMS = ("compute", "comm", "host")
 
@@ -131,81 +138,6 @@ class TimeEstimate:
         }
 
 
-def _link(spec: InterconnectSpec) -> Link:
-    return Link(name=spec.name, bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s, latency_s=spec.latency_s)
-
-
-def network_model(profile: HardwareProfile) -> NetworkModel:
-    """The network half of a hardware profile."""
-    return NetworkModel(
-        intra_node=_link(profile.intra_node),
-        inter_node=_link(profile.inter_node),
-        host=_link(profile.host),
-        call_latency_s=profile.call_latency_s,
-        algorithm=profile.algorithm,
-        op_costs=profile.op_costs,
-    )
-
-
-def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
-    """The compute half: measured matmul throughput if the profile has it, else the GPU's datasheet peak."""
-    peak = profile.matmul_flops_per_s
-    if peak <= 0:
-        dtype = compute_dtype(scenario.training)
-        datasheet = scenario.cluster.gpu.peak_flops(dtype)
-        if datasheet is None:
-            raise SpecError(
-                f"GPU {scenario.cluster.gpu.id!r} has no datasheet peak for {dtype}; give a calibrated "
-                f"--hardware profile or choose a GPU preset"
-            )
-        peak = datasheet
-    return ComputeModel(
-        peak_flops_per_s=peak,
-        efficiency=profile.efficiency,
-        kernel_overhead_s=profile.kernel_overhead_s,
-        backward_op_overhead_s=profile.backward_op_overhead_s,
-        optimizer_tensor_overhead_s=profile.optimizer_tensor_overhead_s,
-        memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
-    )
-
-
-def _uses_fsdp2(scenario: Scenario) -> bool:
-    strategy = scenario.strategy
-    return strategy.engine == "pytorch" and (strategy.stage == 3 or strategy.name == "zero2")
-
-
-def _framework_s(scenario: Scenario, profile: HardwareProfile) -> dict[tuple[str, int], float]:
-    """The engine's own bookkeeping per micro-batch, by (kind, stage) it runs beside: torch DDP's per step (at the
-    first forward stage), FSDP2's per unit (half with the unit's forward, half with its backward)."""
-    strategy = scenario.strategy
-    extra: dict[tuple[str, int], float] = {}
-    if strategy.engine == "pytorch" and strategy.canonical_name in ("ddp", "zero1"):
-        extra[("forward", 0)] = profile.ddp_step_overhead_s
-    elif _uses_fsdp2(scenario):
-        half = profile.fsdp_unit_overhead_s / 2
-        extra[("forward", 0)] = extra[("backward", 0)] = half  # the root unit
-        for stage in range(1, scenario.model.num_layers + 1):
-            extra[("forward", stage)] = extra[("backward", stage)] = half
-    return extra
-
-
-def optimizer_tensors(scenario: Scenario) -> int:
-    """Tensors one rank's optimizer steps over: the teaching strategies keep one flat buffer (or shard) per unit;
-    torch's DDP every parameter; ZeroRedundancyOptimizer about 1/world of them; FSDP2 every parameter, as a
-    DTensor shard; DeepSpeed flat partitions (counted as the tensors of its shard)."""
-    layout = param_layout(scenario.model)
-    strategy = scenario.strategy
-    tensors = layout.tensor_count
-    if strategy.engine == "paper":
-        return layout.num_blocks + 1
-    if strategy.engine == "pytorch":
-        if strategy.canonical_name == "zero1":
-            return -(-tensors // scenario.cluster.world_size)
-        return tensors
-    degree = 1 if strategy.stage == 0 else scenario.shard_degree
-    return tensors if degree == 1 else -(-tensors // degree)
-
-
 class _Task(NamedTuple):
     """One piece of work before it is scheduled (a tuple: a 70B step has thousands and the planner simulates
     hundreds of steps)."""
@@ -224,7 +156,7 @@ def _compute_tasks(
 ) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
     """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
     stages = stage_flops(scenario.model, scenario.training)
-    framework = _framework_s(scenario, profile)
+    framework = framework_s(scenario, profile)
     tasks: list[_Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
@@ -246,7 +178,7 @@ def _compute_tasks(
     degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
     shard_tensors = optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    if _uses_fsdp2(scenario):
+    if uses_fsdp2(scenario):
         seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
     if scenario.strategy.engine == "pytorch" and scenario.strategy.canonical_name == "zero1":
         seconds += layout.tensor_count * profile.zero_tensor_overhead_s  # ZeroRedundancyOptimizer, every tensor
@@ -319,12 +251,37 @@ def _comm_tasks(
     return tasks, waits
 
 
+def _slow_beside_async(
+    scenario: Scenario,
+    events: tuple[CommEvent, ...],
+    costs: tuple[CollectiveCost, ...],
+    compute_tasks: list[_Task],
+    where: dict[tuple[str, int, int], int],
+    slowdown: float,
+) -> None:
+    """Lengthen the compute tasks that run while an async collective is in flight (core.overheads)."""
+    issued = [
+        (where[("backward", event.micro_batch, event.stage)], cost.time_s)
+        for event, cost in zip(events, costs, strict=True)
+        if is_async(event, scenario)
+    ]
+    if not issued:
+        return
+    durations = [task.duration_s for task in compute_tasks]
+    extra = async_slowdown_s(durations, issued, where[("optimizer", 0, -1)], slowdown)
+    for index, seconds in enumerate(extra):
+        if seconds:
+            compute_tasks[index] = compute_tasks[index]._replace(duration_s=durations[index] + seconds)
+
+
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Run the step's tasks through the streams and measure what comes out."""
     events = comm_events(scenario)  # built once per call (refuses a model without a shape before anything else)
     compute = compute_model(scenario, profile)
     costs = _event_costs(scenario, events, network_model(profile))
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
+    if profile.async_compute_slowdown:
+        _slow_beside_async(scenario, events, costs, compute_tasks, where, profile.async_compute_slowdown)
     comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
@@ -368,3 +325,17 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
 def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -> TimeEstimate:
     """Step time, communication and throughput of a scenario; the GPU preset's datasheet profile by default."""
     return simulate(scenario, hardware or default_profile(scenario.cluster.gpu))
+
+
+# compute_model, network_model and optimizer_tensors moved to core.compute, core.network and core.overheads; they stay
+# importable from here, where callers found them.
+__all__ = [
+    "STREAMS",
+    "Span",
+    "TimeEstimate",
+    "compute_model",
+    "estimate_time",
+    "network_model",
+    "optimizer_tensors",
+    "simulate",
+]

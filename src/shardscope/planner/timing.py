@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardscope.core.compute import model_flops_per_step, stage_flops
-from shardscope.core.timeline import compute_model, estimate_time
+from shardscope.core.compute import compute_model, model_flops_per_step, stage_flops
+from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 

@@ -18,6 +18,8 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
     sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
     zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
+    hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
+    async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -115,6 +117,8 @@ FRAMEWORK_FIELDS = (
     "fsdp_optimizer_tensor_overhead_s",
     "sync_wait_s",
     "zero_tensor_overhead_s",
+    "hook_overhead_s",
+    "async_compute_slowdown",
 )
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
 
@@ -163,6 +167,14 @@ class HardwareProfile:
     sync_wait_s: float = 0.0
     """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
     shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
+    hook_overhead_s: float = 0.0
+    """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
+    tensor's gradient hook, a parameter's post-accumulate-grad hook): what the teaching strategies pay to drive their
+    collectives from hooks, the hook's own work excluded."""
+    async_compute_slowdown: float = 0.0
+    """Extra time per second that an async collective is in flight beside compute, beyond doing the two one after
+    the other (a fraction): on a CPU rank gloo's thread and autograd share the core. 0 where overlap costs nothing
+    extra (GPUs: NCCL runs on the device)."""
     op_costs: tuple[OpCost, ...] = ()
     """Per-op collective costs replacing call_latency_s and the link bandwidth for that op (calibrated gloo)."""
     source: str = ""
