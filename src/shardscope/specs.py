@@ -18,6 +18,7 @@ ATTENTION = ("eager", "sdpa")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 OFFLOADS = ("none", "optimizer", "optimizer+params")
 ENGINES = ("paper", "pytorch", "deepspeed")
+BACKENDS = ("nccl", "gloo")
 
 # Sanity bounds: anything past these is a typo, not a model (the largest published dense models are ~1e12).
 MAX_PARAMETERS = 10**15
@@ -166,10 +167,14 @@ class ClusterSpec:
     """Total ranks (GPUs) in the job."""
     gpus_per_node: int = 8
     """GPUs in one node; the world is whole nodes, or one partly used node."""
+    backend: str = "nccl"
+    """The collectives library: 'nccl' (GPUs) or 'gloo' (CPU processes, as `validate` runs here). It decides what
+    a collective allocates beside its input, e.g. gloo's reduce-scatter works on a clone of its whole input."""
 
     def __post_init__(self) -> None:
         _require_int("ClusterSpec", "world_size", self.world_size, 1, MAX_WORLD_SIZE)
         _require_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1, 1024)
+        _require_choice("ClusterSpec", "backend", self.backend, BACKENDS)
         if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
             raise SpecError(
                 f"ClusterSpec.world_size={self.world_size} must be a multiple of "
@@ -193,6 +198,7 @@ class ClusterSpec:
             "world_size": self.world_size,
             "gpus_per_node": self.gpus_per_node,
             "num_nodes": self.num_nodes,
+            "backend": self.backend,
         }
 
 

@@ -57,9 +57,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) 
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
-    """--gpus, --gpus-per-node, --gpu | --gpu-memory."""
+    """--gpus, --gpus-per-node, --backend, --gpu | --gpu-memory."""
     parser.add_argument("--gpus", type=positive_int, default=default_gpus, help="world size (default %(default)s)")
     parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default %(default)s)")
+    parser.add_argument(
+        "--backend",
+        default="nccl",
+        help="collectives library: nccl, or gloo for CPU processes (gloo's reduce-scatter clones its input)",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--gpu",
@@ -161,7 +166,9 @@ def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
 def scenarios_from_args(args: argparse.Namespace, names: Sequence[str] | None = None) -> list[Scenario]:
     """One Scenario per strategy named on the command line."""
     model = model_from_args(args)
-    cluster = ClusterSpec(gpu=gpu_from_args(args), world_size=args.gpus, gpus_per_node=args.gpus_per_node)
+    cluster = ClusterSpec(
+        gpu=gpu_from_args(args), world_size=args.gpus, gpus_per_node=args.gpus_per_node, backend=args.backend
+    )
     training = TrainingSpec(
         micro_batch_size=args.micro_batch,
         sequence_length=args.seq_len,

@@ -61,7 +61,9 @@ class ValidationCase:
         """The case as the core and the trace read it."""
         return Scenario(
             model=model_preset(self.model),
-            cluster=ClusterSpec(gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size),
+            cluster=ClusterSpec(
+                gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend="gloo"
+            ),
             training=TrainingSpec(
                 micro_batch_size=self.micro_batch_size,
                 sequence_length=self.sequence_length,
