@@ -219,35 +219,33 @@ def _comm_tasks(
 ) -> tuple[list[_Task], dict[int, list[int]]]:
     """Communication tasks with their issue keys, and the gathers each compute task waits for."""
     optimizer = where[("optimizer", 0, -1)]
+    first = len(compute_tasks)  # the index the first communication task will have
     tasks: list[_Task] = []
     waits: dict[int, list[int]] = {}
-    previous: CommEvent | None = None
-    for event, cost in zip(events, costs, strict=True):
+    previous: tuple[int, int, str] | None = None
+    for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
         stream = "host" if event.group == "host" else "comm"
-        after: list[int] = []
-        if event.trigger in ("before_forward", "before_backward"):
+        trigger = event.trigger
+        after: list[int]
+        if trigger == "before_forward" or trigger == "before_backward":
             consumer = _consumer(event, where)
             key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
-            if consumer >= 2:
-                after.append(consumer - 2)
-            waits.setdefault(consumer, []).append(len(compute_tasks) + len(tasks))
-        elif event.trigger == "after_backward":
+            after = [consumer - 2] if consumer >= 2 else []
+            waits.setdefault(consumer, []).append(position)
+        elif trigger == "after_backward":
             producer = where[("backward", event.micro_batch, event.stage)]
             key, after = producer + 0.5, [producer]
         else:
             key, after = optimizer + 0.5, [optimizer]
-        same_place = previous is not None and (previous.micro_batch, previous.stage, previous.trigger) == (
-            event.micro_batch,
-            event.stage,
-            event.trigger,
-        )
-        if not same_place and stream == "comm":  # the first collective after compute waits for the later rank
+        place = (event.micro_batch, event.stage, trigger)
+        if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
+            after.append(position - 1)
+        elif stream == "comm":  # the first collective after compute waits for the later rank
             duration += sync_wait_s
-        if same_place:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
-            after.append(len(compute_tasks) + len(tasks) - 1)
-        tasks.append(_Task(key, event.label, stream, event.row.op, duration, event.row.payload_bytes, tuple(after)))
-        previous = event
+        row = event.row
+        tasks.append(_Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
+        previous = place
     return tasks, waits
 
 
@@ -285,11 +283,9 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
-    waits[optimizer] = [
-        index for index, task in enumerate(tasks) if index >= len(compute_tasks) and task.key < optimizer
-    ]
-    # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     computes = len(compute_tasks)
+    waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
+    # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     order = sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index >= computes, index))
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
