@@ -160,6 +160,11 @@ def _compute_tasks(
     tasks: list[_Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
+    # Every micro-batch repeats the same stages: each stage's forward, recompute and backward time computed once.
+    forward = [compute.seconds(stage.forward_flops, stage.forward_kernels) for stage in stages]
+    recompute = [compute.seconds(stage.recompute_flops, stage.recompute_kernels) for stage in stages]
+    backward = [compute.backward_seconds(stage.backward_flops, stage.backward_kernels) for stage in stages]
+
     def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
         where[(kind, micro_batch, stage)] = len(tasks)
         name = f"{kind} {stages[stage].name}" + (f" (micro-batch {micro_batch})" if micro_batch else "")
@@ -167,13 +172,12 @@ def _compute_tasks(
         tasks.append(_Task(len(tasks), name, "compute", kind, seconds, 0, ()))
 
     for micro_batch in range(scenario.training.grad_accum_steps):
-        for index, stage in enumerate(stages):
-            add("forward", micro_batch, index, compute.seconds(stage.forward_flops, stage.forward_kernels))
+        for index in range(len(stages)):
+            add("forward", micro_batch, index, forward[index])
         for index in reversed(range(len(stages))):
-            stage = stages[index]
-            if stage.recompute_flops:
-                add("recompute", micro_batch, index, compute.seconds(stage.recompute_flops, stage.recompute_kernels))
-            add("backward", micro_batch, index, compute.backward_seconds(stage.backward_flops, stage.backward_kernels))
+            if stages[index].recompute_flops:
+                add("recompute", micro_batch, index, recompute[index])
+            add("backward", micro_batch, index, backward[index])
     layout = param_layout(scenario.model)
     degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
     shard_tensors = optimizer_tensors(scenario)
@@ -286,7 +290,8 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     computes = len(compute_tasks)
     waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
-    order = sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index >= computes, index))
+    keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
+    order = [index for _, _, index in sorted(keys)]
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
     schedule: list[tuple[str, str, str, float, float, int]] = []

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CATEGORIES, MemoryEstimate
@@ -192,8 +194,28 @@ class _Search:
         )
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cycle collector: the search allocates millions of short-lived tuples and frozen dataclasses and
+    makes no cycles (reference counting frees them all), while each collector pass walks every estimate the search
+    keeps. Measured on llama-3-70b's cost question, three runs each on the shared machine: plan() took 1.18-1.44 s
+    of CPU with the collector off against 1.36-1.62 s with it on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
     """Search the space of the request and rank what fits."""
+    with _collector_paused():
+        return _plan(request, progress)
+
+
+def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     search = _Search(request, progress)
     shapes = batch_shapes(request)
     fitting: list[MemoryEstimate] = []
