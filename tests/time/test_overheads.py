@@ -127,3 +127,18 @@ def test_calibrate_maps_the_measurements_to_the_profile_terms() -> None:
     assert terms["async_compute_slowdown"] == 0.3
     del raw["hook_s"], raw["async_slowdown"]
     assert framework_overheads(raw, costs, 2)["hook_overhead_s"] == 0.0  # not measured: not modelled
+
+
+def test_the_hook_benchmark_divides_by_the_hook_calls_it_makes() -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    from shardscope.calibrate.hooks import hook_calls_per_step, hooked_stack, measure_hook_s
+    from shardscope.calibrate.overheads import FRAMEWORK_WIDTH
+
+    calls: list[object] = []
+    stack = hooked_stack(lambda *args: calls.append(args))
+    stack(torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)).sum().backward()
+    assert len(calls) == hook_calls_per_step()
+    seconds = measure_hook_s(repeats=3)
+    assert 0.0 <= seconds < 1e-3  # a hook is microseconds of work, never a millisecond

@@ -57,17 +57,24 @@ def hook_calls_per_step() -> int:
     return 2 * FRAMEWORK_UNITS + 2 * FRAMEWORK_UNITS
 
 
+def hooked_stack(hook: Callable[..., None]) -> torch.nn.Sequential:
+    """The calibration stack with `hook` registered as the teaching strategies register theirs: a forward pre-hook
+    and a forward hook on every unit, a post-accumulate-grad hook on every parameter."""
+    stack = _stack()
+    for unit in stack:
+        unit.register_forward_pre_hook(hook)
+        unit.register_forward_hook(hook)
+    for param in stack.parameters():
+        param.register_post_accumulate_grad_hook(hook)
+    return stack
+
+
 def measure_hook_s(repeats: int = 21) -> float:
     """Seconds per hook call: a forward and backward of the stack with no-op hooks of the kinds the teaching
     strategies register (module forward pre-hook and forward hook, post-accumulate-grad hook), less the same step
     without them, divided by the hook calls; CPU time of the calling thread."""
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
-    plain, hooked = _stack(), _stack()
-    for unit in hooked:
-        unit.register_forward_pre_hook(lambda _module, _args: None)
-        unit.register_forward_hook(lambda _module, _args, _out: None)
-    for param in hooked.parameters():
-        param.register_post_accumulate_grad_hook(lambda _param: None)
+    plain, hooked = _stack(), hooked_stack(lambda *_: None)
 
     def step(module: torch.nn.Module) -> None:
         module(inputs).sum().backward()
