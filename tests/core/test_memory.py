@@ -124,6 +124,10 @@ def test_peak_is_a_moment_not_the_sum() -> None:
         "between blocks in backward",
         "bottom block's backward",
         "optimizer step",
+        "output head's forward",
+        "top block's reduce-scatter",
+        "bottom block's reduce-scatter",
+        "root's reduce-scatter",
     )
 
 

@@ -45,6 +45,8 @@ class ActivationEstimate:
     when the model computes in 16 bits (the fp32 ones are freed once the cast has passed them on)."""
     hidden_bytes: int
     """One tokens x hidden tensor in the compute dtype (the gradient flowing between blocks)."""
+    log_softmax_bytes: int = 0
+    """The loss's log-softmax output (tokens x vocab in fp32), made at the loss, after the output head."""
     block_backward_bytes: int = 0
     """Bytes a block holds at the peak of its own backward beyond what it stored in forward: under checkpointing its
     recomputed tensors, and in its MLP's backward the output projection's weight gradient and the MLP's activation
@@ -241,5 +243,6 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
         head_bytes=head + log_softmax,
         head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
         hidden_bytes=sizes.hidden,
+        log_softmax_bytes=log_softmax,
         block_backward_bytes=block_backward,
     )

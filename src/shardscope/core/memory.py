@@ -8,6 +8,9 @@ The peak is the largest of the moments that matter, not the plain sum of the cat
 - bottom block's backward (engines that say so): the blocks above freed and their gradient shards landed, the block's
   own backward (recomputed tensors, MLP gradients) and the block above's communication buffers still in flight;
 - optimizer step: weights, gradients, optimizer state and the step's workspace.
+FSDP2 adds the output head's forward (zero2: the last all-gather's output still held), the top block's MLP backward
+and its reduce-scatter; under gloo also the bottom block's and the root's reduce-scatters, where gloo holds a clone
+of the reduce-scatter input (the backend is the cluster's: what a collective allocates depends on the library).
 Under checkpointing the top block's backward also holds its recomputed activations. Overhead (framework context,
 allocator headroom) is added on top as a stated assumption.
 """
@@ -67,6 +70,26 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, 
     after_head = acts.saved_bytes - acts.head_bytes
     recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
     moments = _coarse_moments(states, acts, base, after_head, recomputed_block_grads)
+    if states.forward_staging_bytes:
+        # The output head's forward: the loss has not yet made its log-softmax, and the last all-gather's output is
+        # still held (measured: `shardscope trace --model tiny-gpt2 --gpus 2 --gpus-per-node 2 --precision fp32
+        # --strategy zero2 --engine pytorch --micro-batch 2 --seq-len 32` peaks at 'forward: lm_head').
+        moments["output head's forward"] = (
+            base
+            + acts.saved_bytes
+            - acts.log_softmax_bytes
+            + acts.logits_bytes
+            + states.forward_buffers_bytes
+            + states.forward_staging_bytes
+        )
+    if states.walks_block_backward:
+        # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
+        # gradients), and at its reduce-scatter (its saved tensors freed, its gradients and the reduce-scatter input).
+        top = base + after_head + acts.hidden_bytes + LOSS_GRAD_BYTES + states.backward_buffers_bytes
+        moments["top block's backward"] = top + states.backward_grads_bytes + acts.block_backward_bytes
+        moments["top block's reduce-scatter"] = (
+            top - acts.stored_block_bytes + states.backward_grads_bytes + states.top_reduce_scatter_bytes
+        )
     if states.bottom_block_moment:
         # The blocks above have freed what they stored and landed their gradients; the bottom block holds its own
         # stored tensors, what its backward makes, and the gradient flowing in from above.
@@ -80,6 +103,22 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, 
             + states.bottom_buffers_bytes
             + states.bottom_grads_bytes
             + (0 if gradients_in_base else states.bottom_landed_grads_bytes)
+        )
+    if states.gloo_clone_moments:
+        # gloo's reduce-scatter holds a clone of its input (torch_states): the bottom block's, with its backward's
+        # tensors freed, and the root's, with every block's stored tensors freed and their gradient shards landed.
+        after_blocks = base + after_head - blocks * acts.stored_block_bytes + LOSS_GRAD_BYTES
+        moments["bottom block's reduce-scatter"] = (
+            after_blocks
+            + acts.hidden_bytes
+            + states.bottom_grads_bytes
+            + (0 if gradients_in_base else states.bottom_landed_grads_bytes)
+            + states.bottom_reduce_scatter_bytes
+        )
+        moments["root's reduce-scatter"] = (
+            after_blocks
+            + (0 if gradients_in_base else states.root_landed_grads_bytes)
+            + states.root_reduce_scatter_bytes
         )
     return moments
 

@@ -35,6 +35,19 @@ class ModelStates:
     """Unsharded gradients in flight while the top block runs backward (beyond `gradients_bytes`)."""
     boundary_grads_bytes: int = 0
     """Unsharded gradients in flight between the top two blocks' backward."""
+    walks_block_backward: bool = False
+    """Whether the top block's backward is seen at its MLP's backward and at its reduce-scatter (FSDP2) rather than
+    as one coarse moment."""
+    top_reduce_scatter_bytes: int = 0
+    """At the top block's reduce-scatter, beyond its gathered parameters: its unsharded gradients and the
+    reduce-scatter input (NCCL), or the input and gloo's clone of it."""
+    gloo_clone_moments: bool = False
+    """Whether the bottom block's and the root's reduce-scatters are moments of their own: gloo's reduce-scatter
+    holds a clone of its whole input besides it (see `torch_states._fully_sharded`)."""
+    root_reduce_scatter_bytes: int = 0
+    """At the root's reduce-scatter (gloo): the gathered root, and the root's input with gloo's clone of it."""
+    root_landed_grads_bytes: int = 0
+    """Every block's gradient shard, landed when the root reduce-scatters."""
     bottom_block_moment: bool = False
     """Whether the bottom block's backward (the last block to run it) is a moment of its own for this engine."""
     bottom_buffers_bytes: int = 0
@@ -43,9 +56,14 @@ class ModelStates:
     """Gradients of the blocks above that have landed (sharded) when the bottom block runs backward."""
     bottom_grads_bytes: int = 0
     """Unsharded gradients in flight while the bottom block runs backward (beyond the landed ones)."""
+    bottom_reduce_scatter_bytes: int = 0
+    """At the bottom block's reduce-scatter (gloo): the root and the block gathered, its reduce-scatter input and
+    gloo's clone of it."""
     recompute_grads_bytes: int = 0
     """Under checkpointing, the top block's own gradients, made while its recomputed activations are still whole
     (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""
+    forward_staging_bytes: int = 0
+    """The last all-gather's flat output, held until the loss runs (FSDP2 without resharding after forward)."""
     forward_temporary_bytes: int = 0
     """Autocast's 16-bit weight copies, cached for the whole forward."""
     optimizer_temporary_bytes: int = 0

@@ -86,13 +86,14 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     block_grads = block_numel * (compute + (4 if training.is_mixed else 0))
     in_flight_blocks, staging = 1, 0
     if strategy.name == "zero2" or not strategy.reshard_after_forward:
-        # Measured on torch 2.13 (mechanism not pinned down): when forward ends, one block's worth more than the
-        # gathered model is live, and in backward the block's gradients add nothing beyond the gathered model.
+        # Measured (trace): the last block's flat all-gather output is held through the output head's forward and
+        # freed when the loss runs; in backward the block's gradients add nothing beyond the gathered model.
         gathered_forward = gathered_backward = gathered_boundary = (root + blocks * block) * compute
         in_flight_blocks, staging = 0, block * compute
     else:
         gathered_forward = root * compute
-        gathered_backward = (root + block) * compute
+        # measured (trace): FSDP2 prefetches the next block's all-gather while a block runs backward
+        gathered_backward = (root + block + (block if blocks > 1 else 0)) * compute
         gathered_boundary = (root + block) * compute  # measured: FSDP2 frees a block before gathering the next
     moments = optimizer_moments(training.optimizer)
     # The bottom block's backward (measured: `shardscope trace --model tiny-llama --gpus 2 --gpus-per-node 2
@@ -102,7 +103,22 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     # block above's reduce-scatter input (in the reduce dtype, fp32 under mixed precision) is only freed when the
     # next reduce-scatter waits on it; the blocks above have landed their gradient shards.
     reduce_bytes = 4 if training.is_mixed else compute
+    # FSDP2's foreach_reduce copies a unit's unsharded gradients into one flat reduce-scatter input and frees them
+    # before the collective. NCCL reduce-scatters in place, so a unit's high point is at the copy (gradients and
+    # input). ProcessGroupGloo::reduce_scatter_tensor_coalesced (_reduce_scatter_base) clones its whole input,
+    # all-reduces the clone and copies this rank's chunk out at wait(): the input and its clone are live together
+    # (measured: tests/trace/gloo_peak.py, and the runtime tracker, 1,539,832 B for tiny-gpt2 zero3 pytorch w2
+    # bf16-mixed, `shardscope validate --models tiny-gpt2 --strategies zero3 --engines pytorch --world-sizes 2`).
+    gloo = scenario.cluster.backend == "gloo"
     return ModelStates(
+        walks_block_backward=layout is not None,
+        top_reduce_scatter_bytes=block * reduce_bytes + (block * reduce_bytes if gloo else block_numel * compute),
+        gloo_clone_moments=gloo and layout is not None,
+        # By a unit's reduce-scatter the previous unit's input is freed (FSDP2 frees it when the next reduce
+        # starts) and the unit's own gradients were copied in and freed; the unit itself is still gathered.
+        bottom_reduce_scatter_bytes=(root + block) * compute + 2 * block * reduce_bytes,
+        root_reduce_scatter_bytes=root * compute + 2 * root * reduce_bytes,
+        root_landed_grads_bytes=blocks * (block // degree) * stored,
         bottom_block_moment=layout is not None,
         bottom_buffers_bytes=(root + block) * compute + (block * reduce_bytes if blocks > 1 else 0),
         bottom_landed_grads_bytes=max(blocks - 1, 0) * (block // degree) * stored,
@@ -113,8 +129,8 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
         forward_buffers_bytes=gathered_forward,
         backward_buffers_bytes=gathered_backward,
         boundary_buffers_bytes=gathered_boundary,
-        forward_temporary_bytes=staging,
-        backward_grads_bytes=head * compute + in_flight_blocks * block_grads,
+        forward_staging_bytes=staging,
+        backward_grads_bytes=head * compute + (0 if layout else in_flight_blocks * block_grads),
         boundary_grads_bytes=head * compute + in_flight_blocks * block_grads,
         optimizer_temporary_bytes=local * stored if moments else 0,
     )
