@@ -29,6 +29,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--world-sizes", help="comma list of world sizes to keep (2, 4)")
     parser.add_argument("--no-trace", action="store_true", help="skip the trace column")
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo processes (default); cuda: nccl, one GPU per rank, max_memory_allocated as the peak",
+    )
+    parser.add_argument(
         "--hardware",
         metavar="PROFILE",
         help="hardware profile (from `shardscope calibrate`) to predict step times with",
@@ -40,12 +46,24 @@ def _keep(values: str | None) -> set[str] | None:
     return None if not values else {value.strip() for value in values.split(",") if value.strip()}
 
 
+def _require_gpus(world_size: int) -> None:
+    """nccl needs a GPU of its own per rank."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < world_size:
+        raise CliError(
+            f"--device cuda needs {world_size} GPUs (one per rank) and this machine has {count}; "
+            "filter with --world-sizes or run on CPU"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print the comparison."""
     from shardscope.presets.hardware import HardwareError, load_profile
     from shardscope.validate.cases import full_matrix, quick_matrix
 
-    cases = quick_matrix() if args.quick else full_matrix()
+    cases = quick_matrix(args.device) if args.quick else full_matrix(args.device)
     filters = {
         "model": _keep(args.models),
         "strategy": _keep(args.strategies),
@@ -59,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if not cases:
         raise CliError("no validation case is left after the filters; check --models, --strategies, --engines")
+    if args.device == "cuda":
+        _require_gpus(max(case.world_size for case in cases))
     hardware = None
     if args.hardware:
         try:

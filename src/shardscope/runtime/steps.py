@@ -69,11 +69,14 @@ def _measured_step(
     tracker.register(held["optimizer_state"], "optimizer_state")
     tracker.register(held["buffers"], "buffers", resizable=True)
     tracker.register(trainer.resizable_buffers(), "buffers", resizable=True)
+    on_cuda = inputs.is_cuda
+    if on_cuda:  # the caching allocator's own high-water mark of this step, the measured peak on GPUs
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with tracker:
         tracker.phase = ledger.phase = "forward"
         loss = trainer.loss(inputs, targets)
-        at_forward_end = tracker.live_by_label()
-        activations = at_forward_end.get("forward", 0) - storage_bytes([loss])
+        forward_end, loss_bytes = tracker.tick, storage_bytes([loss])
         tracker.phase = ledger.phase = "backward"
         trainer.backward(loss)
         del loss
@@ -82,10 +85,15 @@ def _measured_step(
         gradients = storage_bytes(after_backward["gradients"])
         tracker.phase = ledger.phase = "optimizer"
         trainer.step()
+    # Read after the step, when every free is placed (a late one from gloo's worker thread may fall before it).
+    activations = tracker.live_by_label_at(forward_end).get("forward", 0) - loss_bytes
     held = trainer.held()
     tracker.relabel(held["optimizer_state"], "optimizer_state")
     hidden = trainer.hidden_buffer_bytes()
     at_peak = tracker.peak_by_final_label()
+    tracked_peak = tracker.peak_bytes + hidden
+    if on_cuda:
+        torch.cuda.synchronize()
     return {
         "parameters_bytes": storage_bytes(held["parameters"]),
         "gradients_bytes": max(gradients, storage_bytes(held["gradients"])),
@@ -93,7 +101,10 @@ def _measured_step(
         "activations_bytes": activations,
         "buffers_bytes": tracker.high_water.get("buffers", 0) + hidden,
         "temporary_bytes": at_peak.get("backward", 0) + at_peak.get("optimizer", 0),
-        "peak_bytes": tracker.peak_bytes + hidden,
+        # On CUDA: torch.cuda.max_memory_allocated over the step (what the allocator handed out, the run's batch
+        # included); the storage tracker's figure stays beside it. On CPU the tracker is the measurement.
+        "peak_bytes": torch.cuda.max_memory_allocated() if on_cuda else tracked_peak,
+        "tracked_peak_bytes": tracked_peak,
         "peak_composition": {**at_peak, "hidden_buffers": hidden},
     }
 

@@ -16,6 +16,7 @@ CASE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 # A CPU "GPU" big enough that fitting never matters here; measurements have no framework context or allocator.
 VALIDATION_GPU = custom_gpu(1024 * GIB)
 NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
+DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,10 +39,14 @@ class ValidationCase:
     """Sequences per rank."""
     sequence_length: int = 32
     """Tokens per sequence."""
+    device: str = "cpu"
+    """'cpu' (gloo processes) or 'cuda' (nccl, one GPU per rank, torch.cuda.max_memory_allocated as the peak)."""
 
     def __post_init__(self) -> None:
         if self.engine not in CORE_ENGINE:
             raise SpecError(f"ValidationCase.engine={self.engine!r} is not known; allowed: teaching, pytorch")
+        if self.device not in DEVICE_BACKEND:
+            raise SpecError(f"ValidationCase.device={self.device!r} is not known; allowed: cpu, cuda")
         if self.strategy == "hsdp" and self.world_size < 4:
             raise SpecError("ValidationCase: hsdp needs world_size >= 4 (two groups of two)")
 
@@ -51,10 +56,17 @@ class ValidationCase:
         return self.world_size // 2 if self.strategy == "hsdp" else 0
 
     @property
+    def backend(self) -> str:
+        """The collectives library the case runs on: gloo on CPU, nccl on CUDA."""
+        return DEVICE_BACKEND[self.device]
+
+    @property
     def label(self) -> str:
         """A short name for tables."""
-        return f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}" + (
-            " ckpt" if self.checkpointing != "none" else ""
+        return (
+            f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}"
+            + (" ckpt" if self.checkpointing != "none" else "")
+            + (" cuda" if self.device == "cuda" else "")
         )
 
     def scenario(self) -> Scenario:
@@ -62,7 +74,7 @@ class ValidationCase:
         return Scenario(
             model=model_preset(self.model),
             cluster=ClusterSpec(
-                gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend="gloo"
+                gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend=self.backend
             ),
             training=TrainingSpec(
                 micro_batch_size=self.micro_batch_size,
@@ -83,10 +95,11 @@ class ValidationCase:
             "world_size": self.world_size,
             "precision": self.precision,
             "checkpointing": self.checkpointing,
+            "device": self.device,
         }
 
 
-def full_matrix() -> tuple[ValidationCase, ...]:
+def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     """Every combination of issue 6: models x strategies x engines x world sizes 2 and 4 x precisions x
     checkpointing (hsdp only at world size 4)."""
     cases = []
@@ -108,17 +121,22 @@ def full_matrix() -> tuple[ValidationCase, ...]:
                 world_size=world,
                 precision=precision,
                 checkpointing=checkpointing,
+                device=device,
             )
         )
     return tuple(cases)
 
 
-def quick_matrix() -> tuple[ValidationCase, ...]:
+def quick_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     """A few cases that cover every strategy and both engines, small enough for CI."""
     return (
-        ValidationCase(model="tiny-gpt2", strategy="ddp", engine="pytorch", world_size=2),
-        ValidationCase(model="tiny-gpt2", strategy="zero1", engine="teaching", world_size=2),
-        ValidationCase(model="tiny-llama", strategy="zero2", engine="teaching", world_size=2, precision="bf16-mixed"),
-        ValidationCase(model="tiny-llama", strategy="zero3", engine="pytorch", world_size=2),
-        ValidationCase(model="tiny-gpt2", strategy="zero3", engine="teaching", world_size=2, checkpointing="full"),
+        ValidationCase(model="tiny-gpt2", strategy="ddp", engine="pytorch", world_size=2, device=device),
+        ValidationCase(model="tiny-gpt2", strategy="zero1", engine="teaching", world_size=2, device=device),
+        ValidationCase(
+            model="tiny-llama", strategy="zero2", engine="teaching", world_size=2, precision="bf16-mixed", device=device
+        ),
+        ValidationCase(model="tiny-llama", strategy="zero3", engine="pytorch", world_size=2, device=device),
+        ValidationCase(
+            model="tiny-gpt2", strategy="zero3", engine="teaching", world_size=2, checkpointing="full", device=device
+        ),
     )

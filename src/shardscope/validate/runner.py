@@ -98,6 +98,7 @@ def validate_cases(
             sequence_length=case.sequence_length,
             checkpointing=case.checkpointing,
             shard_group=case.shard_group,
+            backend=case.backend,
         )
         for case in cases
     }
