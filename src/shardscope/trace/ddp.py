@@ -63,7 +63,10 @@ def wrap_ddp(root: nn.Module, recorder: StepRecorder) -> nn.Module:
     def all_reduce_hook(_state, bucket):  # type: ignore[no-untyped-def]
         buffer = bucket.buffer()
         # The buckets live in the reducer (C++), allocated at construction and at the rebuild, where the tracker
-        # does not count them; they are labelled the first time backward hands one out.
+        # does not count them; they are labelled the first time backward hands one out. The rebuilt buckets are
+        # handed out in step 2's backward and reused after, so the measured step counts them from its start, once:
+        # the reducer allocates no second bucket in backward (measured: a dispatch mode over a gloo run's backward
+        # sees no new gradient-sized storage; the bucket it does see is the one DDP rebuilt in step 2's forward).
         recorder.label([buffer], "buffers")
         buffer.div_(world)
         dist.all_reduce(buffer)

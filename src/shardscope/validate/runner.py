@@ -54,20 +54,6 @@ def _trace(
         result = run_in_subprocess(TraceRequest(scenario=case.scenario(), time_limit_s=300), progress)
     except TraceError as error:
         return None, None, None, f"trace failed: {error}"
-    if case.strategy in ("ddp", "zero1"):
-        # The trace runs torch's DistributedDataParallel (and ZeroRedundancyOptimizer) with its buckets, but a gloo
-        # run holds one more bucket-sized storage from backward through the optimizer step (measured: tiny-gpt2
-        # zero1 w2 bf16-mixed, 'backward' 482,304 B live at the run's peak), which the replay does not allocate; so
-        # the traced peak is not compared for them.
-        return (
-            result.per_rank,
-            result.ledger,
-            None,
-            (
-                "trace: ddp and zero1 replay DistributedDataParallel, but a gloo run holds one more bucket-sized "
-                "storage from backward to the step than the replay; their traced peak is not compared"
-            ),
-        )
     return result.per_rank, result.ledger, result.per_rank.peak_bytes, ""
 
 
