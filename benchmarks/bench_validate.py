@@ -55,7 +55,7 @@ def summary(results: list[CaseResult]) -> list[str]:
     return lines
 
 
-def write(results: list[CaseResult], out: Path, seconds: float, command: str) -> None:
+def write(results: list[CaseResult], out: Path, seconds: float, command: str, device: str) -> None:
     import torch
 
     rows = [row for result in results for row in result.rows]
@@ -65,7 +65,8 @@ def write(results: list[CaseResult], out: Path, seconds: float, command: str) ->
         "",
         f"Written by `{command}` on {datetime.date.today().isoformat()}, in {seconds / 60:.1f} minutes.",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, gloo on CPU. Every case really trains ({len(results)} cases, rank 0 compared).",
+        f"torch {torch.__version__}, {'nccl on CUDA' if device == 'cuda' else 'gloo on CPU'}. "
+        f"Every case really trains ({len(results)} cases, rank 0 compared).",
         "",
         "Targets: parameters, gradients, optimizer state and the step's collective payload agree to the byte; the "
         "prediction's activations and peak within 5% of the measurement; the trace's peak within 1%. The trace "
@@ -97,18 +98,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("docs/accuracy.md"))
     parser.add_argument("--hardware", help="hardware profile for step-time predictions")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="gloo on CPU or nccl on GPUs")
     args = parser.parse_args()
     hardware = None
     if args.hardware:
         from shardscope.presets.hardware import load_profile
 
         hardware = load_profile(args.hardware)
-    cases = full_matrix()
+    cases = full_matrix(args.device)
     started = time.monotonic()
     results = validate_cases(cases, hardware=hardware, progress=lambda text: print(text, file=sys.stderr))
     seconds = time.monotonic() - started
     command = "python benchmarks/bench_validate.py" + (f" --hardware {args.hardware}" if args.hardware else "")
-    write(results, args.out, seconds, command)
+    command += " --device cuda" if args.device == "cuda" else ""
+    write(results, args.out, seconds, command, args.device)
     rows = [row for result in results for row in result.rows]
     print(f"{sum(row.ok for row in rows)} of {len(rows)} rows within target; wrote {args.out}")
     print("\n".join(summary(results)))
