@@ -37,12 +37,14 @@ def test_a_storage_another_thread_frees_late_is_freed_after_its_last_use() -> No
         handed.append(first)
         del first
         second = _floats(MIB)
+        after_second = tracker.tick
         allocated.set()
         dropped.wait(timeout=10)
         second.add_(1)
     thread.join()
     assert tracker.peak_bytes == MIB
     assert tracker.high_water == {"forward": MIB}
+    assert tracker.live_by_label_at(after_second) == {"forward": MIB}  # what the step reads at forward's end
 
 
 def test_main_thread_frees_count_where_they_happen() -> None:

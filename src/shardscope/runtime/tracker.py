@@ -197,6 +197,22 @@ class MemoryTracker(TorchDispatchMode):
             totals[life.label] = totals.get(life.label, 0) + nbytes
         return totals
 
+    @property
+    def tick(self) -> int:
+        """The current tick: the op the main thread dispatches next."""
+        return self._tick
+
+    def live_by_label_at(self, tick: int) -> dict[str, int]:
+        """Bytes live at a tick, by the label each storage had then, under the rule for frees: read it after the
+        step (a free owed by another thread may be reported after the tick has passed)."""
+        self._apply_frees()
+        totals: dict[str, int] = {}
+        for life in self._lives:
+            if life.start <= tick < life.end:
+                label = _value_at(life.labels, tick, life.label)
+                totals[label] = totals.get(label, 0) + life.size_at(tick)
+        return totals
+
     def _sweep(self) -> _Summary:
         """Replay every life tick by tick: the peak, its first tick and each label's high water."""
         self._apply_frees()
