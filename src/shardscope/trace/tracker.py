@@ -5,6 +5,11 @@ staging are `buffers`) or else by the phase (forward and loss -> activations, ba
 tensors are re-labelled exactly at phase ends (parameters, gradients, optimizer state), and storages FSDP2 resizes
 in place (gathered parameters) are `buffers`. Bytes are storage bytes, deduplicated by storage, as the runtime
 counts live tensors.
+
+The fake process group allocates nothing inside a collective; a real backend may. `backend` (the scenario's
+ClusterSpec.backend) names whose buffers are replayed: "nccl" (the real target, the default) has none this counts,
+"gloo" (validate's cases, compared with gloo runs) holds a copy of every reduce-scatter's input for the length of the
+call (see _BACKEND_COPIES).
 """
 
 from __future__ import annotations
@@ -39,6 +44,21 @@ _RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
 _NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+# What a backend copies inside a collective, for the length of the call: op -> index of the argument it copies.
+# ProcessGroupGloo::_reduce_scatter_base calls reduce_scatter_tensor_coalesced, which clones its whole (unsharded)
+# input, all-reduces the clone on a worker thread and at wait() copies this rank's chunk out of it (torch 2.13,
+# torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); the measured run holds the clone until that copy-out
+# (runtime/tracker.py). NCCL reduce-scatters straight into the output: nothing.
+# Not replayed: gloo's all-gather stages its output in a flat tensor on its worker thread, which the measured run's
+# tracker (a dispatch mode of the main thread) does not see either.
+_BACKEND_COPIES: dict[str, dict[Any, int]] = {
+    "nccl": {},
+    "gloo": {
+        torch.ops.c10d._reduce_scatter_base_.default: 1,
+        torch.ops.c10d.reduce_scatter_tensor_coalesced_.default: 1,
+    },
+}
+BACKENDS = tuple(_BACKEND_COPIES)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,8 +82,12 @@ class Moment:
 class StepRecorder(TorchDispatchMode):
     """Live bytes by category, the peak and when it happened, and the collective ledger, per phase."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "nccl") -> None:
         super().__init__()
+        if backend not in _BACKEND_COPIES:
+            raise ValueError(f"StepRecorder backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self._copies = _BACKEND_COPIES[backend]
         self.phase = "setup"
         self.where = "setup"
         self.live: dict[str, int] = dict.fromkeys(TRACKED, 0)
@@ -142,6 +166,14 @@ class StepRecorder(TorchDispatchMode):
             moment.total_bytes = self.live_total
             moment.at_peak = dict(self.live)
 
+    def _held_for_the_call(self, size: int, category: str) -> None:
+        """Bytes a backend holds only while the current collective runs: counted at this moment, then gone."""
+        self.live[category] += size
+        self.live_total += size
+        self._note_peak()
+        self.live[category] -= size
+        self.live_total -= size
+
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Put these tensors' storages in a category (adding any not seen yet)."""
         for tensor in tensors:
@@ -201,6 +233,10 @@ class StepRecorder(TorchDispatchMode):
                 self._add(local_tensor(item).untyped_storage(), category)
         if func in _GRADIENT_OUTPUT_OPS:
             self.label([args[0]], "gradients")
+        if func in self._copies:
+            copied, _ = tree_flatten(args[self._copies[func]])
+            size = sum(t.numel() * t.element_size() for t in copied if isinstance(t, torch.Tensor))
+            self._held_for_the_call(size, "buffers")
         return out
 
     def ledger(self) -> tuple[CollectiveRow, ...]:
