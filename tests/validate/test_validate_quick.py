@@ -15,18 +15,14 @@ from shardscope.validate.compare import compare_case
 @pytest.mark.distributed
 def test_quick_validation_is_within_targets() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    # A gloo run's measured peak can differ between runs by one fp32 copy of a block's buffer that gloo holds for a
-    # moment (see tests/trace/test_trace.py); a miss is checked against fresh runs once more before it fails.
-    for _attempt in range(2):
-        result = subprocess.run(
-            [sys.executable, "-m", "shardscope", "validate", "--quick", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        if result.returncode == 0:
-            break
+    # One run: the measured peak is deterministic (runtime/tracker.py places gloo's late frees by a fixed rule).
+    result = subprocess.run(
+        [sys.executable, "-m", "shardscope", "validate", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document["schema"] == "shardscope.validate/v1"
