@@ -49,13 +49,21 @@ def doc_rows(doc: Path, column: str) -> Figures:
 
 def json_rows(path: Path, column: str, cases: tuple[ValidationCase, ...]) -> Figures:
     """The same from a `shardscope validate --json` document ('measured' or 'traced'; a missing trace is left out)."""
-    labels = {json.dumps(case.to_json(), sort_keys=True): case.label for case in cases}
+    labels = {_key(case.to_json()): case.label for case in cases}
     rows = {}
     for row in json.loads(path.read_text())["rows"]:
         value = row.get(f"{column}_bytes")
         if value is not None:
-            rows[(labels[json.dumps(row["case"], sort_keys=True)], row["category"])] = int(value)
+            rows[(labels[_key(row["case"])], row["category"])] = int(value)
     return rows
+
+
+def _key(case: dict[str, object]) -> tuple[object, ...]:
+    """The fields that name a case of the full matrix (a newer JSON may carry more)."""
+    return tuple(case.get(field) for field in _CASE_FIELDS)
+
+
+_CASE_FIELDS = ("model", "strategy", "engine", "world_size", "precision", "checkpointing")
 
 
 def main(argv: list[str] | None = None) -> int:

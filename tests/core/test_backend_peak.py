@@ -46,3 +46,19 @@ def test_zero2_holds_the_last_all_gather_output_through_the_output_head() -> Non
     result = estimate_memory(_on(case.scenario(), "nccl"), rank=0)
     assert result.peak_moment == "output head's forward"
     assert result.per_rank.peak_bytes == 2_035_312 - 1_020
+
+
+def test_moe_mlp_backward_peaks_in_the_last_experts_swiglu_backward() -> None:
+    # Measured in one process (tiny-moe layers.0, fp32, full checkpointing, micro-batch 2 x 32 tokens, the block's
+    # output and its gradient of 16,384 B each besides): 656,304 B at the last expert's SwiGLU product backward, the
+    # other three experts' weight gradients live (scratch: a dispatch mode over `Block.forward` under checkpoint and
+    # `y.backward`, as tests/validate/test_activation_accounting.py runs the reference modules). That batch routed
+    # 43 of its 128 rows to the last expert (expert 0); the core assumes an even 32, which is 37,040 B less (43 - 32
+    # rows each of 2 x 512 B of gradients and, in the three experts before, 2,320 B of saved tensors per row).
+    from shardscope.core.activations import estimate_activations
+    from shardscope.presets import model_preset
+    from shardscope.specs import TrainingSpec
+
+    training = TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32", checkpointing="full")
+    acts = estimate_activations(model_preset("tiny-moe"), training)
+    assert acts.block_backward_bytes + 2 * acts.hidden_bytes == 656_304 - 37_040

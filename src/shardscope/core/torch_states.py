@@ -103,16 +103,20 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     # block above's reduce-scatter input (in the reduce dtype, fp32 under mixed precision) is only freed when the
     # next reduce-scatter waits on it; the blocks above have landed their gradient shards.
     reduce_bytes = 4 if training.is_mixed else compute
-    # FSDP2's foreach_reduce copies a unit's unsharded gradients into one flat reduce-scatter input and frees them
-    # before the collective. NCCL reduce-scatters in place, so a unit's high point is at the copy (gradients and
-    # input). ProcessGroupGloo::reduce_scatter_tensor_coalesced (_reduce_scatter_base) clones its whole input,
-    # all-reduces the clone and copies this rank's chunk out at wait(): the input and its clone are live together
-    # (measured: tests/trace/gloo_peak.py, and the runtime tracker, 1,539,832 B for tiny-gpt2 zero3 pytorch w2
-    # bf16-mixed, `shardscope validate --models tiny-gpt2 --strategies zero3 --engines pytorch --world-sizes 2`).
+    # The top block's reduce-scatter: FSDP2's foreach_reduce copies the unit's unsharded gradients into one flat
+    # input (the reduce dtype) and frees them; the output shard is allocated before the collective. Under NCCL
+    # (the trace replays its semantics) the peak holds the gathered block, the input and the output shard (traced:
+    # tiny-gpt2 zero3 pytorch bf16-mixed, 1,439,736 B at w2, 1,028,024 B at w4). ProcessGroupGloo's
+    # reduce_scatter_tensor_coalesced (_reduce_scatter_base) clones its whole input, all-reduces the clone and copies
+    # this rank's chunk out at wait(), so at the call the rank holds the input twice; by then post_backward has
+    # resharded the block (measured: tests/trace/gloo_peak.py and the runtime tracker, 1,539,832 B at w2,
+    # `shardscope validate --models tiny-gpt2 --strategies zero3 --engines pytorch --world-sizes 2 --no-trace`).
     gloo = scenario.cluster.backend == "gloo"
+    shard_out = (block // degree) * reduce_bytes
+    top_reduce_scatter = block * reduce_bytes + shard_out + (block * (reduce_bytes - compute) if gloo else 0)
     return ModelStates(
         walks_block_backward=layout is not None,
-        top_reduce_scatter_bytes=block * reduce_bytes + (block * reduce_bytes if gloo else block_numel * compute),
+        top_reduce_scatter_bytes=top_reduce_scatter,
         gloo_clone_moments=gloo and layout is not None,
         # By a unit's reduce-scatter the previous unit's input is freed (FSDP2 frees it when the next reduce
         # starts) and the unit's own gradients were copied in and freed; the unit itself is still gathered.
