@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     measured, traced = doc_rows(args.doc, "measured"), doc_rows(args.doc, "traced")
     fresh: set[str] = set()
     for path in args.measured:
+        if not path.read_text().strip():
+            print(f"skipping {path}: empty (a run that did not finish?)", file=sys.stderr)
+            continue
         runs = json_rows(path, "measured", cases)
         measured.update(runs)
         traced.update(json_rows(path, "traced", cases))

@@ -128,6 +128,7 @@ def test_peak_is_a_moment_not_the_sum() -> None:
         "top block's reduce-scatter",
         "bottom block's reduce-scatter",
         "root's reduce-scatter",
+        "reduce-scatter after backward",
     )
 
 

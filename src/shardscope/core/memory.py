@@ -70,6 +70,14 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, 
     after_head = acts.saved_bytes - acts.head_bytes
     recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
     moments = _coarse_moments(states, acts, base, after_head, recomputed_block_grads)
+    if states.after_backward_buffers_bytes:
+        moments["reduce-scatter after backward"] = (
+            states.parameters_bytes
+            + states.optimizer_state_bytes
+            + states.persistent_buffers_bytes
+            + states.gradients_bytes
+            + states.after_backward_buffers_bytes
+        )
     if states.forward_staging_bytes:
         # The output head's forward: the loss has not yet made its log-softmax, and the last all-gather's output is
         # still held (measured: `shardscope trace --model tiny-gpt2 --gpus 2 --gpus-per-node 2 --precision fp32

@@ -59,6 +59,9 @@ class ModelStates:
     bottom_reduce_scatter_bytes: int = 0
     """At the bottom block's reduce-scatter (gloo): the root and the block gathered, its reduce-scatter input and
     gloo's clone of it."""
+    after_backward_buffers_bytes: int = 0
+    """Buffers of the reduce-scatters that run after backward (the teaching ZeRO-1), with every gradient whole; 0 when
+    the strategy has none."""
     recompute_grads_bytes: int = 0
     """Under checkpointing, the top block's own gradients, made while its recomputed activations are still whole
     (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""

@@ -31,6 +31,11 @@ def paper_states(scenario: Scenario) -> ModelStates:
     moments = optimizer_moments(training.optimizer)
     optimizer_numel = units.shard_numel if stage >= 1 else units.padded_numel
     in_flight = _in_flight(layout, units.root_padded_numel, units.block_padded_numel, weight, stage)
+    # Stage 1 reduce-scatters each unit's flat gradients after backward into a new shard-sized buffer; gloo's
+    # reduce-scatter (ProcessGroupGloo::reduce_scatter_tensor_coalesced) also clones its whole input meanwhile.
+    largest_unit = max(units.root_padded_numel, units.block_padded_numel)
+    clone = largest_unit if scenario.cluster.backend == "gloo" else 0
+    after_backward = (units.largest_shard_numel + clone) * weight if stage == 1 else 0
     return ModelStates(
         parameters_bytes=(units.shard_numel if stage >= 3 else units.padded_numel) * weight,
         gradients_bytes=(units.shard_numel if stage >= 2 else units.padded_numel) * weight,
@@ -43,6 +48,7 @@ def paper_states(scenario: Scenario) -> ModelStates:
         if moments
         else 0,
         gradients_persist=True,
+        after_backward_buffers_bytes=after_backward,
         forward_buffers_bytes=in_flight[0],
         backward_buffers_bytes=in_flight[1],
         boundary_buffers_bytes=in_flight[2],
