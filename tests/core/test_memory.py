@@ -129,6 +129,7 @@ def test_peak_is_a_moment_not_the_sum() -> None:
         "bottom block's reduce-scatter",
         "root's reduce-scatter",
         "reduce-scatter after backward",
+        "first block's forward",
     )
 
 

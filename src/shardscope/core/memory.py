@@ -90,6 +90,14 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, 
             + states.forward_buffers_bytes
             + states.forward_staging_bytes
         )
+    if states.first_block_buffers_bytes:
+        # The first block's forward: what the embeddings and the block saved (or, checkpointed, its stored input)
+        # and the block's output being made (measured: `shardscope validate` case tiny-moe zero2 pytorch w4 fp32
+        # ckpt peaks in forward at 2,709,348 B with 887,808 B of flat all-gather outputs).
+        first_block_saved = acts.saved_bytes - acts.head_bytes - (blocks - 1) * acts.stored_block_bytes
+        moments["first block's forward"] = (
+            base + first_block_saved + acts.hidden_bytes + states.first_block_buffers_bytes
+        )
     if states.walks_block_backward:
         # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
         # gradients), and at its reduce-scatter (its saved tensors freed, its gradients and the reduce-scatter input).

@@ -67,6 +67,9 @@ class ModelStates:
     (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""
     forward_staging_bytes: int = 0
     """The last all-gather's flat output, held until the loss runs (FSDP2 without resharding after forward)."""
+    first_block_buffers_bytes: int = 0
+    """Gathered while the first block runs forward, with the next block prefetched and both all-gathers' flat outputs
+    held (FSDP2 without resharding after forward); 0 when not a moment of its own."""
     forward_temporary_bytes: int = 0
     """Autocast's 16-bit weight copies, cached for the whole forward."""
     optimizer_temporary_bytes: int = 0

@@ -134,6 +134,9 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
         backward_buffers_bytes=gathered_backward,
         boundary_buffers_bytes=gathered_boundary,
         forward_staging_bytes=staging,
+        # measured (trace): in the first block's forward the next block's all-gather is prefetched, so two blocks
+        # and both flat all-gather outputs are live beside the root
+        first_block_buffers_bytes=(root + 2 * block) * compute + 2 * staging if staging and blocks > 1 else 0,
         backward_grads_bytes=head * compute + (0 if layout else in_flight_blocks * block_grads),
         boundary_grads_bytes=head * compute + in_flight_blocks * block_grads,
         optimizer_temporary_bytes=local * stored if moments else 0,
