@@ -100,7 +100,7 @@ def _moments(states: ModelStates, acts: ActivationEstimate, accumulating: bool, 
         )
     if states.walks_block_backward:
         # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
-        # gradients), and at its reduce-scatter (its saved tensors freed, its gradients and the reduce-scatter input).
+        # gradients), and at its reduce-scatter (its saved tensors freed; the collective's buffers, per backend).
         top = base + after_head + acts.hidden_bytes + LOSS_GRAD_BYTES + states.backward_buffers_bytes
         moments["top block's backward"] = top + states.backward_grads_bytes + acts.block_backward_bytes
         moments["top block's reduce-scatter"] = (

@@ -39,8 +39,8 @@ class ModelStates:
     """Whether the top block's backward is seen at its MLP's backward and at its reduce-scatter (FSDP2) rather than
     as one coarse moment."""
     top_reduce_scatter_bytes: int = 0
-    """At the top block's reduce-scatter, beyond its gathered parameters: its unsharded gradients and the
-    reduce-scatter input (NCCL), or the input and gloo's clone of it."""
+    """At the top block's reduce-scatter: the reduce-scatter input and output shard (NCCL), and under gloo the
+    input's clone less the block's gathered parameters, resharded by then (see `torch_states._fully_sharded`)."""
     gloo_clone_moments: bool = False
     """Whether the bottom block's and the root's reduce-scatters are moments of their own: gloo's reduce-scatter
     holds a clone of its whole input besides it (see `torch_states._fully_sharded`)."""
