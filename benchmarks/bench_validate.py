@@ -70,9 +70,9 @@ def write(results: list[CaseResult], out: Path, seconds: float, command: str, de
         "",
         "Targets: parameters, gradients, optimizer state and the step's collective payload agree to the byte; the "
         "prediction's activations and peak within 5% of the measurement; the trace's peak within 1%. The trace "
-        "replays torch's engines only (teaching strategies have no trace column), cannot run the MoE router's "
-        "data-dependent `nonzero` on fake tensors, and runs DDP as `replicate`, so its DDP and ZeRO-1 peaks are "
-        "not compared.",
+        "replays torch's engines only (teaching strategies have no trace column) and cannot run the MoE router's "
+        "data-dependent `nonzero` on fake tensors. Runs on CPU use gloo, whose reduce-scatter clones its input; "
+        "the prediction and the trace are asked for a gloo cluster and count that clone.",
         "",
         f"**{len(rows) - len(failing)} of {len(rows)} rows within target.**",
         "",

@@ -16,9 +16,9 @@ def _on(scenario: Scenario, backend: str) -> Scenario:
 def test_gloo_reduce_scatter_holds_a_clone_of_its_input() -> None:
     # The top block's reduce-scatter: NCCL holds its bf16 gradients and the fp32 input together at the copy-in
     # (traced 1,439,736 B at 'backward: layers.1'); gloo frees the gradients and clones the input (1,539,832 B,
-    # tests/trace/gloo_peak.py and the runtime tracker):
+    # the trace with --backend gloo and the runtime tracker):
     #   shardscope trace --model tiny-gpt2 --gpus 2 --gpus-per-node 2 --precision bf16-mixed --strategy zero3
-    #     --engine pytorch --micro-batch 2 --seq-len 32 --context-memory 0 --allocator-headroom 0
+    #     --engine pytorch --micro-batch 2 --seq-len 32 --context-memory 0 --allocator-headroom 0 [--backend gloo]
     # The core is 128 B under gloo's figure: the gradient shard (99,968 B) lands while the input is live, and the
     # gradients it counts instead are 99,840 B.
     case = ValidationCase(model="tiny-gpt2", strategy="zero3", engine="pytorch", world_size=2, precision="bf16-mixed")

@@ -46,5 +46,6 @@ def test_bad_flags_under_torchrun_are_one_line_per_rank(tmp_path: Path) -> None:
     done = torchrun(["--model", "nope", "--run-dir", str(tmp_path)])
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("shardscope worker rank")]
-    assert len(lines) == 2 and all("unknown model preset 'nope'" in line for line in lines)
+    # torchrun stops the other rank when the first one fails, so it may not get to print its line.
+    assert 1 <= len(lines) <= 2 and all("unknown model preset 'nope'" in line for line in lines)
     assert not (tmp_path / "run.json").exists()

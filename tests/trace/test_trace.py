@@ -150,32 +150,24 @@ def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
     in forward (with full checkpointing that is a block's recomputable intermediates: 198,912 B against 133,892 B
     measured) and labelled the loss's saved fp32 log-softmax as temporary (bf16-mixed: 316,928 B against 348,676).
     The bf16-mixed run's peak is at a reduce-scatter, where gloo holds a clone of the whole input that NCCL does not:
-    the trace compared with a gloo run replays it (StepRecorder(backend="gloo"), through tests/trace/gloo_peak.py).
+    the trace of a scenario whose cluster's backend is gloo replays it (StepRecorder(backend="gloo")).
     The run is measured once: its peak is deterministic (runtime/tracker.py)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from shardscope.runtime.api import run_training
 
     cases = [("fp32", "full"), ("bf16-mixed", "none")]
     shape = {"micro_batch_size": 2, "sequence_length": 32}
     for precision, checkpointing in cases:
-        scenario = Scenario(
-            model=model_preset("tiny-gpt2"),
-            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2),
-            training=TrainingSpec(precision=precision, checkpointing=checkpointing, **shape),
-            strategy=Strategy(name="zero3"),
-        )
-        request = TraceRequest(scenario=scenario, time_limit_s=120)
-        trace = run_in_subprocess(request).per_rank
-        helper = Path(__file__).with_name("gloo_peak.py")
-        done = subprocess.run(
-            [sys.executable, str(helper), request.to_json()], capture_output=True, text=True, timeout=180, check=True
-        )
-        gloo = json.loads(done.stdout)
-        assert gloo["activations_bytes"] == trace.activations_bytes
+        traces = {}
+        for backend in ("nccl", "gloo"):
+            scenario = Scenario(
+                model=model_preset("tiny-gpt2"),
+                cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2, backend=backend),
+                training=TrainingSpec(precision=precision, checkpointing=checkpointing, **shape),
+                strategy=Strategy(name="zero3"),
+            )
+            traces[backend] = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120)).per_rank
+        trace, gloo = traces["nccl"], traces["gloo"]
+        assert gloo.activations_bytes == trace.activations_bytes
         real = run_training(
             model="tiny-gpt2",
             strategy="zero3",
@@ -187,6 +179,6 @@ def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
             **shape,
         ).per_rank[0]
         assert abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes, (trace, real)
-        assert abs(gloo["gloo_peak_bytes"] - real.peak_bytes) <= 0.01 * real.peak_bytes, (gloo, trace, real)
+        assert abs(gloo.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (gloo, trace, real)
         if precision != "fp32":
             assert trace.peak_bytes < real.peak_bytes  # NCCL's peak: no clone

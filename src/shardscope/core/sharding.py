@@ -45,12 +45,14 @@ class Dim0Shards:
     """Elements of real (unpadded) rows the rank owns; what the optimizer's moments are sized by."""
     tensors_with_rows: int
     """Parameter tensors of which this rank owns at least one row."""
+    largest_local_numel: int
+    """Elements of the rank's largest shard (real rows): the size of a single-tensor optimizer's temporaries."""
 
 
 @cache
 def dim0_shards(layout: ParamLayout, degree: int, rank: int) -> Dim0Shards:
     """Per-parameter dim-0 shards of every tensor in the layout for one rank."""
-    padded = local = owned = 0
+    padded = local = owned = largest = 0
     for tensors, repeat in ((layout.root, 1), (layout.block, layout.num_blocks)):
         for tensor in tensors:
             chunk_rows, row_numel = _dim0_chunk(tensor, degree)
@@ -58,7 +60,8 @@ def dim0_shards(layout: ParamLayout, degree: int, rank: int) -> Dim0Shards:
             padded += repeat * chunk_rows * row_numel
             local += repeat * rows_here * row_numel
             owned += repeat * (rows_here > 0)
-    return Dim0Shards(padded_numel=padded, local_numel=local, tensors_with_rows=owned)
+            largest = max(largest, rows_here * row_numel)
+    return Dim0Shards(padded_numel=padded, local_numel=local, tensors_with_rows=owned, largest_local_numel=largest)
 
 
 def dim0_unit_padded_numel(tensors: tuple[ParamTensor, ...], degree: int) -> int:
@@ -84,6 +87,8 @@ class WholeTensorShards:
     """Elements assigned to each rank."""
     tensors_per_rank: tuple[int, ...]
     """Parameter tensors assigned to each rank."""
+    largest_per_rank: tuple[int, ...]
+    """Elements of the largest tensor assigned to each rank (0 for a rank with none)."""
 
 
 @cache
@@ -91,13 +96,17 @@ def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShar
     """Greedy largest-first assignment, ties to the lowest rank (ZeroRedundancyOptimizer._partition_parameters)."""
     sizes = [0] * world_size
     counts = [0] * world_size
+    largest = [0] * world_size
     heap = [(0, rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest rank first
     for tensor in sorted(layout.tensors(), key=lambda t: t.numel, reverse=True):
         size, rank = heapq.heappop(heap)
         sizes[rank] = size + tensor.numel
         counts[rank] += 1
+        largest[rank] = max(largest[rank], tensor.numel)
         heapq.heappush(heap, (sizes[rank], rank))
-    return WholeTensorShards(numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts))
+    return WholeTensorShards(
+        numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts), largest_per_rank=tuple(largest)
+    )
 
 
 @cache

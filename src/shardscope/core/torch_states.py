@@ -1,8 +1,8 @@
 """The 'pytorch' engine: what DistributedDataParallel, ZeroRedundancyOptimizer and FSDP2 `fully_shard` allocate.
 
 Mixed precision keeps fp32 parameters (autocast computes in 16 bits for DDP; a MixedPrecisionPolicy for FSDP2), Adam
-keeps a 4-byte step per parameter tensor, DDP keeps a bucket copy of the gradients (unless gradient_as_bucket_view)
-and, measured on torch 2.13, allocates a second one when backward starts; ZeroRedundancyOptimizer gives whole tensors
+keeps a 4-byte step per parameter tensor, DDP keeps one bucket copy of the gradients (unless gradient_as_bucket_view:
+its reducer allocates it once, before the first backward, and reuses it); ZeroRedundancyOptimizer gives whole tensors
 to ranks; FSDP2 pads every parameter's dim 0 to a multiple of the shard degree and gathers units in the compute
 dtype, keeping the root gathered while forward ends and the head's gradients unsharded through backward.
 """
@@ -32,6 +32,14 @@ def torch_states(scenario: Scenario, rank: int) -> ModelStates:
     return _fully_sharded(scenario, rank)
 
 
+def single_tensor_step_bytes(optimizer: str, largest_tensor_bytes: int) -> int:
+    """Temporaries of a single-tensor (foreach=False) optimizer step, the torch engine's (runtime/trainer.py): Adam's
+    `(exp_avg_sq.sqrt() / bias_correction2_sqrt)` holds two tensors the size of one parameter at once, one
+    parameter at a time; SGD works in place (measured with runtime/tracker.py on torch 2.13: AdamW over tensors of
+    1,000 and 300 fp32 elements peaks 8,000 B above its states, SGD with momentum 0 B)."""
+    return 2 * largest_tensor_bytes if optimizer in ("adam", "adamw") else 0
+
+
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:
     """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
     training, strategy = scenario.training, scenario.strategy
@@ -40,11 +48,14 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
     moments = optimizer_moments(training.optimizer)
     if strategy.stage == 0:
         optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
+        largest = layout.largest_tensor_numel if layout else total
     elif layout is not None:
         shards = whole_tensor_shards(layout, scenario.cluster.world_size)
         optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
+        largest = shards.largest_per_rank[rank]
     else:  # a bare parameter count: an even split is the best available assumption
-        optimizer_numel, optimizer_tensors = flat_shard_numel(total, scenario.shard_degree), 1
+        optimizer_numel = largest = flat_shard_numel(total, scenario.shard_degree)
+        optimizer_tensors = 1
     bucket = 0 if strategy.gradient_as_bucket_view else total * stored
     head = head_numel(layout) * stored if layout else 0
     block = layout.block_numel * stored if layout else 0
@@ -54,14 +65,14 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
         optimizer_state_bytes=optimizer_numel * moments * stored
         + optimizer_tensors * step_tensor_bytes(training.optimizer),
         persistent_buffers_bytes=bucket,
-        backward_grads_bytes=bucket + head,
-        boundary_grads_bytes=bucket + head + block,
+        backward_grads_bytes=head,
+        boundary_grads_bytes=head + block,
         recompute_grads_bytes=block,
         autocast=training.is_mixed,
         # Autocast's 16-bit weight copies are saved for backward: the activations count them (without a shape,
         # which has no activations, they are counted here).
         forward_temporary_bytes=total * dtype_bytes(training.precision) if training.is_mixed and not layout else 0,
-        optimizer_temporary_bytes=optimizer_numel * stored if moments else 0,
+        optimizer_temporary_bytes=single_tensor_step_bytes(training.optimizer, largest * stored),
     )
 
 
@@ -74,11 +85,12 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     compute = dtype_bytes(training.precision)
     degree = scenario.shard_degree
     if layout is None:  # a bare parameter count: one flat shard, no unit sizes to gather
-        padded = local = flat_shard_numel(total, degree)
+        padded = local = largest = flat_shard_numel(total, degree)
         owned, root, block, blocks, head, block_numel = 1, 0, 0, 0, 0, 0
     else:
         shards = dim0_shards(layout, degree, rank)
         padded, local, owned = shards.padded_numel, shards.local_numel, shards.tensors_with_rows
+        largest = shards.largest_local_numel
         root, block = dim0_unit_sizes(layout, degree)
         blocks, head, block_numel = layout.num_blocks, head_numel(layout), layout.block_numel
     # Unsharded gradients are made in the compute dtype; under mixed precision the reduce-scatter input is an fp32
@@ -109,7 +121,7 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
     # tiny-gpt2 zero3 pytorch bf16-mixed, 1,439,736 B at w2, 1,028,024 B at w4). ProcessGroupGloo's
     # reduce_scatter_tensor_coalesced (_reduce_scatter_base) clones its whole input, all-reduces the clone and copies
     # this rank's chunk out at wait(), so at the call the rank holds the input twice; by then post_backward has
-    # resharded the block (measured: tests/trace/gloo_peak.py and the runtime tracker, 1,539,832 B at w2,
+    # resharded the block (measured: the trace with --backend gloo and the runtime tracker, 1,539,832 B at w2,
     # `shardscope validate --models tiny-gpt2 --strategies zero3 --engines pytorch --world-sizes 2 --no-trace`).
     gloo = scenario.cluster.backend == "gloo"
     shard_out = (block // degree) * reduce_bytes
@@ -139,5 +151,5 @@ def _fully_sharded(scenario: Scenario, rank: int) -> ModelStates:
         first_block_buffers_bytes=(root + 2 * block) * compute + 2 * staging if staging and blocks > 1 else 0,
         backward_grads_bytes=head * compute + (0 if layout else in_flight_blocks * block_grads),
         boundary_grads_bytes=head * compute + in_flight_blocks * block_grads,
-        optimizer_temporary_bytes=local * stored if moments else 0,
+        optimizer_temporary_bytes=single_tensor_step_bytes(training.optimizer, largest * stored),
     )

@@ -90,6 +90,10 @@ def _measured_step(
     held = trainer.held()
     tracker.relabel(held["optimizer_state"], "optimizer_state")
     hidden = trainer.hidden_buffer_bytes()
+    # DDP's buckets were allocated by its reducer (C++) before this step; the tracker first sees them in backward,
+    # when the reducer copies a gradient into one. Count them from the start, once (not again as hidden bytes).
+    if hidden and tracker.backdate_survivors("backward", "buffers") == hidden:
+        hidden = 0
     at_peak = tracker.peak_by_final_label()
     tracked_peak = tracker.peak_bytes + hidden
     if on_cuda:

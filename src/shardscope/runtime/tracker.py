@@ -186,6 +186,20 @@ class MemoryTracker(TorchDispatchMode):
             time.sleep(quiet_s)
         self._apply_frees()
 
+    def backdate_survivors(self, first_label: str, label: str) -> int:
+        """Storages first seen under first_label and still alive now existed before the step (a C++ owner, such
+        as DDP's reducer, handed them out): count them from the step's start under `label`; returns their bytes."""
+        self._apply_frees()
+        moved = 0
+        for life in self._lives:
+            if life.end == NEVER and life.labels[0][1] == first_label and life.label == first_label:
+                life.start, life.last_use, life.label = 0, 0, label
+                life.sizes = [(0, life.nbytes)]
+                life.labels = [(0, label)]
+                moved += life.nbytes
+        self._summary = None
+        return moved
+
     # --- reading ----------------------------------------------------------------------------------------------
     def live_by_label(self) -> dict[str, int]:
         """Bytes live now, by label."""

@@ -130,7 +130,7 @@ def _trace_depth(
     if prefix is None and not flat:
         return None
     engine = apply_strategy(traced, scenario)
-    recorder = StepRecorder()
+    recorder = StepRecorder(backend=scenario.cluster.backend)
     units = _units(traced.root, traced.blocks)
     watch = _UnitWatch(recorder, units, progress)
     counters = {phase: flop_counter() for phase in ("forward", "backward", "optimizer")}
