@@ -81,3 +81,12 @@ def profile_has_framework_terms(profile) -> bool:  # type: ignore[no-untyped-def
         and profile.optimizer_tensor_overhead_s > 0
         and {cost.op for cost in profile.op_costs} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     )
+
+
+def test_model_op_costs_are_the_reference_models_time_beyond_its_flops() -> None:
+    from shardscope.calibrate.overheads import measure_model_ops
+
+    forward_op, backward_op = measure_model_ops(matmul_flops_per_s=1e15, repeats=3)  # FLOPs next to free
+    assert 1e-8 < forward_op < 1e-2 and 1e-8 < backward_op < 1e-2
+    # at 1 FLOP/s the FLOPs alone outlast the measured time, so nothing is left over for the ops
+    assert measure_model_ops(matmul_flops_per_s=1.0, repeats=3) == (0.0, 0.0)

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats
     dist.barrier()
     compute = measure_compute(device, torch.float32)  # every rank at once, as in training
     dist.barrier()
-    compute.update(measure_framework())
+    compute.update(measure_framework(compute["matmul_flops_per_s"]))
     dist.barrier()
     compute["sync_wait_s"] = measure_sync_wait()
     dist.barrier()

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscope.calibrate.collectives import _op_seconds
 from shardscope.presets.hardware import OpCost
+from shardscope.specs import ModelSpec, TrainingSpec
 
 # A timing window about as long as a small model's step. Per-op costs are trimmed means over such windows (the
 # slowest and fastest tenth dropped): a step is a sum of many pieces, so its expected time is the sum of their
@@ -69,25 +69,6 @@ def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -
         "kernel_overhead_s": overhead,
         "memory_bandwidth_bytes_per_s": 2.0 * big.numel() * 4 / copy,
     }
-
-
-class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts aten ops, the unit of the core's per-op costs (core.compute's op counts are counted the same way)."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _counted(work: Any) -> int:
-    counter = _OpCounter()
-    with counter:
-        work()
-    return counter.ops
 
 
 # Framework micro-benchmarks: a stack of FRAMEWORK_UNITS tiny Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) units on a
@@ -147,10 +128,55 @@ def measure_sync_wait(repeats: int = 15) -> float:
     return max(0.0, both - alone - call)
 
 
-def measure_framework(repeats: int = 15) -> dict[str, float]:
+# The transformer the per-op costs are fitted on: gpt2-style like the presets but of its own shape. A real model's
+# ops (layer norms, softmax, views, the loss, each inside a module call) cost more than a micro-benchmark's
+# elementwise ops, and two ranks sharing the machine slow them further; timing a model, on every rank at once,
+# prices the op the way core.compute counts it.
+REFERENCE_MODEL = ModelSpec(
+    name="calibration-gpt2",
+    family="gpt2",
+    hidden_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=24,
+    ffn_hidden_size=384,
+    vocab_size=320,
+    max_positions=64,
+    tie_embeddings=True,
+)
+REFERENCE_TRAINING = TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32")
+
+
+def measure_model_ops(matmul_flops_per_s: float, repeats: int = 15) -> tuple[float, float]:
+    """Seconds per forward and per backward op of REFERENCE_MODEL: its measured forward (with the loss) and
+    backward, less their FLOPs at the measured matmul throughput, over the ops core.compute counts for it."""
+    from shardscope.core.compute import stage_flops
+    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+
+    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
+    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+
+    def forward() -> torch.Tensor:
+        return lm_loss(model(inputs), targets)
+
+    stages = stage_flops(REFERENCE_MODEL, REFERENCE_TRAINING)
+    forward_s = _typical_seconds(forward, repeats, torch.device("cpu"))
+    backward_s = _backward_seconds(forward, repeats, max(1, math.ceil(WINDOW_S / max(forward_s, 1e-9))))
+    model.zero_grad(set_to_none=True)
+    forward_flops = sum(stage.forward_flops for stage in stages) / matmul_flops_per_s
+    backward_flops = sum(stage.backward_flops for stage in stages) / matmul_flops_per_s
+    return (
+        max(0.0, forward_s - forward_flops) / sum(stage.forward_kernels for stage in stages),
+        max(0.0, backward_s - backward_flops) / sum(stage.backward_kernels for stage in stages),
+    )
+
+
+def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str, float]:
     """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
 
-    Returned raw: seconds per forward and backward aten op, per optimizer tensor (plain and FSDP2's DTensors), and
+    Returned raw: seconds per forward and backward op as the core counts them (measure_model_ops), per optimizer
+    tensor (plain and FSDP2's DTensors), and
     step times of the same tiny stack plain, under DDP and under FSDP2, for calibrate() to subtract the modelled
     collectives from.
     """
@@ -158,19 +184,7 @@ def measure_framework(repeats: int = 15) -> dict[str, float]:
     from torch.nn.parallel import DistributedDataParallel
 
     cpu = torch.device("cpu")
-    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH, requires_grad=True)
-
-    def chain() -> torch.Tensor:
-        y = x
-        for _ in range(16):
-            y = torch.tanh(y * 1.01 + 0.1)
-        return y.sum()
-
-    forward_ops = _counted(chain)
-    loss = chain()
-    backward_ops = _counted(loss.backward)
-    forward_s = _typical_seconds(chain, repeats, cpu)
-    backward_s = _backward_seconds(chain, repeats, max(1, math.ceil(WINDOW_S / max(forward_s, 1e-9))))
+    forward_op_s, backward_op_s = measure_model_ops(matmul_flops_per_s, repeats)
     tensors = [torch.zeros(FRAMEWORK_WIDTH, requires_grad=True) for _ in range(32)]
     for tensor in tensors:
         tensor.grad = torch.ones_like(tensor)
@@ -204,8 +218,8 @@ def measure_framework(repeats: int = 15) -> dict[str, float]:
     dtensor_adam.step()
     fsdp_optimizer_tensor_s = _typical_seconds(dtensor_adam.step, repeats, cpu, collective=True) / (2 * FRAMEWORK_UNITS)
     return {
-        "forward_op_s": forward_s / forward_ops,
-        "backward_op_s": backward_s / backward_ops,
+        "forward_op_s": forward_op_s,
+        "backward_op_s": backward_op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
         "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
         "plain_step_s": plain_s,
