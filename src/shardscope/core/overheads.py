@@ -2,7 +2,8 @@
 
 Each rule pairs a measured profile term (presets.hardware, measured by `shardscope calibrate`) with the places it is
 paid, read from the engine's code:
-- torch DDP: its per-step bookkeeping at the first forward stage;
+- torch DDP: its per-step bookkeeping with the first backward stage (the head's), where its reducer's autograd hooks
+  start (benchmarks/bench_time_phases.py measures it there, not in forward);
 - FSDP2: its per-unit bookkeeping, half with the unit's forward and half with its backward;
 - the teaching strategies (shardscope.runtime.teaching): one Python hook call per hook they register, at the stage
   where torch calls it;
@@ -52,12 +53,12 @@ def hook_calls(scenario: Scenario) -> dict[tuple[str, int], int]:
 
 def framework_s(scenario: Scenario, profile: HardwareProfile) -> dict[tuple[str, int], float]:
     """The engine's own work per micro-batch, by (kind, stage) it runs beside: torch DDP's per step (at the first
-    forward stage), FSDP2's per unit (half with the unit's forward, half with its backward), the teaching
+    backward stage), FSDP2's per unit (half with the unit's forward, half with its backward), the teaching
     strategies' hook calls where they fire."""
     strategy = scenario.strategy
     extra: dict[tuple[str, int], float] = {}
     if strategy.engine == "pytorch" and strategy.canonical_name in ("ddp", "zero1"):
-        extra[("forward", 0)] = profile.ddp_step_overhead_s
+        extra[("backward", scenario.model.num_layers + 1)] = profile.ddp_step_overhead_s
     elif uses_fsdp2(scenario):
         half = profile.fsdp_unit_overhead_s / 2
         extra[("forward", 0)] = extra[("backward", 0)] = half  # the root unit
