@@ -163,7 +163,6 @@ def measure_model_ops(matmul_flops_per_s: float, repeats: int = 15) -> tuple[flo
     stages = stage_flops(REFERENCE_MODEL, REFERENCE_TRAINING)
     forward_s = _typical_seconds(forward, repeats, torch.device("cpu"))
     backward_s = _backward_seconds(forward, repeats, max(1, math.ceil(WINDOW_S / max(forward_s, 1e-9))))
-    model.zero_grad(set_to_none=True)
     forward_flops = sum(stage.forward_flops for stage in stages) / matmul_flops_per_s
     backward_flops = sum(stage.backward_flops for stage in stages) / matmul_flops_per_s
     return (
@@ -176,9 +175,8 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
     """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
 
     Returned raw: seconds per forward and backward op as the core counts them (measure_model_ops), per optimizer
-    tensor (plain and FSDP2's DTensors), and
-    step times of the same tiny stack plain, under DDP and under FSDP2, for calibrate() to subtract the modelled
-    collectives from.
+    tensor (plain and FSDP2's DTensors), and step times of the same tiny stack plain, under DDP and under FSDP2, for
+    calibrate() to subtract the modelled collectives from.
     """
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
