@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench_time import scenario_for
+from bench_time import ENGINES, MICRO_BATCH, PRECISION, SEQ_LEN, scenario_for
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import load_profile
 from shardscope.runtime.config import RunConfig
@@ -41,9 +41,9 @@ def rank_phases(rank: int, world: int, port: int, options: dict[str, Any]) -> di
         engine=options["engine"],
         world_size=world,
         steps=STEPS,
-        precision="fp32",
-        micro_batch_size=2,
-        sequence_length=32,
+        precision=PRECISION,
+        micro_batch_size=MICRO_BATCH,
+        sequence_length=SEQ_LEN,
     )
     module = build_model(config.model_spec, config.training, dtype=model_dtype(config), seed=rank)
     trainer = make_trainer(config, module)
@@ -63,7 +63,7 @@ def rank_phases(rank: int, world: int, port: int, options: dict[str, Any]) -> di
 
 
 def predicted_phases(model: str, strategy: str, engine: str, profile: Any) -> list[float]:
-    estimate = estimate_time(scenario_for(model, strategy, "paper" if engine == "teaching" else engine), profile)
+    estimate = estimate_time(scenario_for(model, strategy, dict(ENGINES)[engine]), profile)
     schedule = estimate.schedule
     backward_start = min(start for _, _, category, start, _, _ in schedule if category in ("backward", "recompute"))
     optimizer_start = min(start for _, _, category, start, _, _ in schedule if category == "optimizer")
