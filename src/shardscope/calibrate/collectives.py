@@ -16,6 +16,7 @@ from shardscope.presets.hardware import OpCost
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_PAYLOADS = tuple(2**power for power in range(12, 25, 2))  # 4 KiB .. 16 MiB
+CALLS_PER_WINDOW = 4  # collectives timed back to back per window, as a step issues them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,21 +38,34 @@ def _ring(op: str, ranks: int) -> tuple[float, int]:
     return (ranks - 1) / ranks, ranks - 1
 
 
+def trimmed_mean(values: list[float]) -> float:
+    """Mean without the slowest and fastest tenth."""
+    ordered = sorted(values)
+    trim = len(ordered) // 10
+    return statistics.fmean(ordered[trim : len(ordered) - trim])
+
+
 def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
-    """Median seconds of `call` after a warm-up, each call fenced by a barrier."""
+    """Seconds per call as a step pays it: after a warm-up, `repeats` windows of CALLS_PER_WINDOW calls issued back
+    to back after a barrier; the trimmed mean of the windows' per-call time.
+
+    A step issues its collectives in runs (one unit's after another's) and pays their mean cost, stalls included.
+    gloo on a shared CPU has a long tail, and a reducing call right after another costs more than a lone one, so the
+    median of single barrier-fenced calls (what this measured before) prices a step's calls too low."""
     for _ in range(2):
         call()
-    durations = []
+    windows = []
     for _ in range(repeats):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        call()
+        for _ in range(CALLS_PER_WINDOW):
+            call()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        durations.append(time.perf_counter() - start)
-    return statistics.median(durations)
+        windows.append((time.perf_counter() - start) / CALLS_PER_WINDOW)
+    return trimmed_mean(windows)
 
 
 def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.device) -> list[Sample]:

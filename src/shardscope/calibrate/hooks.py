@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardscope.calibrate.collectives import _time_calls
 from shardscope.calibrate.overheads import FRAMEWORK_UNITS, FRAMEWORK_WIDTH, WINDOW_S, _stack
 
 # The async benchmark: ~2 ms of small ops (one block's backward on a tiny model) beside a 64 KiB all-reduce (~0.4 ms
@@ -91,7 +92,7 @@ def measure_hook_s(repeats: int = 21) -> float:
 def measure_async_slowdown(repeats: int = 21) -> float:
     """Extra time per second of an async collective in flight beside compute, over running the two one after the
     other: (issue a 64 KiB all_reduce async, compute a ~2 ms segment, wait) - (segment, then the same all_reduce
-    blocking), over the all_reduce's own time (fenced by a barrier). Both ranks run it at once, as in training; 0
+    blocking), over the all_reduce's own time (as the sweep times it). Both ranks run it at once, as in training; 0
     where the overlap costs nothing extra (a machine with a spare core for gloo's thread comes out at 0, not below:
     the serial model does not claim the time overlap saves)."""
     x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
@@ -112,13 +113,7 @@ def measure_async_slowdown(repeats: int = 21) -> float:
         assert work is not None
         work.wait()
 
-    def fenced() -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(payload)
-        return time.perf_counter() - start
-
     # one call per window: every rank must make the same collective calls in the same order
     extra = _paired_difference_s(serial, overlapped, repeats, 1)
-    call = statistics.median(fenced() for _ in range(repeats))
+    call = _time_calls(lambda: dist.all_reduce(payload), repeats, torch.device("cpu"))
     return max(0.0, extra / call) if call > 0 else 0.0

@@ -4,14 +4,13 @@ DDP and FSDP2 bookkeeping, and the wait at a synchronisation point; then the pro
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardscope.calibrate.collectives import _op_seconds
+from shardscope.calibrate.collectives import _op_seconds, _time_calls, trimmed_mean
 from shardscope.presets.hardware import OpCost
 from shardscope.specs import ModelSpec, TrainingSpec
 
@@ -37,14 +36,7 @@ def _typical_seconds(work: Any, repeats: int, device: torch.device, collective: 
 
     first = timed(1)
     count = 1 if collective else max(1, math.ceil(WINDOW_S / max(first, 1e-9)))
-    return _trimmed_mean([timed(count) / count for _ in range(repeats)])
-
-
-def _trimmed_mean(values: list[float]) -> float:
-    """Mean without the slowest and fastest tenth."""
-    ordered = sorted(values)
-    trim = len(ordered) // 10
-    return statistics.fmean(ordered[trim : len(ordered) - trim])
+    return trimmed_mean([timed(count) / count for _ in range(repeats)])
 
 
 def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -> dict[str, float]:
@@ -93,7 +85,7 @@ def _backward_seconds(make_loss: Any, repeats: int, per_window: int) -> float:
         for loss in losses:
             loss.backward()
         windows.append((time.perf_counter() - start) / per_window)
-    return _trimmed_mean(windows)
+    return trimmed_mean(windows)
 
 
 def measure_sync_wait(repeats: int = 15) -> float:
@@ -101,7 +93,7 @@ def measure_sync_wait(repeats: int = 15) -> float:
 
     Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
     for the later one, so a step pays E[max of the ranks' compute] rather than E[compute] at every synchronisation.
-    Measured as (compute segment + 4-byte all_reduce) - segment - the all_reduce fenced by a barrier, with a segment
+    Measured as (compute segment + 4-byte all_reduce) - segment - the all_reduce as the sweep times it, with a segment
     of about one block's forward and backward on a small model (~2 ms)."""
     cpu = torch.device("cpu")
     x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
@@ -112,18 +104,12 @@ def measure_sync_wait(repeats: int = 15) -> float:
         for _ in range(60):
             y = torch.tanh(y * 1.01 + 0.1)
 
-    def fenced() -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(flag)
-        return time.perf_counter() - start
-
     def segment_then_sync() -> None:
         segment()
         dist.all_reduce(flag)
 
     alone = _typical_seconds(segment, repeats, cpu, collective=True)
-    call = statistics.median(fenced() for _ in range(repeats))
+    call = _time_calls(lambda: dist.all_reduce(flag), repeats, cpu)  # priced as the per-op fit prices calls
     both = _typical_seconds(segment_then_sync, repeats, cpu, collective=True)
     return max(0.0, both - alone - call)
 

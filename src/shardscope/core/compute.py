@@ -40,9 +40,14 @@ OPS_PER_BLOCK = {
 # Ops outside the blocks (embeddings; final norm, head and cross-entropy loss), same counter: (forward, backward).
 OPS_EMBED = (2, 2)
 OPS_HEAD = {"gpt2": (14, 21), "llama": (27, 32), "moe": (27, 32)}
-# Adam(W) reads parameter, gradient and two moments and writes parameter and moments: 7 fp32 accesses per element
-# ("Adam: A Method for Stochastic Optimization", Algorithm 1); SGD with momentum 5, plain SGD 3.
-OPTIMIZER_ACCESSES = {"adamw": 7, "adam": 7, "sgd-momentum": 5, "sgd": 3}
+# fp32 accesses per element of one optimizer step. A fused kernel (DeepSpeed's FusedAdam and CPUAdam) reads
+# parameter, gradient and two moments and writes parameter and moments once: 7 for Adam(W) ("Adam: A Method for
+# Stochastic Optimization", Algorithm 1), SGD with momentum 5, plain SGD 3. torch's single-tensor and foreach steps
+# make one pass per op, counted in torch.optim's _single_tensor_adam and _single_tensor_sgd: AdamW's decay mul_ 2,
+# lerp_ 3, mul_ 2, addcmul_ 3, sqrt 2, divide 2, add_ 2, addcdiv_ 4 = 20 (Adam 18: no decay pass); SGD with
+# momentum mul_ 2, add_ 3 and the update 3 = 8; plain SGD 3.
+FUSED_OPTIMIZER_ACCESSES = {"adamw": 7, "adam": 7, "sgd-momentum": 5, "sgd": 3}
+OPTIMIZER_ACCESSES = {"adamw": 20, "adam": 18, "sgd-momentum": 8, "sgd": 3}
 # Kernels per parameter tensor of a single-tensor (foreach=False) step, counted in torch.optim's _single_tensor_adam
 # and _single_tensor_sgd: AdamW's decay, two moment updates, bias corrections, sqrt, divide and update.
 OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 12, "adam": 11, "sgd-momentum": 3, "sgd": 1}
@@ -201,8 +206,8 @@ def hardware_flops_per_step(scenario: Scenario) -> float:
 
 
 def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int, shard_tensors: int) -> float:
-    """The optimizer step over the rank's shard: memory-bound, fp32 state accesses over the memory bandwidth, plus
-    the kernels it launches per tensor."""
+    """The optimizer step over the rank's shard: memory-bound, fp32 state accesses over the memory bandwidth (one
+    pass per op under torch's optimizers, fused under DeepSpeed's), plus the kernels it launches per tensor."""
     optimizer = scenario.training.optimizer
     per_tensor = (
         compute.optimizer_tensor_overhead_s or OPTIMIZER_KERNELS_PER_TENSOR[optimizer] * compute.kernel_overhead_s
@@ -211,7 +216,8 @@ def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int
     if compute.memory_bandwidth_bytes_per_s <= 0:
         return kernels
     state_bytes = 8 if scenario.training.precision == "fp64" else 4
-    accessed = OPTIMIZER_ACCESSES[optimizer] * state_bytes * shard_numel
+    fused = scenario.strategy.engine == "deepspeed"
+    accessed = (FUSED_OPTIMIZER_ACCESSES if fused else OPTIMIZER_ACCESSES)[optimizer] * state_bytes * shard_numel
     return kernels + accessed / compute.memory_bandwidth_bytes_per_s
 
 
