@@ -6,7 +6,8 @@ Without --profile it calibrates this machine first (shardscope calibrate), then,
 strategy x engine runs for real in one launch (two local gloo processes, one thread each; measured = the median of the
 steps after the first, slowest rank) and predicts each with core.timeline on the profile. The ledger column compares
 the predicted setup + step ledger (core.comm.run_ledger) with what the run recorded, row for row.
-The goal (issue 5) is within 15% on every row; the table says which rows miss it.
+The goal (issue 5) is within 15% on every row; the table says which rows miss it, and `rounds` shows the lowest and
+highest error of a single round (each round's prediction against its own run), the noise a median smooths.
 It prints the load average at start and end (the machine is shared: judge a run by its ratios, not its absolute
 times) and its own wall time; one round of both models takes about a minute on a quiet machine.
 """
@@ -60,6 +61,12 @@ def _profile_line(profile: HardwareProfile) -> str:
         f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "
         f"hook {profile.hook_overhead_s * 1e6:.1f} us; beside async +{profile.async_compute_slowdown:.2f}; {costs}"
     )
+
+
+def _spread(predicted: list[float], measured: list[float]) -> str:
+    """The lowest and highest error of single rounds (each round's prediction against its own run)."""
+    errors = [guess / truth - 1 for guess, truth in zip(predicted, measured, strict=True)]
+    return f"{min(errors) * 100:+.0f}..{max(errors) * 100:+.0f}%"
 
 
 def main() -> int:
@@ -117,7 +124,7 @@ def main() -> int:
                 )
     header = (
         f"{'model':<11} {'strategy':<6} {'engine':<9} {'predicted ms':>12} {'measured ms':>11} {'error':>7}  "
-        f"{'w/o hook+async':>14}  ledger"
+        f"{'w/o hook+async':>14}  {'rounds':>11}  ledger"
     )
     print(f"\nmedians over {args.rounds} rounds\n{header}\n{'-' * len(header)}")
     worst = 0.0
@@ -128,7 +135,8 @@ def main() -> int:
         model, strategy, engine = key
         print(
             f"{model:<11} {strategy:<6} {engine:<9} {guess * 1e3:12.2f} {truth * 1e3:11.2f} {error:+7.0%}  "
-            f"{statistics.median(without_hooks[key]) / truth - 1:+14.0%}  {'same' if ledgers[key] else 'differs'}"
+            f"{statistics.median(without_hooks[key]) / truth - 1:+14.0%}  "
+            f"{_spread(predicted[key], measured[key]):>11}  {'same' if ledgers[key] else 'differs'}"
         )
     print(f"\nworst error {worst:.0%}; goal 15%: {'met' if worst <= 0.15 else 'NOT met'}")
     print(f"load average at end: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")

@@ -123,6 +123,17 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)
 
 
+def test_async_all_reduces_wait_for_the_later_rank_once_per_step() -> None:
+    from shardscope.core.comm import comm_events
+
+    case = scenario(model="tiny-llama", strategy="ddp", engine="paper", world_size=2, gpus_per_node=2)
+    base = _profile(overlap=False)
+    waiting = dataclasses.replace(base, sync_wait_s=1e-3)
+    places = {(e.micro_batch, e.stage, e.trigger) for e in comm_events(case) if e.row.op == "all_reduce"}
+    assert len(places) == 3  # one async all-reduce per unit, each issued after its unit's backward
+    assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 1e-3)
+
+
 def test_zero_redundancy_optimizer_pays_its_overhead_on_every_tensor() -> None:
     from shardscope.core.params import param_layout
 

@@ -75,43 +75,29 @@ def _stack() -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) for _ in range(FRAMEWORK_UNITS)))
 
 
-def _backward_seconds(make_loss: Any, repeats: int, per_window: int) -> float:
-    """Seconds of one backward alone (the graphs built untimed), trimmed mean over windows of per_window backwards:
-    timing forward + backward and subtracting forward can come out negative on a noisy machine."""
-    windows = []
-    for _ in range(repeats):
-        losses = [make_loss() for _ in range(per_window)]
-        start = time.perf_counter()
-        for loss in losses:
-            loss.backward()
-        windows.append((time.perf_counter() - start) / per_window)
-    return trimmed_mean(windows)
-
-
 def measure_sync_wait(repeats: int = 15) -> float:
     """Extra wait at a blocking collective that follows compute, over the compute and the collective alone.
 
     Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
     for the later one, so a step pays E[max of the ranks' compute] rather than E[compute] at every synchronisation.
-    Measured as (compute segment + 4-byte all_reduce) - segment - the all_reduce as the sweep times it, with a segment
-    of about one block's forward and backward on a small model (~2 ms)."""
+    Measured directly: after a barrier both ranks compute the same segment (about one block's forward and backward
+    on a small model, ~2 ms), and each times its 4-byte all_reduce from the end of its own segment; the trimmed mean
+    over 3 x repeats iterations, less the all_reduce as the sweep times it. (Differencing three separately timed
+    means, as this did before, swung the figure between 0 and 3 ms from one calibration to the next.)"""
     cpu = torch.device("cpu")
     x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
     flag = torch.ones(1)
-
-    def segment() -> None:
+    waits = []
+    for _ in range(3 * repeats):
+        dist.barrier()
         y = x
         for _ in range(60):
             y = torch.tanh(y * 1.01 + 0.1)
-
-    def segment_then_sync() -> None:
-        segment()
+        start = time.perf_counter()
         dist.all_reduce(flag)
-
-    alone = _typical_seconds(segment, repeats, cpu, collective=True)
+        waits.append(time.perf_counter() - start)
     call = _time_calls(lambda: dist.all_reduce(flag), repeats, cpu)  # priced as the per-op fit prices calls
-    both = _typical_seconds(segment_then_sync, repeats, cpu, collective=True)
-    return max(0.0, both - alone - call)
+    return max(0.0, trimmed_mean(waits) - call)
 
 
 # The transformer the per-op costs are fitted on: gpt2-style like the presets but of its own shape. A real model's
@@ -132,28 +118,40 @@ REFERENCE_MODEL = ModelSpec(
     tie_embeddings=True,
 )
 REFERENCE_TRAINING = TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32")
+STEP_PAYLOAD_BYTES = 64 * 1024  # the all_reduce between the reference model's iterations: about one unit's gradients
 
 
 def measure_model_ops(matmul_flops_per_s: float, repeats: int = 15) -> tuple[float, float]:
     """Seconds per forward and per backward op of REFERENCE_MODEL: its measured forward (with the loss) and
-    backward, less their FLOPs at the measured matmul throughput, over the ops core.compute counts for it."""
+    backward, less their FLOPs at the measured matmul throughput, over the ops core.compute counts for it.
+
+    Timed as a training step runs them: each iteration makes a blocking all_reduce of a unit-sized buffer (the
+    communication a step has between its compute phases; skipped without a process group), then a forward and its
+    backward, each timed once; trimmed means over 3 x repeats iterations. A forward that follows communication runs
+    ~20% slower here than one in a loop of forwards, and every forward of a step follows communication."""
     from shardscope.core.compute import stage_flops
     from shardscope.runtime.models import build_model, lm_loss, sample_batch
 
     model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
     inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
-
-    def forward() -> torch.Tensor:
-        return lm_loss(model(inputs), targets)
-
+    payload = torch.zeros(STEP_PAYLOAD_BYTES // 4)
+    lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]  # warm-up
+    forwards, backwards = [], []
+    for _ in range(3 * repeats):
+        if dist.is_initialized():
+            dist.all_reduce(payload)
+        start = time.perf_counter()
+        loss = lm_loss(model(inputs), targets)
+        middle = time.perf_counter()
+        loss.backward()  # type: ignore[no-untyped-call]
+        forwards.append(middle - start)
+        backwards.append(time.perf_counter() - middle)
     stages = stage_flops(REFERENCE_MODEL, REFERENCE_TRAINING)
-    forward_s = _typical_seconds(forward, repeats, torch.device("cpu"))
-    backward_s = _backward_seconds(forward, repeats, max(1, math.ceil(WINDOW_S / max(forward_s, 1e-9))))
     forward_flops = sum(stage.forward_flops for stage in stages) / matmul_flops_per_s
     backward_flops = sum(stage.backward_flops for stage in stages) / matmul_flops_per_s
     return (
-        max(0.0, forward_s - forward_flops) / sum(stage.forward_kernels for stage in stages),
-        max(0.0, backward_s - backward_flops) / sum(stage.backward_kernels for stage in stages),
+        max(0.0, trimmed_mean(forwards) - forward_flops) / sum(stage.forward_kernels for stage in stages),
+        max(0.0, trimmed_mean(backwards) - backward_flops) / sum(stage.backward_kernels for stage in stages),
     )
 
 

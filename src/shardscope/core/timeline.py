@@ -219,14 +219,20 @@ def _comm_tasks(
     costs: tuple[CollectiveCost, ...],
     compute_tasks: list[_Task],
     where: dict[tuple[str, int, int], int],
-    sync_wait_s: float = 0.0,
+    sync_wait_s: float,
+    asynchronous: tuple[bool, ...],
 ) -> tuple[list[_Task], dict[int, list[int]]]:
-    """Communication tasks with their issue keys, and the gathers each compute task waits for."""
+    """Communication tasks with their issue keys, and the gathers each compute task waits for.
+
+    The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
+    async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
+    and the skew between the ranks is absorbed once, by the first."""
     optimizer = where[("optimizer", 0, -1)]
     first = len(compute_tasks)  # the index the first communication task will have
     tasks: list[_Task] = []
     waits: dict[int, list[int]] = {}
     previous: tuple[int, int, str] | None = None
+    waited_async = False
     for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
         stream = "host" if event.group == "host" else "comm"
@@ -245,8 +251,9 @@ def _comm_tasks(
         place = (event.micro_batch, event.stage, trigger)
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after.append(position - 1)
-        elif stream == "comm":  # the first collective after compute waits for the later rank
-            duration += sync_wait_s
+        elif stream == "comm" and not (waited_async and asynchronous[position - first]):
+            duration += sync_wait_s  # the first collective after compute waits for the later rank
+            waited_async = waited_async or asynchronous[position - first]
         row = event.row
         tasks.append(_Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
         previous = place
@@ -284,7 +291,8 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
     if profile.async_compute_slowdown:
         _slow_beside_async(scenario, events, costs, compute_tasks, where, profile.async_compute_slowdown)
-    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s)
+    asynchronous = tuple(is_async(event, scenario) for event in events)
+    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s, asynchronous)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)
