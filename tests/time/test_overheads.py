@@ -116,9 +116,8 @@ def test_calibrate_maps_the_measurements_to_the_profile_terms() -> None:
         "backward_op_s": 6e-6,
         "optimizer_tensor_s": 3e-5,
         "fsdp_optimizer_tensor_s": 1.3e-4,
-        "plain_step_s": 1e-3,
-        "ddp_step_s": 2e-3,
-        "fsdp_step_s": 9e-3,
+        "ddp_extra_s": 1e-3,
+        "fsdp_extra_s": 8e-3,
         "hook_s": 1.5e-6,
         "async_slowdown": 0.3,
     }

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardscope.calibrate.collectives import _op_seconds, _time_calls, trimmed_mean
+from shardscope.calibrate.collectives import _op_seconds, trimmed_mean
 from shardscope.presets.hardware import OpCost
 from shardscope.specs import ModelSpec, TrainingSpec
 
@@ -80,24 +80,29 @@ def measure_sync_wait(repeats: int = 15) -> float:
 
     Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
     for the later one, so a step pays E[max of the ranks' compute] rather than E[compute] at every synchronisation.
-    Measured directly: after a barrier both ranks compute the same segment (about one block's forward and backward
-    on a small model, ~2 ms), and each times its 4-byte all_reduce from the end of its own segment; the trimmed mean
-    over 3 x repeats iterations, less the all_reduce as the sweep times it. (Differencing three separately timed
-    means, as this did before, swung the figure between 0 and 3 ms from one calibration to the next.)"""
-    cpu = torch.device("cpu")
+    Measured in pairs: after a barrier both ranks compute the same segment (about one block's forward and backward
+    on a small model, ~2 ms) and each times its 4-byte all_reduce from the end of its own segment; then, after another
+    barrier, the same all_reduce alone. The figure is the trimmed mean of the differences over 3 x repeats pairs.
+    (Differencing three separately timed means, as this did before, swung it between 0 and 3 ms from one calibration
+    to the next.)"""
     x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
     flag = torch.ones(1)
-    waits = []
+
+    def timed_all_reduce() -> float:
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        return time.perf_counter() - start
+
+    differences = []
     for _ in range(3 * repeats):
         dist.barrier()
         y = x
         for _ in range(60):
             y = torch.tanh(y * 1.01 + 0.1)
-        start = time.perf_counter()
-        dist.all_reduce(flag)
-        waits.append(time.perf_counter() - start)
-    call = _time_calls(lambda: dist.all_reduce(flag), repeats, cpu)  # priced as the per-op fit prices calls
-    return max(0.0, trimmed_mean(waits) - call)
+        after_compute = timed_all_reduce()
+        dist.barrier()
+        differences.append(after_compute - timed_all_reduce())
+    return max(0.0, trimmed_mean(differences))
 
 
 # The transformer the per-op costs are fitted on: gpt2-style like the presets but of its own shape. A real model's
@@ -155,14 +160,34 @@ def measure_model_ops(matmul_flops_per_s: float, repeats: int = 15) -> tuple[flo
     )
 
 
+def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
+    """Seconds one call of `variant` takes beyond one of `plain`: the two timed back to back, 3 x repeats pairs, so
+    that a shared machine's drift from one second to the next hits both halves of a pair alike; the trimmed mean of
+    the differences, as a step pays the stalls of the collectives only the variant makes. (Timing each alone and
+    subtracting, as this did before, swung torch DDP's figure between 0 and 3 ms from one calibration to the next.)
+    `variant` may communicate: every rank makes the same calls."""
+    plain()
+    variant()
+    differences = []
+    for _ in range(3 * repeats):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        variant()
+        differences.append(time.perf_counter() - middle - (middle - start))
+    return trimmed_mean(differences)
+
+
 def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str, float]:
     """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
 
     Returned raw: seconds per forward and backward op as the core counts them (measure_model_ops), per optimizer
-    tensor (plain and FSDP2's DTensors), and step times of the same tiny stack plain, under DDP and under FSDP2, for
-    calibrate() to subtract the modelled collectives from.
+    tensor (plain and FSDP2's DTensors), and what a step of the tiny stack takes beyond the same step plain under
+    DDP and under FSDP2, and a ZeroRedundancyOptimizer step beyond AdamW over the rank's share of the tensors, for
+    framework_overheads to subtract the modelled collectives from.
     """
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     cpu = torch.device("cpu")
@@ -178,23 +203,24 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         module(inputs).sum().backward()
 
     plain = _stack()
-    plain_s = _typical_seconds(lambda: train_step(plain), repeats, cpu)
     ddp = DistributedDataParallel(_stack())
     for _ in range(3):  # DDP rebuilds its buckets after the first iteration
         train_step(ddp)
-    ddp_s = _typical_seconds(lambda: train_step(ddp), repeats, cpu, collective=True)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    zero_stack = _stack()
+    ddp_extra_s = _paired_extra_s(lambda: train_step(plain), lambda: train_step(ddp), repeats)
+    zero_stack, share_stack = _stack(), _stack()
     train_step(zero_stack)
+    train_step(share_stack)
     zero = ZeroRedundancyOptimizer(list(zero_stack.parameters()), torch.optim.AdamW, lr=1e-3, foreach=False)
     zero.step()
-    zero_s = _typical_seconds(zero.step, repeats, cpu, collective=True)
+    # the rank's share as ZeroRedundancyOptimizer partitions equal units: half the weights and half the biases
+    share = list(share_stack.parameters())[: 2 * FRAMEWORK_UNITS // dist.get_world_size()]
+    share_adam = torch.optim.AdamW(share, lr=1e-3, foreach=False)
+    zero_extra_s = _paired_extra_s(share_adam.step, zero.step, repeats)
     sharded = _stack()
     for unit in sharded:
         fully_shard(unit, reshard_after_forward=True)
     fully_shard(sharded)
-    fsdp_s = _typical_seconds(lambda: train_step(sharded), repeats, cpu, collective=True)
+    fsdp_extra_s = _paired_extra_s(lambda: train_step(plain), lambda: train_step(sharded), repeats)
     train_step(sharded)
     dtensor_adam = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=False)
     dtensor_adam.step()
@@ -204,36 +230,35 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         "backward_op_s": backward_op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
         "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
-        "plain_step_s": plain_s,
-        "ddp_step_s": ddp_s,
-        "fsdp_step_s": fsdp_s,
-        "zero_step_s": zero_s,
+        "ddp_extra_s": ddp_extra_s,
+        "fsdp_extra_s": fsdp_extra_s,
+        "zero_extra_s": zero_extra_s,
     }
 
 
 def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], world_size: int) -> dict[str, float]:
-    """The framework terms of the profile from measure_framework's timings: each engine's step of the tiny stack,
-    less the plain step and less its collectives as the per-op fit prices them."""
+    """The framework terms of the profile from measure_framework's timings: what each engine's step of the tiny stack
+    takes beyond the plain one, less its collectives as the per-op fit prices them."""
     unit_bytes = (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4
     all_reduce = _op_seconds(op_costs["all_reduce"], FRAMEWORK_UNITS * unit_bytes, world_size)
     per_unit_comm = 2 * _op_seconds(op_costs["all_gather"], unit_bytes, world_size) + _op_seconds(
         op_costs["reduce_scatter"], unit_bytes, world_size
     )
-    fsdp = raw["fsdp_step_s"] - raw["plain_step_s"] - FRAMEWORK_UNITS * per_unit_comm
-    # ZeroRedundancyOptimizer over the stack: the rank's AdamW over half the tensors, one broadcast per tensor
+    fsdp = raw["fsdp_extra_s"] - FRAMEWORK_UNITS * per_unit_comm
+    # ZeroRedundancyOptimizer over the stack: beyond AdamW over the rank's share, one broadcast per tensor
     tensors = 2 * FRAMEWORK_UNITS
     zero = 0.0
-    if "zero_step_s" in raw:
+    if "zero_extra_s" in raw:
         broadcasts = FRAMEWORK_UNITS * (
             _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * FRAMEWORK_WIDTH * 4, world_size)
             + _op_seconds(op_costs["broadcast"], FRAMEWORK_WIDTH * 4, world_size)
         )
-        zero = raw["zero_step_s"] - broadcasts - tensors / world_size * raw["optimizer_tensor_s"]
+        zero = raw["zero_extra_s"] - broadcasts
     return {
         "kernel_overhead_s": raw["forward_op_s"],
         "backward_op_overhead_s": raw["backward_op_s"],
         "optimizer_tensor_overhead_s": raw["optimizer_tensor_s"],
-        "ddp_step_overhead_s": max(0.0, raw["ddp_step_s"] - raw["plain_step_s"] - all_reduce),
+        "ddp_step_overhead_s": max(0.0, raw["ddp_extra_s"] - all_reduce),
         "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
         "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
         "sync_wait_s": raw.get("sync_wait_s", 0.0),
