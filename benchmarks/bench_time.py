@@ -54,7 +54,12 @@ def _profile_line(profile: HardwareProfile) -> str:
     )
     return (
         f"matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s; per op: forward {profile.kernel_overhead_s * 1e6:.1f}"
-        f" us, backward {profile.backward_op_overhead_s * 1e6:.1f} us; optimizer "
+        f" us, backward {profile.backward_op_overhead_s * 1e6:.1f} us"
+        + "".join(
+            f" ({cost.family}: {cost.kernel_overhead_s * 1e6:.1f}, {cost.backward_op_overhead_s * 1e6:.1f} us)"
+            for cost in profile.family_op_costs
+        )
+        + "; optimizer "
         f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
         f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "

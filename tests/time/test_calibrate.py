@@ -40,6 +40,7 @@ def test_calibrate_two_gloo_ranks_writes_a_readable_profile() -> None:
 
 def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> None:
     from shardscope.calibrate import FRAMEWORK_UNITS, FRAMEWORK_WIDTH, fit_op, framework_overheads
+    from shardscope.presets.hardware import FamilyOpCost
 
     samples = [
         Sample(op=op, payload_bytes=payload, world_size=2, seconds=call + 0.5 * payload / bandwidth)
@@ -71,6 +72,10 @@ def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> N
     assert terms["ddp_step_overhead_s"] == pytest.approx(7e-4)
     assert terms["fsdp_unit_overhead_s"] == pytest.approx(5e-3)
     assert terms["fsdp_optimizer_tensor_overhead_s"] == pytest.approx(1e-4)
+    assert terms["family_op_costs"] == ()  # no llama reference measured: the default per-op costs for every family
+    raw["llama_forward_op_s"], raw["llama_backward_op_s"] = 2e-6, 1e-6
+    llama = FamilyOpCost(family="llama", kernel_overhead_s=2e-6, backward_op_overhead_s=1e-6)
+    assert framework_overheads(raw, costs, 2)["family_op_costs"] == (llama,)
 
 
 def profile_has_framework_terms(profile) -> bool:  # type: ignore[no-untyped-def]
@@ -83,9 +88,11 @@ def profile_has_framework_terms(profile) -> bool:  # type: ignore[no-untyped-def
 
 
 def test_model_op_costs_are_the_reference_models_time_beyond_its_flops() -> None:
-    from shardscope.calibrate.overheads import measure_model_ops
+    from shardscope.calibrate.overheads import LLAMA_REFERENCE_MODEL, REFERENCE_MODEL, measure_model_ops
 
-    forward_op, backward_op = measure_model_ops(matmul_flops_per_s=1e15, repeats=3)  # FLOPs next to free
-    assert 1e-8 < forward_op < 1e-2 and 1e-8 < backward_op < 1e-2
+    models = (REFERENCE_MODEL, LLAMA_REFERENCE_MODEL)
+    costs = measure_model_ops(matmul_flops_per_s=1e15, repeats=3, models=models)  # FLOPs next to free
+    assert len(costs) == 2
+    assert all(1e-8 < forward_op < 1e-2 and 1e-8 < backward_op < 1e-2 for forward_op, backward_op in costs)
     # at 1 FLOP/s the FLOPs alone outlast the measured time, so nothing is left over for the ops
-    assert measure_model_ops(matmul_flops_per_s=1.0, repeats=3) == (0.0, 0.0)
+    assert measure_model_ops(matmul_flops_per_s=1.0, repeats=3) == [(0.0, 0.0)]

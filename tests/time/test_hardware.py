@@ -85,7 +85,7 @@ def test_a_first_version_profile_still_loads_with_no_overheads() -> None:
 def test_overheads_and_per_op_costs_round_trip(tmp_path: Path) -> None:
     import dataclasses
 
-    from shardscope.presets.hardware import OpCost
+    from shardscope.presets.hardware import FamilyOpCost, OpCost
 
     base = default_profile(gpu_preset("h100-80gb"))
     assert base.fsdp_unit_overhead_s > 0 and base.kernel_overhead_s == 0  # stated GPU defaults
@@ -94,6 +94,7 @@ def test_overheads_and_per_op_costs_round_trip(tmp_path: Path) -> None:
         backward_op_overhead_s=3e-6,
         fsdp_unit_overhead_s=5e-3,
         op_costs=(OpCost(op="reduce_scatter", call_latency_s=5e-4, bandwidth_bytes_per_s=5e8),),
+        family_op_costs=(FamilyOpCost(family="llama", kernel_overhead_s=2e-6, backward_op_overhead_s=1e-6),),
     )
     path = tmp_path / "profile.toml"
     path.write_text(profile_to_toml(profile))
@@ -107,3 +108,18 @@ def test_a_per_op_cost_for_an_unknown_op_is_refused() -> None:
     )
     with pytest.raises(HardwareError, match="gossip"):
         parse_profile(text)
+
+
+def test_a_family_uses_its_own_per_op_costs_and_the_others_the_default() -> None:
+    text = (
+        'schema = "shardscope.hardware/v1"\n[compute]\nkernel_overhead_s = 5e-6\nbackward_op_overhead_s = 4e-6\n'
+        "[compute.families.llama]\nkernel_overhead_s = 2e-6\nbackward_op_overhead_s = 1e-6\n"
+        '[network]\nintra_node = "nvlink4"\n'
+    )
+    profile = parse_profile(text)
+    assert profile.op_overheads("llama") == (2e-6, 1e-6)
+    assert profile.op_overheads("gpt2") == profile.op_overheads("moe") == (5e-6, 4e-6)
+    with pytest.raises(HardwareError, match="mamba is not a model family"):
+        parse_profile(text.replace("families.llama", "families.mamba"))
+    with pytest.raises(HardwareError, match="must be a number"):
+        parse_profile(text.replace("kernel_overhead_s = 2e-6", "kernel_overhead_s = -1.0"))

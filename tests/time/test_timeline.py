@@ -123,6 +123,23 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)
 
 
+def test_a_family_with_its_own_per_op_costs_is_priced_with_them() -> None:
+    from shardscope.core.compute import stage_flops
+    from shardscope.presets.hardware import FamilyOpCost
+
+    base = dataclasses.replace(
+        _profile(overlap=False), kernel_overhead_s=2e-5, backward_op_overhead_s=1e-5, optimizer_tensor_overhead_s=1e-6
+    )
+    cheaper = FamilyOpCost(family="llama", kernel_overhead_s=1e-5, backward_op_overhead_s=5e-6)
+    priced = dataclasses.replace(base, family_op_costs=(cheaper,))
+    llama = scenario(model="tiny-llama", strategy="ddp", world_size=2, gpus_per_node=2, sequence_length=32)
+    stages = stage_flops(llama.model, llama.training)
+    saved = sum(1e-5 * s.forward_kernels + 5e-6 * s.backward_kernels for s in stages)
+    assert estimate_time(llama, priced).step_time_s == pytest.approx(estimate_time(llama, base).step_time_s - saved)
+    gpt2 = scenario(model="tiny-gpt2", strategy="ddp", world_size=2, gpus_per_node=2, sequence_length=32)
+    assert estimate_time(gpt2, priced).step_time_s == estimate_time(gpt2, base).step_time_s
+
+
 def test_async_all_reduces_wait_for_the_later_rank_once_per_step() -> None:
     from shardscope.core.comm import comm_events
 

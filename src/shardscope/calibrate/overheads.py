@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardscope.calibrate.collectives import _op_seconds, trimmed_mean
-from shardscope.presets.hardware import OpCost
+from shardscope.presets.hardware import FamilyOpCost, OpCost
 from shardscope.specs import ModelSpec, TrainingSpec
 
 # A timing window about as long as a small model's step. Per-op costs are trimmed means over such windows (the
@@ -122,42 +122,68 @@ REFERENCE_MODEL = ModelSpec(
     max_positions=64,
     tie_embeddings=True,
 )
+# llama's ops (RMSNorm's pieces, rotary embeddings, SwiGLU) are more and smaller than gpt2's: its own reference, of
+# its own shape, prices them for the llama family (the profile's [compute.families.llama]).
+LLAMA_REFERENCE_MODEL = ModelSpec(
+    name="calibration-llama",
+    family="llama",
+    hidden_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=24,
+    ffn_hidden_size=256,
+    vocab_size=320,
+    max_positions=64,
+    tie_embeddings=False,
+)
 REFERENCE_TRAINING = TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32")
 STEP_PAYLOAD_BYTES = 64 * 1024  # the all_reduce between the reference model's iterations: about one unit's gradients
 
 
-def measure_model_ops(matmul_flops_per_s: float, repeats: int = 15) -> tuple[float, float]:
-    """Seconds per forward and per backward op of REFERENCE_MODEL: its measured forward (with the loss) and
+def measure_model_ops(
+    matmul_flops_per_s: float, repeats: int = 15, models: tuple[ModelSpec, ...] = (REFERENCE_MODEL,)
+) -> list[tuple[float, float]]:
+    """Seconds per forward and per backward op of each reference model: its measured forward (with the loss) and
     backward, less their FLOPs at the measured matmul throughput, over the ops core.compute counts for it.
 
     Timed as a training step runs them: each iteration makes a blocking all_reduce of a unit-sized buffer (the
     communication a step has between its compute phases; skipped without a process group), then a forward and its
-    backward, each timed once; trimmed means over 3 x repeats iterations. A forward that follows communication runs
-    ~20% slower here than one in a loop of forwards, and every forward of a step follows communication."""
+    backward of each model in turn, each timed once; trimmed means over 3 x repeats iterations. A forward that follows
+    communication runs ~20% slower here than one in a loop of forwards, and every forward of a step follows
+    communication."""
     from shardscope.core.compute import stage_flops
     from shardscope.runtime.models import build_model, lm_loss, sample_batch
 
-    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
-    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+    built = [build_model(spec, REFERENCE_TRAINING, seed=0) for spec in models]
+    batches = [sample_batch(spec, REFERENCE_TRAINING, num_sequences=2) for spec in models]
     payload = torch.zeros(STEP_PAYLOAD_BYTES // 4)
-    lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]  # warm-up
-    forwards, backwards = [], []
+    for model, (inputs, targets) in zip(built, batches, strict=True):  # warm-up
+        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+    forwards: list[list[float]] = [[] for _ in models]
+    backwards: list[list[float]] = [[] for _ in models]
     for _ in range(3 * repeats):
         if dist.is_initialized():
             dist.all_reduce(payload)
-        start = time.perf_counter()
-        loss = lm_loss(model(inputs), targets)
-        middle = time.perf_counter()
-        loss.backward()  # type: ignore[no-untyped-call]
-        forwards.append(middle - start)
-        backwards.append(time.perf_counter() - middle)
-    stages = stage_flops(REFERENCE_MODEL, REFERENCE_TRAINING)
-    forward_flops = sum(stage.forward_flops for stage in stages) / matmul_flops_per_s
-    backward_flops = sum(stage.backward_flops for stage in stages) / matmul_flops_per_s
-    return (
-        max(0.0, trimmed_mean(forwards) - forward_flops) / sum(stage.forward_kernels for stage in stages),
-        max(0.0, trimmed_mean(backwards) - backward_flops) / sum(stage.backward_kernels for stage in stages),
-    )
+        for index, (model, (inputs, targets)) in enumerate(zip(built, batches, strict=True)):
+            start = time.perf_counter()
+            loss = lm_loss(model(inputs), targets)
+            middle = time.perf_counter()
+            loss.backward()  # type: ignore[no-untyped-call]
+            forwards[index].append(middle - start)
+            backwards[index].append(time.perf_counter() - middle)
+    costs = []
+    for spec, forward_s, backward_s in zip(models, forwards, backwards, strict=True):
+        stages = stage_flops(spec, REFERENCE_TRAINING)
+        forward_flops = sum(stage.forward_flops for stage in stages) / matmul_flops_per_s
+        backward_flops = sum(stage.backward_flops for stage in stages) / matmul_flops_per_s
+        costs.append(
+            (
+                max(0.0, trimmed_mean(forward_s) - forward_flops) / sum(stage.forward_kernels for stage in stages),
+                max(0.0, trimmed_mean(backward_s) - backward_flops) / sum(stage.backward_kernels for stage in stages),
+            )
+        )
+    return costs
 
 
 def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
@@ -191,7 +217,9 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
     from torch.nn.parallel import DistributedDataParallel
 
     cpu = torch.device("cpu")
-    forward_op_s, backward_op_s = measure_model_ops(matmul_flops_per_s, repeats)
+    (forward_op_s, backward_op_s), (llama_forward_op_s, llama_backward_op_s) = measure_model_ops(
+        matmul_flops_per_s, repeats, (REFERENCE_MODEL, LLAMA_REFERENCE_MODEL)
+    )
     tensors = [torch.zeros(FRAMEWORK_WIDTH, requires_grad=True) for _ in range(32)]
     for tensor in tensors:
         tensor.grad = torch.ones_like(tensor)
@@ -228,6 +256,8 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
     return {
         "forward_op_s": forward_op_s,
         "backward_op_s": backward_op_s,
+        "llama_forward_op_s": llama_forward_op_s,
+        "llama_backward_op_s": llama_backward_op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
         "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
         "ddp_extra_s": ddp_extra_s,
@@ -236,9 +266,10 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
     }
 
 
-def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], world_size: int) -> dict[str, float]:
-    """The framework terms of the profile from measure_framework's timings: what each engine's step of the tiny stack
-    takes beyond the plain one, less its collectives as the per-op fit prices them."""
+def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], world_size: int) -> dict[str, Any]:
+    """The framework terms of the profile from measure_framework's timings: the per-op costs (gpt2's reference as the
+    default, llama's for its family), and what each engine's step of the tiny stack takes beyond the plain one, less
+    its collectives as the per-op fit prices them."""
     unit_bytes = (FRAMEWORK_WIDTH * FRAMEWORK_WIDTH + FRAMEWORK_WIDTH) * 4
     all_reduce = _op_seconds(op_costs["all_reduce"], FRAMEWORK_UNITS * unit_bytes, world_size)
     per_unit_comm = 2 * _op_seconds(op_costs["all_gather"], unit_bytes, world_size) + _op_seconds(
@@ -265,4 +296,15 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "zero_tensor_overhead_s": max(0.0, zero / tensors),
         "hook_overhead_s": raw.get("hook_s", 0.0),
         "async_compute_slowdown": raw.get("async_slowdown", 0.0),
+        "family_op_costs": (
+            (
+                FamilyOpCost(
+                    family="llama",
+                    kernel_overhead_s=raw["llama_forward_op_s"],
+                    backward_op_overhead_s=raw["llama_backward_op_s"],
+                ),
+            )
+            if "llama_forward_op_s" in raw
+            else ()
+        ),
     }

@@ -62,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"compute: matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s, memory copy "
         f"{profile.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s; per op: forward "
-        f"{profile.kernel_overhead_s * 1e6:.1f} us, backward {profile.backward_op_overhead_s * 1e6:.1f} us; "
-        f"optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor"
+        f"{profile.kernel_overhead_s * 1e6:.1f} us, backward {profile.backward_op_overhead_s * 1e6:.1f} us"
+        + "".join(
+            f" ({cost.family}: {cost.kernel_overhead_s * 1e6:.1f} us, {cost.backward_op_overhead_s * 1e6:.1f} us)"
+            for cost in profile.family_op_costs
+        )
+        + f"; optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor"
     )
     print(
         f"framework: DDP {profile.ddp_step_overhead_s * 1e3:.2f} ms per step, FSDP2 "

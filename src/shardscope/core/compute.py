@@ -233,11 +233,12 @@ def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
                 f"--hardware profile or choose a GPU preset"
             )
         peak = datasheet
+    forward_op_s, backward_op_s = profile.op_overheads(scenario.model.family)
     return ComputeModel(
         peak_flops_per_s=peak,
         efficiency=profile.efficiency,
-        kernel_overhead_s=profile.kernel_overhead_s,
-        backward_op_overhead_s=profile.backward_op_overhead_s,
+        kernel_overhead_s=forward_op_s,
+        backward_op_overhead_s=backward_op_s,
         optimizer_tensor_overhead_s=profile.optimizer_tensor_overhead_s,
         memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
     )

@@ -10,6 +10,9 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     efficiency = 0.5                # fraction of that peak a training step reaches
     kernel_overhead_s = 0.0         # launch/dispatch cost per forward op (aten op)
     backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
+    [compute.families.llama]        # optional, per model family: replaces the two per-op costs above for it
+    kernel_overhead_s = 0.0
+    backward_op_overhead_s = 0.0
     optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
     memory_bandwidth_bytes_per_s = 0.0
     [framework]                     # optional: engine bookkeeping beyond ops and collectives
@@ -46,7 +49,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from shardscope.specs import GpuSpec, SpecError
+from shardscope.specs import FAMILIES, GpuSpec, SpecError
 
 PROFILE_SCHEMA = "shardscope.hardware/v1"
 DEFAULT_EFFICIENCY = 0.5  # see core.compute: Megatron-LM's reported fraction of peak
@@ -109,6 +112,27 @@ class OpCost:
             raise HardwareError(
                 f"network.ops.{self.op}: bandwidth_bytes_per_s={self.bandwidth_bytes_per_s!r} must be positive"
             )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FamilyOpCost:
+    """Per-op costs measured on a reference model of one family: a llama block's ops (many small elementwise ones:
+    RMSNorm's pieces, rotary embeddings, SwiGLU) cost less each than a gpt2 block's (fused layer norm, GELU)."""
+
+    family: str
+    """A model family ('gpt2', 'llama', 'moe')."""
+    kernel_overhead_s: float
+    """Cost of one forward op of this family's models."""
+    backward_op_overhead_s: float
+    """Cost of one backward op of this family's models."""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise HardwareError(f"compute.families.{self.family} is not a model family; allowed: {', '.join(FAMILIES)}")
+        for name in ("kernel_overhead_s", "backward_op_overhead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+                raise HardwareError(f"compute.families.{self.family}: {name}={value!r} must be a number, zero or more")
 
 
 FRAMEWORK_FIELDS = (
@@ -177,8 +201,17 @@ class HardwareProfile:
     extra (GPUs: NCCL runs on the device)."""
     op_costs: tuple[OpCost, ...] = ()
     """Per-op collective costs replacing call_latency_s and the link bandwidth for that op (calibrated gloo)."""
+    family_op_costs: tuple[FamilyOpCost, ...] = ()
+    """Per-op compute costs of a model family, replacing kernel_overhead_s and backward_op_overhead_s for it."""
     source: str = ""
     """Where the profile's numbers come from."""
+
+    def op_overheads(self, family: str) -> tuple[float, float]:
+        """(forward, backward) cost per op for a model family: its own measured figures, if any, else the default."""
+        for cost in self.family_op_costs:
+            if cost.family == family:
+                return cost.kernel_overhead_s, cost.backward_op_overhead_s
+        return self.kernel_overhead_s, self.backward_op_overhead_s
 
     def op_cost(self, op: str) -> OpCost | None:
         """The measured cost of a collective op, if the profile has one."""
@@ -277,9 +310,11 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
     compute, network, framework = data.get("compute", {}), data.get("network", {}), data.get("framework", {})
     if not isinstance(compute, dict) or not isinstance(network, dict) or not isinstance(framework, dict):
         raise HardwareError(f"{origin}: [compute], [network] and [framework] must be tables")
-    ops = network.get("ops", {})
+    ops, families = network.get("ops", {}), compute.get("families", {})
     if not isinstance(ops, dict) or not all(isinstance(value, dict) for value in ops.values()):
         raise HardwareError(f"{origin}: [network.ops] must hold one table per collective op")
+    if not isinstance(families, dict) or not all(isinstance(value, dict) for value in families.values()):
+        raise HardwareError(f"{origin}: [compute.families] must hold one table per model family")
     try:
         op_costs = tuple(
             OpCost(
@@ -306,6 +341,14 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
             memory_bandwidth_bytes_per_s=compute.get("memory_bandwidth_bytes_per_s", 0.0),
             **{name: framework.get(name, 0.0) for name in FRAMEWORK_FIELDS},
             op_costs=op_costs,
+            family_op_costs=tuple(
+                FamilyOpCost(
+                    family=family,
+                    kernel_overhead_s=value.get("kernel_overhead_s", 0.0),
+                    backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
+                )
+                for family, value in families.items()
+            ),
         )
     except TypeError as error:
         raise HardwareError(f"{origin}: a value has the wrong type ({error})") from None
@@ -362,9 +405,14 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         "",
     ]
     links = [_link_toml(name, getattr(profile, name)) for name in ("intra_node", "inter_node", "host")]
+    families = [
+        f"[compute.families.{cost.family}]\nkernel_overhead_s = {float(cost.kernel_overhead_s)!r}\n"
+        f"backward_op_overhead_s = {float(cost.backward_op_overhead_s)!r}\n"
+        for cost in profile.family_op_costs
+    ]
     ops = [
         f"[network.ops.{cost.op}]\ncall_latency_s = {float(cost.call_latency_s)!r}\n"
         f"bandwidth_bytes_per_s = {float(cost.bandwidth_bytes_per_s)!r}\n"
         for cost in profile.op_costs
     ]
-    return "\n".join(lines) + "\n" + "\n".join(links + ops)
+    return "\n".join(lines) + "\n" + "\n".join(families + links + ops)
