@@ -3,6 +3,7 @@ DDP and FSDP2 bookkeeping, and the wait at a synchronisation point; then the pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -124,18 +125,8 @@ REFERENCE_MODEL = ModelSpec(
 )
 # llama's ops (RMSNorm's pieces, rotary embeddings, SwiGLU) are more and smaller than gpt2's: its own reference, of
 # its own shape, prices them for the llama family (the profile's [compute.families.llama]).
-LLAMA_REFERENCE_MODEL = ModelSpec(
-    name="calibration-llama",
-    family="llama",
-    hidden_size=96,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=24,
-    ffn_hidden_size=256,
-    vocab_size=320,
-    max_positions=64,
-    tie_embeddings=False,
+LLAMA_REFERENCE_MODEL = dataclasses.replace(
+    REFERENCE_MODEL, name="calibration-llama", family="llama", num_kv_heads=2, ffn_hidden_size=256, tie_embeddings=False
 )
 REFERENCE_TRAINING = TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32")
 STEP_PAYLOAD_BYTES = 64 * 1024  # the all_reduce between the reference model's iterations: about one unit's gradients
