@@ -50,9 +50,9 @@ def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
     to back after a barrier; the trimmed mean of the windows' per-call time.
 
     A step pays its collectives' mean cost, stalls included, and gloo on a shared CPU has a long tail: a 64 KiB
-    all_reduce here has a median of ~0.6 ms and a mean of ~1.2 ms, so the median of single barrier-fenced calls (what
-    this measured before) prices a step's calls too low. Windows of calls issued back to back, as a step issues a
-    unit's after another's, make the mean steadier than single calls."""
+    all_reduce here has a median of ~0.5 ms and a mean of 1-1.3 ms (benchmarks/bench_gloo_tail.py), so the median of
+    single barrier-fenced calls (what this measured before) prices a step's calls too low. Windows of calls issued
+    back to back, as a step issues a unit's after another's, make the mean steadier than single calls."""
     for _ in range(2):
         call()
     windows = []

@@ -141,8 +141,8 @@ def measure_model_ops(
     Timed as a training step runs them: each iteration makes a blocking all_reduce of a unit-sized buffer (the
     communication a step has between its compute phases; skipped without a process group), then a forward and its
     backward of each model in turn, each timed once; trimmed means over 3 x repeats iterations. A forward that follows
-    communication runs ~20% slower here than one in a loop of forwards, and every forward of a step follows
-    communication."""
+    communication ran 7-21% slower here than one in a loop of forwards (benchmarks/bench_gloo_tail.py), and every
+    forward of a step follows communication."""
     from shardscope.core.compute import stage_flops
     from shardscope.runtime.models import build_model, lm_loss, sample_batch
 
