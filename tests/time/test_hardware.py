@@ -14,8 +14,8 @@ from shardscope.presets.hardware import (
     interconnect_preset_names,
     load_profile,
     parse_profile,
-    profile_to_toml,
 )
+from shardscope.presets.profile_toml import profile_to_toml
 
 
 def test_every_interconnect_cites_a_source_and_has_a_speed() -> None:

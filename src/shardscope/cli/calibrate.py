@@ -10,7 +10,7 @@ from typing import Any
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import positive_int
 from shardscope.cli.tables import render_table
-from shardscope.presets.hardware import profile_to_toml
+from shardscope.presets.profile_toml import profile_to_toml
 
 EXAMPLES = """examples:
   shardscope calibrate --out profile.toml                 # 2 local gloo ranks on this machine
