@@ -261,7 +261,7 @@ def _comm_tasks(
 
 
 def _slow_beside_async(
-    scenario: Scenario,
+    asynchronous: tuple[bool, ...],
     events: tuple[CommEvent, ...],
     costs: tuple[CollectiveCost, ...],
     compute_tasks: list[_Task],
@@ -271,8 +271,8 @@ def _slow_beside_async(
     """Lengthen the compute tasks that run while an async collective is in flight (core.overheads)."""
     issued = [
         (where[("backward", event.micro_batch, event.stage)], cost.time_s)
-        for event, cost in zip(events, costs, strict=True)
-        if is_async(event, scenario)
+        for event, cost, issued_async in zip(events, costs, asynchronous, strict=True)
+        if issued_async
     ]
     if not issued:
         return
@@ -289,9 +289,9 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     compute = compute_model(scenario, profile)
     costs = _event_costs(scenario, events, network_model(profile))
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
-    if profile.async_compute_slowdown:
-        _slow_beside_async(scenario, events, costs, compute_tasks, where, profile.async_compute_slowdown)
     asynchronous = tuple(is_async(event, scenario) for event in events)
+    if profile.async_compute_slowdown:
+        _slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.async_compute_slowdown)
     comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s, asynchronous)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
