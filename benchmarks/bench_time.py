@@ -61,7 +61,8 @@ def _profile_line(profile: HardwareProfile) -> str:
             for cost in profile.family_op_costs
         )
         + "; optimizer "
-        f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
+        f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor + {profile.optimizer_step_overhead_s * 1e6:.0f} "
+        f"us/step; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
         f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
         f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "

@@ -63,6 +63,9 @@ def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> N
     }
     terms = framework_overheads(raw, costs, 2)
     assert terms["zero_tensor_overhead_s"] == 0.0  # not measured: not modelled
+    assert terms["optimizer_step_overhead_s"] == 0.0
+    raw["optimizer_step_s"] = 3e-4
+    assert framework_overheads(raw, costs, 2)["optimizer_step_overhead_s"] == 3e-4
     costs["broadcast"] = fit_op(
         [Sample(op="broadcast", payload_bytes=p, world_size=2, seconds=1e-4 + p / 4e9) for p in (2**12, 2**20)],
         "broadcast",
@@ -97,3 +100,10 @@ def test_model_op_costs_are_the_reference_models_time_beyond_its_flops() -> None
     assert all(1e-8 < forward_op < 1e-2 and 1e-8 < backward_op < 1e-2 for forward_op, backward_op in costs)
     # at 1 FLOP/s the FLOPs alone outlast the measured time, so nothing is left over for the ops
     assert measure_model_ops(matmul_flops_per_s=1.0, repeats=3) == [(0.0, 0.0)]
+
+
+def test_optimizer_step_overhead_is_a_plausible_time() -> None:
+    from shardscope.calibrate.overheads import measure_optimizer_step_overhead
+
+    # without a process group: forward, backward, then the optimizer step twice; the first call's extra, 0..10 ms
+    assert 0.0 <= measure_optimizer_step_overhead(repeats=3) < 1e-2

@@ -123,6 +123,18 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)
 
 
+def test_the_optimizer_step_overhead_is_paid_once_per_step_whatever_the_tensor_count() -> None:
+    base = _profile(overlap=False)
+    cold = dataclasses.replace(base, optimizer_step_overhead_s=3e-4)
+    for engine, accum in (("pytorch", 1), ("paper", 1), ("pytorch", 4)):  # 28 tensors, 3 flat units; micro-batches
+        case = scenario(model="tiny-gpt2", strategy="ddp", engine=engine, world_size=2, gpus_per_node=2)
+        case = dataclasses.replace(case, training=dataclasses.replace(case.training, grad_accum_steps=accum))
+        plain, slow = estimate_time(case, base), estimate_time(case, cold)
+        assert slow.step_time_s == pytest.approx(plain.step_time_s + 3e-4)
+        optimizer = [span for span in slow.spans if span.category == "optimizer"]
+        assert len(optimizer) == 1
+
+
 def test_a_family_with_its_own_per_op_costs_is_priced_with_them() -> None:
     from shardscope.core.compute import stage_flops
     from shardscope.presets.hardware import FamilyOpCost

@@ -177,6 +177,36 @@ def measure_model_ops(
     return costs
 
 
+def measure_optimizer_step_overhead(repeats: int = 15) -> float:
+    """What a step's optimizer step costs beyond the same step run again at once.
+
+    A step's optimizer runs after its forward, backward and communication have pushed torch.optim's Python code and
+    the optimizer's tensors out of the caches, and pays for it once per step, whatever the tensor count: here an
+    AdamW step over one flat tensor and over 28 took 0.2-0.4 ms longer as the first call after a training step's
+    backward than as the second call right after it. Timed in pairs as a step runs it: each iteration makes a 64 KiB
+    all_reduce (skipped without a process group), a forward and backward of the gpt2-style reference model, then
+    its AdamW(foreach=False) step twice back to back; the trimmed mean of (first - second) over 3 x repeats."""
+    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+
+    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
+    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-9, foreach=False)
+    payload = torch.zeros(STEP_PAYLOAD_BYTES // 4)
+    differences = []
+    for iteration in range(3 * repeats + 2):
+        if dist.is_initialized():
+            dist.all_reduce(payload)
+        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+        start = time.perf_counter()
+        adam.step()
+        middle = time.perf_counter()
+        adam.step()
+        if iteration >= 2:  # the first two build the optimizer's state
+            differences.append((middle - start) - (time.perf_counter() - middle))
+        adam.zero_grad(set_to_none=True)
+    return max(0.0, trimmed_mean(differences))
+
+
 def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
     """Seconds one call of `variant` takes beyond one of `plain`: the two timed back to back, 3 x repeats pairs, so
     that a shared machine's drift from one second to the next hits both halves of a pair alike; the trimmed mean of
@@ -216,6 +246,7 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         tensor.grad = torch.ones_like(tensor)
     adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
     optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
+    optimizer_step_s = measure_optimizer_step_overhead(repeats)
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
 
     def train_step(module: torch.nn.Module) -> None:
@@ -250,6 +281,7 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         "llama_forward_op_s": llama_forward_op_s,
         "llama_backward_op_s": llama_backward_op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
+        "optimizer_step_s": optimizer_step_s,
         "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
         "ddp_extra_s": ddp_extra_s,
         "fsdp_extra_s": fsdp_extra_s,
@@ -284,6 +316,7 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "fsdp_unit_overhead_s": max(0.0, fsdp / FRAMEWORK_UNITS),
         "fsdp_optimizer_tensor_overhead_s": max(0.0, raw["fsdp_optimizer_tensor_s"] - raw["optimizer_tensor_s"]),
         "sync_wait_s": raw.get("sync_wait_s", 0.0),
+        "optimizer_step_overhead_s": raw.get("optimizer_step_s", 0.0),
         "zero_tensor_overhead_s": max(0.0, zero / tensors),
         "hook_overhead_s": raw.get("hook_s", 0.0),
         "async_compute_slowdown": raw.get("async_slowdown", 0.0),

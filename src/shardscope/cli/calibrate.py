@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             f" ({cost.family}: {cost.kernel_overhead_s * 1e6:.1f} us, {cost.backward_op_overhead_s * 1e6:.1f} us)"
             for cost in profile.family_op_costs
         )
-        + f"; optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor"
+        + f"; optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor, "
+        f"+{profile.optimizer_step_overhead_s * 1e6:.0f} us per step (cold)"
     )
     print(
         f"framework: DDP {profile.ddp_step_overhead_s * 1e3:.2f} ms per step, FSDP2 "

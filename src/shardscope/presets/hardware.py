@@ -20,6 +20,7 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
     fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
     sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
+    optimizer_step_overhead_s = 0.0 # per optimizer step: its first call after the rest of the step (cold caches)
     zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
     hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
     async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
@@ -140,6 +141,7 @@ FRAMEWORK_FIELDS = (
     "fsdp_unit_overhead_s",
     "fsdp_optimizer_tensor_overhead_s",
     "sync_wait_s",
+    "optimizer_step_overhead_s",
     "zero_tensor_overhead_s",
     "hook_overhead_s",
     "async_compute_slowdown",
@@ -191,6 +193,9 @@ class HardwareProfile:
     sync_wait_s: float = 0.0
     """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
     shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
+    optimizer_step_overhead_s: float = 0.0
+    """What one optimizer step costs beyond the same step repeated at once: it runs after the forward, backward and
+    communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
     hook_overhead_s: float = 0.0
     """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
     tensor's gradient hook, a parameter's post-accumulate-grad hook): what the teaching strategies pay to drive their
