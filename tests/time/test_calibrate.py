@@ -64,8 +64,10 @@ def test_per_op_fit_and_framework_terms_subtract_the_modelled_collectives() -> N
     terms = framework_overheads(raw, costs, 2)
     assert terms["zero_tensor_overhead_s"] == 0.0  # not measured: not modelled
     assert terms["optimizer_step_overhead_s"] == 0.0
-    raw["optimizer_step_s"] = 3e-4
+    assert terms["bookkeeping_op_overhead_s"] == 0.0
+    raw["optimizer_step_s"], raw["bookkeeping_op_s"] = 3e-4, 4e-6
     assert framework_overheads(raw, costs, 2)["optimizer_step_overhead_s"] == 3e-4
+    assert framework_overheads(raw, costs, 2)["bookkeeping_op_overhead_s"] == 4e-6
     costs["broadcast"] = fit_op(
         [Sample(op="broadcast", payload_bytes=p, world_size=2, seconds=1e-4 + p / 4e9) for p in (2**12, 2**20)],
         "broadcast",
@@ -107,3 +109,10 @@ def test_optimizer_step_overhead_is_a_plausible_time() -> None:
 
     # without a process group: forward, backward, then the optimizer step twice; the first call's extra, 0..10 ms
     assert 0.0 <= measure_optimizer_step_overhead(repeats=3) < 1e-2
+
+
+def test_bookkeeping_op_cost_is_a_plausible_time() -> None:
+    from shardscope.calibrate.overheads import measure_bookkeeping_op
+
+    # a slice, detach, reshape or copy_ of a small tensor from Python: more than 10 ns, less than 1 ms
+    assert 1e-8 < measure_bookkeeping_op(repeats=3) < 1e-3

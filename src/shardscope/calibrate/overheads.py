@@ -207,6 +207,31 @@ def measure_optimizer_step_overhead(repeats: int = 15) -> float:
     return max(0.0, trimmed_mean(differences))
 
 
+def measure_bookkeeping_op(repeats: int = 15) -> float:
+    """Seconds per op the teaching strategies dispatch from Python around their collectives, timed as ZeRO-2 and
+    ZeRO-3 run them: each iteration a forward and backward of the gpt2-style reference model, then every unit's
+    gradients flattened into a zeroed padded buffer (runtime.teaching.flat.FlatLayout.flatten: a zeros, and a slice,
+    detach, reshape and copy_ per tensor) and divided in place; the trimmed mean over 3 x repeats iterations of
+    their time divided by the ops (core.overheads.bookkeeping_ops counts the same ops per strategy)."""
+    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+    from shardscope.runtime.teaching.flat import FlatLayout, model_units
+
+    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
+    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+    layouts = [FlatLayout(unit, shard_degree=2) for unit in model_units(model)]
+    ops = sum(2 + 4 * len(layout.unit.params) for layout in layouts)
+    per_op = []
+    for iteration in range(3 * repeats + 2):
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+        start = time.perf_counter()
+        for layout in layouts:
+            layout.flatten([p.grad for p in layout.unit.params]).div_(2)  # type: ignore[misc]
+        if iteration >= 2:
+            per_op.append((time.perf_counter() - start) / ops)
+    return trimmed_mean(per_op)
+
+
 def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
     """Seconds one call of `variant` takes beyond one of `plain`: the two timed back to back, 3 x repeats pairs, so
     that a shared machine's drift from one second to the next hits both halves of a pair alike; the trimmed mean of
@@ -247,6 +272,7 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
     adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
     optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
     optimizer_step_s = measure_optimizer_step_overhead(repeats)
+    bookkeeping_op_s = measure_bookkeeping_op(repeats)
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
 
     def train_step(module: torch.nn.Module) -> None:
@@ -282,6 +308,7 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         "llama_backward_op_s": llama_backward_op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
         "optimizer_step_s": optimizer_step_s,
+        "bookkeeping_op_s": bookkeeping_op_s,
         "fsdp_optimizer_tensor_s": fsdp_optimizer_tensor_s,
         "ddp_extra_s": ddp_extra_s,
         "fsdp_extra_s": fsdp_extra_s,
@@ -319,6 +346,7 @@ def framework_overheads(raw: dict[str, float], op_costs: dict[str, OpCost], worl
         "optimizer_step_overhead_s": raw.get("optimizer_step_s", 0.0),
         "zero_tensor_overhead_s": max(0.0, zero / tensors),
         "hook_overhead_s": raw.get("hook_s", 0.0),
+        "bookkeeping_op_overhead_s": raw.get("bookkeeping_op_s", 0.0),
         "async_compute_slowdown": raw.get("async_slowdown", 0.0),
         "family_op_costs": (
             (

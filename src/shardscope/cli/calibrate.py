@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms per unit per step and "
         f"{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer; wait for the later "
         f"rank {profile.sync_wait_s * 1e3:.2f} ms per synchronisation; {profile.hook_overhead_s * 1e6:.1f} us per "
-        f"Python hook; compute beside an async collective +{profile.async_compute_slowdown:.2f} s per s in flight"
+        f"Python hook, {profile.bookkeeping_op_overhead_s * 1e6:.1f} us per teaching bookkeeping op; compute "
+        f"beside an async collective +{profile.async_compute_slowdown:.2f} s per s in flight"
     )
     for cost in profile.op_costs:
         print(

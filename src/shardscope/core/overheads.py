@@ -51,10 +51,40 @@ def hook_calls(scenario: Scenario) -> dict[tuple[str, int], int]:
     return calls
 
 
+def bookkeeping_ops(scenario: Scenario) -> dict[tuple[str, int], int]:
+    """Ops the teaching strategies (shardscope.runtime.teaching) dispatch from Python around their collectives, by
+    (kind, stage): ('backward', stage) per micro-batch, ('optimizer', -1) once per step. Read from their code and
+    checked op for op with a dispatch-mode counter (tests/time/test_bookkeeping_ops.py):
+    - ddp: a div_ per unit after backward, a zero_ per unit in the step;
+    - zero1: after backward, per unit, the reduced shard's empty, its slice, copy_ and div_; in the step, per unit,
+      two slices of the shard, the clone sent to the all-gather and the gradients' zero_;
+    - zero2, zero3, hsdp: per unit, when its last gradient lands, a zeros and a div_ plus four per tensor to flatten
+      the gradients (slice, detach, reshape, copy_): a block in its own backward, the root in the embeddings'; zero2's
+      step adds a slice and a clone per unit;
+    - under mixed precision, the step casts each unit's gradient shard to fp32 and copies the master weights back.
+    torch's engines: none (their work is in the DDP, FSDP2 and ZeroRedundancyOptimizer terms)."""
+    strategy = scenario.strategy
+    if strategy.engine != "paper":
+        return {}
+    layout = param_layout(scenario.model)
+    units = layout.num_blocks + 1
+    name = strategy.canonical_name
+    # per unit; DDP's and ZeRO-1's ops after backward run once per step, with the optimizer's
+    after_backward = {"ddp": 1, "zero1": 4}.get(name, 0)
+    in_step = {"ddp": 1, "zero1": 4, "zero2": 2}.get(name, 0) + (2 if scenario.training.is_mixed else 0)
+    ops = {("optimizer", -1): units * (after_backward + in_step)}
+    if strategy.stage >= 2:
+        ops[("backward", 0)] = 2 + 4 * len(layout.root)
+        for stage in range(1, layout.num_blocks + 1):
+            ops[("backward", stage)] = 2 + 4 * len(layout.block)
+    return ops
+
+
 def framework_s(scenario: Scenario, profile: HardwareProfile) -> dict[tuple[str, int], float]:
-    """The engine's own work per micro-batch, by (kind, stage) it runs beside: torch DDP's per step (at the first
-    backward stage), FSDP2's per unit (half with the unit's forward, half with its backward), the teaching
-    strategies' hook calls where they fire."""
+    """The engine's own work by (kind, stage) it runs beside, per micro-batch (the optimizer's, ('optimizer', -1),
+    once per step): torch DDP's per step (at the first backward stage), FSDP2's per unit (half with the unit's
+    forward, half with its backward), the teaching strategies' hook calls where they fire and their bookkeeping
+    ops."""
     strategy = scenario.strategy
     extra: dict[tuple[str, int], float] = {}
     if strategy.engine == "pytorch" and strategy.canonical_name in ("ddp", "zero1"):
@@ -67,6 +97,9 @@ def framework_s(scenario: Scenario, profile: HardwareProfile) -> dict[tuple[str,
     if profile.hook_overhead_s:
         for place, calls in hook_calls(scenario).items():
             extra[place] = extra.get(place, 0.0) + calls * profile.hook_overhead_s
+    if profile.bookkeeping_op_overhead_s:
+        for place, ops in bookkeeping_ops(scenario).items():
+            extra[place] = extra.get(place, 0.0) + ops * profile.bookkeeping_op_overhead_s
     return extra
 
 

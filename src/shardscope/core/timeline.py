@@ -182,7 +182,7 @@ def _compute_tasks(
     degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
     shard_tensors = optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    seconds += profile.optimizer_step_overhead_s
+    seconds += profile.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
     if uses_fsdp2(scenario):
         seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
     if scenario.strategy.engine == "pytorch" and scenario.strategy.canonical_name == "zero1":

@@ -23,6 +23,7 @@ A hardware profile is a TOML file (`--hardware profile.toml`), written by `shard
     optimizer_step_overhead_s = 0.0 # per optimizer step: its first call after the rest of the step (cold caches)
     zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
     hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
+    bookkeeping_op_overhead_s = 0.0 # per op the teaching strategies dispatch from Python (flatten, slice, div_)
     async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
@@ -144,6 +145,7 @@ FRAMEWORK_FIELDS = (
     "optimizer_step_overhead_s",
     "zero_tensor_overhead_s",
     "hook_overhead_s",
+    "bookkeeping_op_overhead_s",
     "async_compute_slowdown",
 )
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
@@ -196,6 +198,9 @@ class HardwareProfile:
     optimizer_step_overhead_s: float = 0.0
     """What one optimizer step costs beyond the same step repeated at once: it runs after the forward, backward and
     communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
+    bookkeeping_op_overhead_s: float = 0.0
+    """One small op the teaching strategies dispatch from Python around their collectives (flattening gradients
+    into a buffer, shard slices, div_, clone, zero_; counted by core.overheads.bookkeeping_ops)."""
     hook_overhead_s: float = 0.0
     """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
     tensor's gradient hook, a parameter's post-accumulate-grad hook): what the teaching strategies pay to drive their
