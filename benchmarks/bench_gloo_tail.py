@@ -2,8 +2,9 @@
 
 Usage: python benchmarks/bench_gloo_tail.py [--repeats 40]
 Two local gloo ranks, one thread each, interleaved so that the machine's drift hits every variant alike. Prints, per
-op at 64 KiB: the median and the mean of single calls after a barrier, and the mean per call of three calls back to
-back; then the gpt2-style calibration reference's forward, timed in a loop of forwards and timed once right after a
+op at 64 KiB: the median and the mean of single calls after a barrier, the mean per call of three calls back to back
+after a barrier, and of three calls back to back after a segment of compute and a first call (as calibrate times
+them, and as a step issues them); then the gpt2-style calibration reference's forward, timed in a loop of forwards and timed once right after a
 64 KiB all_reduce (as a step runs it). docs/time-model.md quotes it.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardscope.calibrate.collectives import compute_segment
 from shardscope.calibrate.overheads import REFERENCE_MODEL, REFERENCE_TRAINING
 from shardscope.runtime.models import build_model, lm_loss, sample_batch
 from shardscope.runtime.spawn import run_on_ranks
@@ -39,6 +41,7 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
     }
     single: dict[str, list[float]] = {op: [] for op in calls}
     chained: dict[str, list[float]] = {op: [] for op in calls}
+    after_compute: dict[str, list[float]] = {op: [] for op in calls}
     for call in calls.values():
         call()
     for _ in range(options["repeats"]):
@@ -52,6 +55,13 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
             for _ in range(3):
                 call()
             chained[op].append((time.perf_counter() - start) / 3)
+            dist.barrier()
+            compute_segment()
+            call()
+            start = time.perf_counter()
+            for _ in range(3):
+                call()
+            after_compute[op].append((time.perf_counter() - start) / 3)
     model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
     inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
     looped, after = [], []
@@ -70,6 +80,7 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
     out = {f"{op} median": statistics.median(single[op]) for op in calls}
     out |= {f"{op} mean": statistics.fmean(single[op]) for op in calls}
     out |= {f"{op} back to back": statistics.fmean(chained[op]) for op in calls}
+    out |= {f"{op} back to back after compute": statistics.fmean(after_compute[op]) for op in calls}
     out |= {"forward in a loop": statistics.fmean(looped), "forward after a collective": statistics.fmean(after)}
     return out
 

@@ -16,7 +16,7 @@ from shardscope.presets.hardware import OpCost
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_PAYLOADS = tuple(2**power for power in range(12, 25, 2))  # 4 KiB .. 16 MiB
-CALLS_PER_WINDOW = 4  # collectives timed back to back per window, as a step issues them
+CALLS_PER_WINDOW = 4  # collectives issued back to back per window after compute, as a step issues them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,27 +45,41 @@ def trimmed_mean(values: list[float]) -> float:
     return statistics.fmean(ordered[trim : len(ordered) - trim])
 
 
+def compute_segment(iterations: int = 60) -> None:
+    """About one small block's forward and backward of work on this rank (~2 ms on one shared CPU core): what a step
+    runs before its collectives. Both ranks run the same segment, so neither waits long for the other."""
+    y = torch.full((64, 64), 0.5)
+    for _ in range(iterations):
+        y = torch.tanh(y * 1.01 + 0.1)
+
+
 def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
     """Seconds per call as a step pays it: after a warm-up, `repeats` windows of CALLS_PER_WINDOW calls issued back
-    to back after a barrier; the trimmed mean of the windows' per-call time.
+    to back after a segment of compute (a barrier before it); the trimmed mean of the windows' per-call time over the
+    calls after the first (the first waits for the later rank: core.timeline charges that as sync_wait_s, measured
+    apart by measure_sync_wait).
 
     A step pays its collectives' mean cost, stalls included, and gloo on a shared CPU has a long tail: a 64 KiB
     all_reduce here has a median of ~0.5 ms and a mean of 1-1.3 ms (benchmarks/bench_gloo_tail.py), so the median of
-    single barrier-fenced calls (what this measured before) prices a step's calls too low. Windows of calls issued
-    back to back, as a step issues a unit's after another's, make the mean steadier than single calls."""
+    single barrier-fenced calls prices a step's calls too low. Calls right after a barrier cost less than the same
+    calls after compute, as a step issues them: reduce-scatters of 200 KB took about 1.1 ms per call in windows after
+    a barrier against 1.7 ms after a ~2 ms segment, in six trials a few seconds apart (and a teaching ZeRO-1 step's
+    three reduce-scatters 1.8-2.1 ms each)."""
     for _ in range(2):
         call()
     windows = []
     for _ in range(repeats):
         dist.barrier()
+        compute_segment()
+        call()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(CALLS_PER_WINDOW):
+        for _ in range(CALLS_PER_WINDOW - 1):
             call()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        windows.append((time.perf_counter() - start) / CALLS_PER_WINDOW)
+        windows.append((time.perf_counter() - start) / (CALLS_PER_WINDOW - 1))
     return trimmed_mean(windows)
 
 

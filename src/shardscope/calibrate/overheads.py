@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardscope.calibrate.collectives import _op_seconds, trimmed_mean
+from shardscope.calibrate.collectives import _op_seconds, compute_segment, trimmed_mean
 from shardscope.presets.hardware import FamilyOpCost, OpCost
 from shardscope.specs import ModelSpec, TrainingSpec
 
@@ -86,7 +86,6 @@ def measure_sync_wait(repeats: int = 15) -> float:
     barrier, the same all_reduce alone. The figure is the trimmed mean of the differences over 3 x repeats pairs.
     (Differencing three separately timed means, as this did before, swung it between 0 and 3 ms from one calibration
     to the next.)"""
-    x = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
     flag = torch.ones(1)
 
     def timed_all_reduce() -> float:
@@ -97,9 +96,7 @@ def measure_sync_wait(repeats: int = 15) -> float:
     differences = []
     for _ in range(3 * repeats):
         dist.barrier()
-        y = x
-        for _ in range(60):
-            y = torch.tanh(y * 1.01 + 0.1)
+        compute_segment()
         after_compute = timed_all_reduce()
         dist.barrier()
         differences.append(after_compute - timed_all_reduce())
