@@ -59,12 +59,11 @@ def _time_calls(call: Any, repeats: int, device: torch.device) -> float:
     calls after the first (the first waits for the later rank: core.timeline charges that as sync_wait_s, measured
     apart by measure_sync_wait).
 
-    A step pays its collectives' mean cost, stalls included, and gloo on a shared CPU has a long tail: a 64 KiB
-    all_reduce here has a median of ~0.5 ms and a mean of 1-1.3 ms (benchmarks/bench_gloo_tail.py), so the median of
-    single barrier-fenced calls prices a step's calls too low. Calls right after a barrier cost less than the same
-    calls after compute, as a step issues them: reduce-scatters of 200 KB took about 1.1 ms per call in windows after
-    a barrier against 1.7 ms after a ~2 ms segment, in six trials a few seconds apart (and a teaching ZeRO-1 step's
-    three reduce-scatters 1.8-2.1 ms each)."""
+    A step pays its collectives' mean cost, stalls included, and gloo on a shared CPU has a long tail (the median of
+    single barrier-fenced calls prices a step's calls too low), so the figure is a mean over windows. A step issues
+    its collectives after compute, not after a barrier, and calls after compute cost more here
+    (benchmarks/bench_gloo_tail.py); timed so, the teaching ZeRO rows of benchmarks/bench_time.py came closer to
+    their measured step times (docs/time-model.md quotes runs before and after)."""
     for _ in range(2):
         call()
     windows = []
