@@ -4,8 +4,8 @@ Usage: python benchmarks/bench_gloo_tail.py [--repeats 40]
 Two local gloo ranks, one thread each, interleaved so that the machine's drift hits every variant alike. Prints, per
 op at 64 KiB: the median and the mean of single calls after a barrier, the mean per call of three calls back to back
 after a barrier, and of three calls back to back after a segment of compute and a first call (as calibrate times
-them, and as a step issues them); then the gpt2-style calibration reference's forward, timed in a loop of forwards and timed once right after a
-64 KiB all_reduce (as a step runs it). docs/time-model.md quotes it.
+them, and as a step issues them); then the gpt2-style calibration reference's forward, timed in a loop of forwards
+and timed once right after a 64 KiB all_reduce (as a step runs it). docs/time-model.md quotes it.
 """
 
 from __future__ import annotations

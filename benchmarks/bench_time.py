@@ -69,7 +69,8 @@ def _profile_line(profile: HardwareProfile) -> str:
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
         f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
         f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "
-        f"hook {profile.hook_overhead_s * 1e6:.1f} us; bookkeeping {profile.bookkeeping_op_overhead_s * 1e6:.1f} us/op; beside async +{profile.async_compute_slowdown:.2f}; {costs}"
+        f"hook {profile.hook_overhead_s * 1e6:.1f} us; bookkeeping {profile.bookkeeping_op_overhead_s * 1e6:.1f} "
+        f"us/op; beside async +{profile.async_compute_slowdown:.2f}; {costs}"
     )
 
 
