@@ -178,11 +178,11 @@ def measure_optimizer_step_overhead(repeats: int = 15) -> float:
     """What a step's optimizer step costs beyond the same step run again at once.
 
     A step's optimizer runs after its forward, backward and communication have pushed torch.optim's Python code and
-    the optimizer's tensors out of the caches, and pays for it once per step, whatever the tensor count: here an
-    AdamW step over one flat tensor and over 28 took 0.2-0.4 ms longer as the first call after a training step's
-    backward than as the second call right after it. Timed in pairs as a step runs it: each iteration makes a 64 KiB
-    all_reduce (skipped without a process group), a forward and backward of the gpt2-style reference model, then
-    its AdamW(foreach=False) step twice back to back; the trimmed mean of (first - second) over 3 x repeats."""
+    the optimizer's tensors out of the caches, and pays for it once per step, whatever the tensor count (0.15-0.37 ms
+    here, in the profile lines of benchmarks/bench_time.py quoted in docs/time-model.md). Timed in pairs as a step
+    runs it: each iteration makes a 64 KiB all_reduce (skipped without a process group), a forward and backward of
+    the gpt2-style reference model, then its AdamW(foreach=False) step twice back to back; the trimmed mean of
+    (first - second) over 3 x repeats."""
     from shardscope.runtime.models import build_model, lm_loss, sample_batch
 
     model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
@@ -210,13 +210,14 @@ def measure_bookkeeping_op(repeats: int = 15) -> float:
     gradients flattened into a zeroed padded buffer (runtime.teaching.flat.FlatLayout.flatten: a zeros, and a slice,
     detach, reshape and copy_ per tensor) and divided in place; the trimmed mean over 3 x repeats iterations of
     their time divided by the ops (core.overheads.bookkeeping_ops counts the same ops per strategy)."""
+    from shardscope.core.overheads import flatten_ops
     from shardscope.runtime.models import build_model, lm_loss, sample_batch
     from shardscope.runtime.teaching.flat import FlatLayout, model_units
 
     model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
     inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
     layouts = [FlatLayout(unit, shard_degree=2) for unit in model_units(model)]
-    ops = sum(2 + 4 * len(layout.unit.params) for layout in layouts)
+    ops = sum(flatten_ops(len(layout.unit.params)) for layout in layouts)
     per_op = []
     for iteration in range(3 * repeats + 2):
         model.zero_grad(set_to_none=True)

@@ -51,6 +51,12 @@ def hook_calls(scenario: Scenario) -> dict[tuple[str, int], int]:
     return calls
 
 
+def flatten_ops(tensors: int) -> int:
+    """Ops of one unit's gradients flattened and averaged (runtime.teaching.flat.FlatLayout.flatten, then div_): a
+    zeros and a div_, and a slice, detach, reshape and copy_ per tensor."""
+    return 2 + 4 * tensors
+
+
 def bookkeeping_ops(scenario: Scenario) -> dict[tuple[str, int], int]:
     """Ops the teaching strategies (shardscope.runtime.teaching) dispatch from Python around their collectives, by
     (kind, stage): ('backward', stage) per micro-batch, ('optimizer', -1) once per step. Read from their code and
@@ -74,9 +80,9 @@ def bookkeeping_ops(scenario: Scenario) -> dict[tuple[str, int], int]:
     in_step = {"ddp": 1, "zero1": 4, "zero2": 2}.get(name, 0) + (2 if scenario.training.is_mixed else 0)
     ops = {("optimizer", -1): units * (after_backward + in_step)}
     if strategy.stage >= 2:
-        ops[("backward", 0)] = 2 + 4 * len(layout.root)
+        ops[("backward", 0)] = flatten_ops(len(layout.root))
         for stage in range(1, layout.num_blocks + 1):
-            ops[("backward", stage)] = 2 + 4 * len(layout.block)
+            ops[("backward", stage)] = flatten_ops(len(layout.block))
     return ops
 
 
