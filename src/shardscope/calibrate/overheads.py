@@ -174,6 +174,19 @@ def measure_model_ops(
     return costs
 
 
+def _reference_training() -> tuple[torch.nn.Module, Any]:
+    """The gpt2-style reference model and a function that runs one forward and backward of it (micro-batch 2)."""
+    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+
+    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
+    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+
+    def forward_backward() -> None:
+        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+
+    return model, forward_backward
+
+
 def measure_optimizer_step_overhead(repeats: int = 15) -> float:
     """What a step's optimizer step costs beyond the same step run again at once.
 
@@ -183,17 +196,14 @@ def measure_optimizer_step_overhead(repeats: int = 15) -> float:
     runs it: each iteration makes a 64 KiB all_reduce (skipped without a process group), a forward and backward of
     the gpt2-style reference model, then its AdamW(foreach=False) step twice back to back; the trimmed mean of
     (first - second) over 3 x repeats."""
-    from shardscope.runtime.models import build_model, lm_loss, sample_batch
-
-    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
-    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+    model, forward_backward = _reference_training()
     adam = torch.optim.AdamW(model.parameters(), lr=1e-9, foreach=False)
     payload = torch.zeros(STEP_PAYLOAD_BYTES // 4)
     differences = []
     for iteration in range(3 * repeats + 2):
         if dist.is_initialized():
             dist.all_reduce(payload)
-        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+        forward_backward()
         start = time.perf_counter()
         adam.step()
         middle = time.perf_counter()
@@ -211,17 +221,15 @@ def measure_bookkeeping_op(repeats: int = 15) -> float:
     detach, reshape and copy_ per tensor) and divided in place; the trimmed mean over 3 x repeats iterations of
     their time divided by the ops (core.overheads.bookkeeping_ops counts the same ops per strategy)."""
     from shardscope.core.overheads import flatten_ops
-    from shardscope.runtime.models import build_model, lm_loss, sample_batch
     from shardscope.runtime.teaching.flat import FlatLayout, model_units
 
-    model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
-    inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)
+    model, forward_backward = _reference_training()
     layouts = [FlatLayout(unit, shard_degree=2) for unit in model_units(model)]
     ops = sum(flatten_ops(len(layout.unit.params)) for layout in layouts)
     per_op = []
     for iteration in range(3 * repeats + 2):
         model.zero_grad(set_to_none=True)
-        lm_loss(model(inputs), targets).backward()  # type: ignore[no-untyped-call]
+        forward_backward()
         start = time.perf_counter()
         for layout in layouts:
             layout.flatten([p.grad for p in layout.unit.params]).div_(2)  # type: ignore[misc]
