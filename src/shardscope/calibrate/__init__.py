@@ -122,7 +122,7 @@ def run_local(
 
 
 def calibrate(
-    world_size: int = 2, payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 10, timeout_s: float = 300.0
+    world_size: int = 2, payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 20, timeout_s: float = 300.0
 ) -> Calibration:
     """Measure this host with world_size gloo ranks and fit a profile."""
     samples, compute = run_local(world_size, payloads, repeats, timeout_s)
@@ -163,7 +163,7 @@ def calibrate(
     return Calibration(samples=tuple(samples), profile=profile, fit_error=error)
 
 
-def calibrate_torchrun(payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 10) -> Calibration | None:
+def calibrate_torchrun(payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 20) -> Calibration | None:
     """Under torchrun: nccl on GPUs (gloo without), every rank measures, rank 0 gets the Calibration."""
     cuda = torch.cuda.is_available()
     if cuda:

@@ -44,7 +44,7 @@ def measure_compute(device: torch.device, dtype: torch.dtype, size: int = 512) -
     """Matmul FLOP/s, seconds per small autograd op, and copy bandwidth on this device."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    matmul = _typical_seconds(lambda: torch.mm(a, b), 10, device)
+    matmul = _typical_seconds(lambda: torch.mm(a, b), 30, device)
     # A tiny op with autograd, forward and backward: what one kernel of a small model costs beyond its FLOPs.
     x = torch.randn(8, 8, device=device, dtype=dtype, requires_grad=True)
 
@@ -76,7 +76,7 @@ def _stack() -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH) for _ in range(FRAMEWORK_UNITS)))
 
 
-def measure_sync_wait(repeats: int = 15) -> float:
+def measure_sync_wait(repeats: int = 60) -> float:
     """Extra wait at a blocking collective that follows compute, over the compute and the collective alone.
 
     Two ranks that compute the same work do not finish it at the same moment on a shared CPU; the collective waits
@@ -135,9 +135,9 @@ def measure_model_ops(
     """Seconds per forward and per backward op of each reference model: its measured forward (with the loss) and
     backward, less their FLOPs at the measured matmul throughput, over the ops core.compute counts for it.
 
-    Timed as a training step runs them: each iteration makes a blocking all_reduce of a unit-sized buffer (the
-    communication a step has between its compute phases; skipped without a process group), then a forward and its
-    backward of each model in turn, each timed once; trimmed means over 3 x repeats iterations. A forward that follows
+    Timed as a training step runs them: each iteration runs each model in turn, a blocking all_reduce of a unit-sized
+    buffer (the communication a step has between its compute phases; skipped without a process group), then a
+    forward and its backward, each timed once; trimmed means over 3 x repeats iterations. A forward that follows
     communication ran 7-21% slower here than one in a loop of forwards (benchmarks/bench_gloo_tail.py), and every
     forward of a step follows communication."""
     from shardscope.core.compute import stage_flops
@@ -151,9 +151,9 @@ def measure_model_ops(
     forwards: list[list[float]] = [[] for _ in models]
     backwards: list[list[float]] = [[] for _ in models]
     for _ in range(3 * repeats):
-        if dist.is_initialized():
-            dist.all_reduce(payload)
         for index, (model, (inputs, targets)) in enumerate(zip(built, batches, strict=True)):
+            if dist.is_initialized():
+                dist.all_reduce(payload)
             start = time.perf_counter()
             loss = lm_loss(model(inputs), targets)
             middle = time.perf_counter()
@@ -256,7 +256,7 @@ def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
     return trimmed_mean(differences)
 
 
-def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str, float]:
+def measure_framework(matmul_flops_per_s: float, repeats: int = 30) -> dict[str, float]:
     """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
 
     Returned raw: seconds per forward and backward op as the core counts them (measure_model_ops), per optimizer
@@ -277,8 +277,8 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 15) -> dict[str,
         tensor.grad = torch.ones_like(tensor)
     adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
     optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
-    optimizer_step_s = measure_optimizer_step_overhead(repeats)
-    bookkeeping_op_s = measure_bookkeeping_op(repeats)
+    optimizer_step_s = measure_optimizer_step_overhead()  # the slowest to time, and the least noisy in a prediction
+    bookkeeping_op_s = measure_bookkeeping_op()
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
 
     def train_step(module: torch.nn.Module) -> None:

@@ -30,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--out", default="profile.toml", help="profile file to write (default %(default)s)")
     parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (default 2)")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timing windows per payload (default 10)")
+    parser.add_argument("--repeats", type=positive_int, default=20, help="timing windows per payload (default 20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
 
 
