@@ -2,7 +2,7 @@
 print the spread of each profile term and of the predicted step times of bench_time.py's rows.
 
 Usage: python benchmarks/bench_calibrate_spread.py [--calibrations 5] [--models tiny-gpt2,tiny-llama]
-No training runs: each calibration takes about 15 s. For every term it also prints its share of the prediction noise:
+No training runs: each calibration takes about 20 s. For every term it also prints its share of the prediction noise:
 the spread of the predicted step times when only that term takes each calibration's value and every other term
 keeps its median (a collective op's term is its call latency and bandwidth together, chosen by the op's price at
 256 KiB, the payload size of the tiny presets' units). Spreads are (max - min) / median over the calibrations.

@@ -12,7 +12,7 @@ against the runs right after its calibration, so a drift of the machine's speed 
 shows the lowest and highest of those, the noise a median smooths. The goal counts as met only when both columns are
 within 15% on every row.
 It prints the load average at start and end (the machine is shared: judge a run by its ratios, not its absolute
-times) and its own wall time; one round of both models takes about 45 s here, and a single round's error swings by
+times) and its own wall time; one round of both models takes about 1 minute here, and a single round's error swings by
 up to +-40%, which the median over 5 rounds smooths.
 """
 

@@ -1,0 +1,74 @@
+"""Is calibrate's rank wait (framework.sync_wait_s) noisy because of how it is timed, or because the wait itself drifts?
+
+Usage: python benchmarks/bench_rank_wait.py [--blocks 8] [--pairs 180]
+Two local gloo ranks, one thread each. Each block times `pairs` pairs as calibrate does (a barrier, a ~2 ms segment of
+compute on both ranks, a 4-byte all_reduce timed from the end of the rank's own segment, a barrier, the same
+all_reduce alone; the trimmed mean of the differences) and, from the same iterations, the wait read off the clock:
+both ranks share this host's monotonic clock, so after the block the ranks exchange their segment end times and each
+takes the trimmed mean of (the later rank's end - its own end). Prints both per block and rank: if they agree while
+the blocks differ, the wait drifts and more samples cannot steady it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardscope.calibrate.collectives import compute_segment, trimmed_mean
+from shardscope.runtime.spawn import run_on_ranks
+
+
+def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> list[tuple[float, float]]:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    flag = torch.ones(1)
+
+    def timed_all_reduce() -> float:
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        return time.perf_counter() - start
+
+    blocks = []
+    for _ in range(options["blocks"]):
+        differences, ends = [], []
+        for _ in range(options["pairs"]):
+            dist.barrier()
+            compute_segment()
+            ends.append(time.perf_counter())
+            after_compute = timed_all_reduce()
+            dist.barrier()
+            differences.append(after_compute - timed_all_reduce())
+        every = [torch.zeros(len(ends), dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor(ends, dtype=torch.float64))
+        latest = torch.stack(every).max(dim=0).values
+        blocks.append((trimmed_mean(differences), trimmed_mean((latest - every[rank]).tolist())))
+    dist.barrier()
+    dist.destroy_process_group()
+    return blocks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--pairs", type=int, default=180)
+    args = parser.parse_args()
+    if args.blocks < 1 or args.pairs < 10:
+        print("error: --blocks must be 1 or more and --pairs 10 or more", file=sys.stderr)
+        return 2
+    reports = run_on_ranks(_rank, 2, {"blocks": args.blocks, "pairs": args.pairs}, timeout=300)
+    print(f"{'rank':>4} {'block':>5} {'as calibrate, ms':>16} {'from the clock, ms':>18}")
+    for rank, blocks in sorted(reports.items()):
+        for index, (difference, skew) in enumerate(blocks):
+            print(f"{rank:>4} {index + 1:>5} {difference * 1e3:16.2f} {skew * 1e3:18.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
