@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
 
-from bench_time import ENGINES, STRATEGIES, scenario_for
+from bench_time import ENGINES, STRATEGIES, load_average, scenario_for
 from shardscope.calibrate import calibrate
 from shardscope.calibrate.collectives import _op_seconds
 from shardscope.core.timeline import estimate_time
@@ -104,7 +103,7 @@ def main() -> int:
         print("error: --calibrations must be 2 or more", file=sys.stderr)
         return 2
     started = time.monotonic()
-    print(f"load average at start: {' '.join(f'{value:.2f}' for value in os.getloadavg())}", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     profiles = []
     for index in range(args.calibrations):
         profiles.append(calibrate(world_size=2).profile)
@@ -128,7 +127,7 @@ def main() -> int:
     for name, scenario in scenarios.items():
         predictions = [estimate_time(scenario, profile).step_time_s for profile in profiles]
         print(f"{name:<28} {statistics.median(predictions) * 1e3:21.2f} {spread(predictions):7.0%}")
-    print(f"\nload average at end: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    print(f"\nload average at end: {load_average()}")
     print(f"wall time {(time.monotonic() - started) / 60:.1f} min")
     return 0
 

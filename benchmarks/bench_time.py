@@ -74,6 +74,11 @@ def _profile_line(profile: HardwareProfile) -> str:
     )
 
 
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages: it is shared, so a run is judged by its ratios."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
 def round_errors(predicted: list[float], measured: list[float]) -> list[float]:
     """Each round's prediction against its own run: the ratio the calibration and the runs right after it share."""
     return [guess / truth - 1 for guess, truth in zip(predicted, measured, strict=True)]
@@ -96,7 +101,7 @@ def main() -> int:
     strategies = [name for name in args.strategies.split(",") if name in STRATEGIES]
     engines = [pair for pair in ENGINES if pair[0] in args.engines.split(",")]
     started = time.monotonic()
-    print(f"load average at start: {' '.join(f'{value:.2f}' for value in os.getloadavg())}", flush=True)
+    print(f"load average at start: {load_average()}", flush=True)
     predicted: dict[tuple[str, str, str], list[float]] = {}
     measured: dict[tuple[str, str, str], list[float]] = {}
     ledgers: dict[tuple[str, str, str], bool] = {}
@@ -157,7 +162,7 @@ def main() -> int:
         )
     met = max(worst, worst_paired) <= 0.15
     print(f"\nworst error {worst:.0%} (paired {worst_paired:.0%}); goal 15% on both: {'met' if met else 'NOT met'}")
-    print(f"load average at end: {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    print(f"load average at end: {load_average()}")
     print(f"wall time {(time.monotonic() - started) / 60:.1f} min")
     return 0
 
