@@ -88,7 +88,7 @@ def term_values(profiles: list[HardwareProfile], term: str) -> tuple[str, list[f
     """A term's label and its value in each calibration (an op by its price at PROBE_BYTES)."""
     if term.startswith("network.ops."):
         op = term.rsplit(".", 1)[1]
-        return f"{term} @256K s", [_op_seconds(_median_op([p], op), PROBE_BYTES, 2) for p in profiles]
+        return f"{term} @256K s", [_op_seconds(cost, PROBE_BYTES, 2) for p in profiles if (cost := p.op_cost(op))]
     if term == "compute.families":
         return "llama forward op s", [p.op_overheads("llama")[0] for p in profiles]
     return term, [getattr(p, term) for p in profiles]
