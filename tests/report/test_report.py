@@ -69,7 +69,7 @@ def test_plan_report_compares_families_at_the_best_plan(planned: PlanResult, pla
 
 
 def test_memory_over_time_stays_near_the_predicted_peak() -> None:
-    from shardscope.report.memory_curve import memory_curve
+    from shardscope.core.memory_curve import memory_curve
 
     data = build(comparison_scenarios())
     assert data.timeline is not None

@@ -17,7 +17,9 @@ def test_timeline_prints_a_summary_and_writes_a_trace(tmp_path: Path, capsys: py
     assert main([*BASE, "--trace", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "step time" in printed and "reduce_scatter" in printed
-    assert json.loads(out.read_text())["traceEvents"]
+    trace = json.loads(out.read_text())
+    memory = [event for event in trace["traceEvents"] if event["name"] == "memory by category (bytes)"]
+    assert memory and trace["otherData"]["peak_bytes"] > 0
 
 
 def test_timeline_json(capsys: pytest.CaptureFixture[str]) -> None:

@@ -83,6 +83,25 @@ def test_chrome_trace_is_valid_trace_event_json() -> None:
     assert any(e["ph"] == "M" and e["args"]["name"] == "comm stream" for e in events)
 
 
+def test_chrome_trace_carries_memory_by_category_near_the_predicted_peak() -> None:
+    from shardscope.core.memory import estimate_memory
+
+    case = scenario(strategy="zero3", model="tiny-llama")
+    estimate, memory = estimate_time(case), estimate_memory(case)
+    assert not [event for event in chrome_trace(estimate)["traceEvents"] if event["name"].startswith("memory")]
+    trace = chrome_trace(estimate, memory)
+    counters = [event for event in trace["traceEvents"] if event["name"] == "memory by category (bytes)"]
+    times = [event["ts"] for event in counters]
+    assert times == sorted(times) and times[0] == 0 and times[-1] == pytest.approx(estimate.step_time_s * 1e6)
+    assert set(counters[0]["args"]) >= {"parameters", "optimizer_state", "gradients", "activations", "temporary"}
+    peak = memory.per_rank.peak_bytes
+    assert trace["otherData"]["peak_bytes"] == peak  # type: ignore[index]
+    # the curve is an approximation laid along the compute spans (core.memory_curve): close to the peak, not equal
+    assert 0.7 * peak <= max(sum(event["args"].values()) for event in counters) <= 1.3 * peak
+    held = counters[0]["args"]["parameters"] + counters[0]["args"]["optimizer_state"]
+    assert held == memory.per_rank.parameters_bytes + memory.per_rank.optimizer_state_bytes
+
+
 def test_core_time_model_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"

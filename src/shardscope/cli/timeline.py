@@ -22,6 +22,7 @@ from shardscope.cli.scenario_args import (
 from shardscope.cli.tables import render_table
 from shardscope.core.chrome_trace import chrome_trace
 from shardscope.core.comm import comm_events
+from shardscope.core.memory import estimate_memory
 from shardscope.core.network import event_cost
 from shardscope.core.timeline import TimeEstimate, estimate_time, network_model
 from shardscope.presets.hardware import (
@@ -156,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     estimate = estimate_time(scenario, hardware_from_args(args, scenario.cluster.gpu))
     if args.trace:
         try:
-            Path(args.trace).write_text(json.dumps(chrome_trace(estimate)), encoding="utf-8")
+            trace = chrome_trace(estimate, estimate_memory(scenario))
+            Path(args.trace).write_text(json.dumps(trace), encoding="utf-8")
         except OSError as error:
             raise CliError(f"cannot write trace {args.trace!r}: {error.strerror}") from None
     if args.json:
@@ -164,5 +166,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_summary(estimate))
         if args.trace:
-            print(f"\nChrome trace written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+            print(
+                f"\nChrome trace written to {args.trace}: both streams, communication in flight and memory by category"
+                " (open in https://ui.perfetto.dev or chrome://tracing)"
+            )
     return 0

@@ -16,10 +16,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from shardscope.core.memory_curve import memory_curve
 from shardscope.core.result import CATEGORIES, OPS
 from shardscope.core.timeline import STREAMS, Span
 from shardscope.report.content import ReportData
-from shardscope.report.memory_curve import memory_curve
 from shardscope.units import GIB
 
 plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "shardscope", "font.size": 9})
