@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     (scenario,) = scenarios_from_args(args, [args.strategy])
     estimate = estimate_time(scenario, hardware_from_args(args, scenario.cluster.gpu))
     if args.trace:
+        trace = chrome_trace(estimate, estimate_memory(scenario))
         try:
-            trace = chrome_trace(estimate, estimate_memory(scenario))
             Path(args.trace).write_text(json.dumps(trace), encoding="utf-8")
         except OSError as error:
             raise CliError(f"cannot write trace {args.trace!r}: {error.strerror}") from None
