@@ -27,6 +27,14 @@ from shardscope.calibrate.collectives import compute_segment, trimmed_mean
 from shardscope.runtime.spawn import run_on_ranks
 
 
+def _clock_wait(ends: list[float], rank: int, world: int) -> float:
+    """Trimmed mean of (the later rank's segment end - this rank's), the ranks' end times exchanged once."""
+    every = [torch.zeros(len(ends), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, torch.tensor(ends, dtype=torch.float64))
+    latest = torch.stack(every).max(dim=0).values
+    return trimmed_mean((latest - every[rank]).tolist())
+
+
 def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -48,10 +56,7 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
             after_compute = timed_all_reduce()
             dist.barrier()
             differences.append(after_compute - timed_all_reduce())
-        every = [torch.zeros(len(ends), dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(every, torch.tensor(ends, dtype=torch.float64))
-        latest = torch.stack(every).max(dim=0).values
-        blocks.append((trimmed_mean(differences), trimmed_mean((latest - every[rank]).tolist())))
+        blocks.append((trimmed_mean(differences), _clock_wait(ends, rank, world)))
     by_length: dict[int, list[float]] = {length: [] for length in options["segments"]}
     durations: dict[int, list[float]] = {length: [] for length in options["segments"]}
     for _ in range(options["blocks"]):
@@ -63,10 +68,7 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
                 compute_segment(length)
                 ends.append(time.perf_counter())
                 dist.all_reduce(flag)
-            every = [torch.zeros(len(ends), dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(every, torch.tensor(ends, dtype=torch.float64))
-            latest = torch.stack(every).max(dim=0).values
-            by_length[length].append(trimmed_mean((latest - every[rank]).tolist()))
+            by_length[length].append(_clock_wait(ends, rank, world))
             durations[length].append(trimmed_mean([end - start for start, end in zip(starts, ends, strict=True)]))
     dist.barrier()
     dist.destroy_process_group()
