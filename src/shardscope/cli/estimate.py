@@ -71,6 +71,7 @@ def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
         "engine": scenario.strategy.engine,
         "world_size": scenario.cluster.world_size,
         "shard_group": scenario.shard_degree,
+        "parallelism": scenario.parallelism.to_json(),
         "offload": scenario.strategy.offload,
         "parameters": count_parameters(scenario.model),
         "per_rank": estimate.per_rank.to_json(),

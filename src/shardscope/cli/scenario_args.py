@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from shardscope.choices import parse_choice
 from shardscope.cli.errors import CliError
 from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
 from shardscope.presets.hf_config import read_hf_config
@@ -16,6 +17,7 @@ from shardscope.specs import (
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
+    STRATEGIES,
     ClusterSpec,
     GpuSpec,
     ModelSpec,
@@ -187,7 +189,12 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[str] | None = 
         offload = args.offload
         if offload == "optimizer+params" and name in ("ddp", "zero1", "zero2") and args.strategy == "all":
             offload = "optimizer"  # 'all' compares strategies; parameters can only be offloaded when sharded
-        strategy = Strategy(name=name, engine=args.engine, shard_group=shard_group, offload=offload)
+        strategy = Strategy(
+            name=parse_choice("Strategy.name", name, STRATEGIES),
+            engine=args.engine,
+            shard_group=shard_group,
+            offload=offload,
+        )
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardscope.choices import Checkpointing
 from shardscope.core.activations import estimate_activations
 from shardscope.core.params import param_layout
 from shardscope.core.result import MemoryEstimate
@@ -53,7 +54,9 @@ def _gib(num_bytes: float) -> str:
     return format_bytes(num_bytes, "GiB")
 
 
-def _with(scenario: Scenario, *, sequence_length: int | None = None, checkpointing: str | None = None) -> Scenario:
+def _with(
+    scenario: Scenario, *, sequence_length: int | None = None, checkpointing: Checkpointing | None = None
+) -> Scenario:
     training = scenario.training
     training = dataclasses.replace(
         training,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardscope.choices import Checkpointing, Offload, StrategyName
 from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
@@ -24,7 +25,7 @@ class BatchShape:
 class Variant:
     """A strategy setting at one GPU count: the family and, for hsdp, the shard group."""
 
-    family: str
+    family: StrategyName
     """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp'."""
     shard_group: int = 0
     """hsdp: ranks per shard group."""
@@ -92,13 +93,13 @@ def variants(request: PlanRequest, gpus: int) -> tuple[Variant, ...]:
     return tuple(found)
 
 
-def offloads_for(request: PlanRequest, family: str) -> tuple[str, ...]:
+def offloads_for(request: PlanRequest, family: StrategyName) -> tuple[Offload, ...]:
     """The offload settings a family allows, least offloaded first (parameters offload only when sharded)."""
     allowed = OFFLOAD_ORDER if family in ("zero3", "hsdp") else OFFLOAD_ORDER[:2]
     return tuple(offload for offload in allowed if offload in request.offloads)
 
 
-def checkpointing_options(request: PlanRequest) -> tuple[str, ...]:
+def checkpointing_options(request: PlanRequest) -> tuple[Checkpointing, ...]:
     """Checkpointing settings, the cheapest in time first."""
     return tuple(option for option in CHECKPOINTING_ORDER if option in request.checkpointing)
 
@@ -107,8 +108,8 @@ def make_scenario(
     request: PlanRequest,
     gpus: int,
     variant: Variant,
-    offload: str,
-    checkpointing: str,
+    offload: Offload,
+    checkpointing: Checkpointing,
     micro_batch: int,
     grad_accum: int,
 ) -> Scenario:
