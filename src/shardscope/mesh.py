@@ -36,6 +36,11 @@ class DataParallelPreset:
     groups_replicate: bool
     """Shard groups of a given size replicate each other (HSDP); False: one group of every data-parallel GPU."""
 
+    @property
+    def full_shard(self) -> bool:
+        """Parameters, gradients and optimizer state sharded over every data-parallel GPU (ZeRO-3, FSDP)."""
+        return self.zero_stage == 3 and not self.groups_replicate
+
 
 DATA_PARALLEL_PRESETS: dict[StrategyName, DataParallelPreset] = {
     "ddp": DataParallelPreset(zero_stage=0, shards=False, groups_replicate=False),
@@ -95,6 +100,25 @@ class Parallelism:
     def to_json(self) -> dict[str, Any]:
         """The six degrees as a JSON object."""
         return {name: getattr(self, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+
+
+def comparable_strategies(grouped: bool) -> tuple[StrategyName, ...]:
+    """One strategy per preset (fsdp is zero3), for a side-by-side comparison; the presets that split the GPUs into
+    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes)."""
+    return tuple(
+        name
+        for name, preset in DATA_PARALLEL_PRESETS.items()
+        if canonical_strategy(name) == name and (grouped or not preset.groups_replicate)
+    )
+
+
+STRATEGY_ALIASES: dict[str, StrategyName] = {"fsdp": "zero3"}
+"""Names of the same preset: FSDP fully shards over every data-parallel GPU, as ZeRO-3 does."""
+
+
+def canonical_strategy(name: StrategyName) -> StrategyName:
+    """One name per preset ('fsdp' is 'zero3')."""
+    return STRATEGY_ALIASES.get(name, name)
 
 
 def data_parallel_mesh(strategy: StrategyName, world_size: int, shard_group: int = 0) -> Parallelism:

@@ -7,7 +7,7 @@ take one.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from shardscope.choices import (
@@ -31,7 +31,13 @@ from shardscope.choices import (
     SpecError,
     StrategyName,
 )
-from shardscope.mesh import DATA_PARALLEL_PRESETS, Parallelism, data_parallel_mesh
+from shardscope.mesh import (
+    DATA_PARALLEL_PRESETS,
+    DataParallelPreset,
+    Parallelism,
+    canonical_strategy,
+    data_parallel_mesh,
+)
 
 __all__ = [
     "ATTENTION",
@@ -299,7 +305,7 @@ class Strategy:
         _require_choice(owner, "engine", self.engine, ENGINES)
         _require_choice(owner, "offload", self.offload, OFFLOADS)
         _require_int(owner, "bucket_bytes", self.bucket_bytes, 1)
-        if self.name == "hsdp":
+        if self.preset.groups_replicate:
             _require_int(owner, "shard_group", self.shard_group, 1, MAX_WORLD_SIZE)
         elif self.shard_group:
             raise SpecError(
@@ -311,9 +317,28 @@ class Strategy:
             )
 
     @property
-    def canonical_name(self) -> str:
+    def canonical_name(self) -> StrategyName:
         """'fsdp' is another name for 'zero3'."""
-        return "zero3" if self.name == "fsdp" else self.name
+        return canonical_strategy(self.name)
+
+    @property
+    def label(self) -> str:
+        """The strategy as printed: its name, and an hsdp's shard group, e.g. 'hsdp(8)'."""
+        return f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
+
+    def sibling(self, name: StrategyName, shard_group: int) -> Strategy:
+        """The strategy `name` with this one's other settings, for a side-by-side comparison: `shard_group` when
+        `name` splits into groups, and parameter offload kept only where parameters are sharded."""
+        preset = DATA_PARALLEL_PRESETS[name]
+        offload = self.offload
+        if offload == "optimizer+params" and preset.zero_stage < 3:
+            offload = "optimizer"
+        return replace(self, name=name, shard_group=shard_group if preset.groups_replicate else 0, offload=offload)
+
+    @property
+    def preset(self) -> DataParallelPreset:
+        """What the strategy's name means in mesh degrees."""
+        return DATA_PARALLEL_PRESETS[self.name]
 
     @property
     def stage(self) -> int:
@@ -363,7 +388,7 @@ class Scenario:
         """Ranks that share one copy of the sharded states: the hsdp shard group, else the whole world (DDP's
         included, where nothing is sharded: see `parallelism.dp_shard` for the degree that shards)."""
         mesh = self.parallelism
-        return mesh.dp_shard if DATA_PARALLEL_PRESETS[self.strategy.name].shards else mesh.world_size
+        return mesh.dp_shard if self.strategy.preset.shards else mesh.world_size
 
     @property
     def replica_degree(self) -> int:

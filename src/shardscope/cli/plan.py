@@ -16,6 +16,7 @@ from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.core.comm import collective_ledger
 from shardscope.core.params import count_parameters
+from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, Plan, PlanRequest, PlanResult, plan
 from shardscope.presets import gpu_preset_names
 from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads, SpecError
@@ -36,7 +37,7 @@ def _choices(text: str, allowed: tuple[Word, ...], option: str) -> tuple[Word, .
     if text == "all":
         return allowed
     words = tuple(value.strip() for value in text.split(",") if value.strip())
-    words = tuple("zero3" if value == "fsdp" else value for value in words)
+    words = tuple(STRATEGY_ALIASES.get(value, value) for value in words)
     if not words:
         raise CliError(f"{option} is empty; give a comma list of {', '.join(allowed)}, or all")
     values = []
