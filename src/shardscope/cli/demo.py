@@ -16,6 +16,7 @@ from shardscope.cli.estimate import render_estimates
 from shardscope.cli.tables import render_table
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CATEGORIES
+from shardscope.mesh import comparable_strategies
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
@@ -51,7 +52,7 @@ def default_scenarios() -> list[Scenario]:
     training = TrainingSpec(micro_batch_size=1, sequence_length=4096, checkpointing="none")
     return [
         Scenario(model=model_preset(DEFAULT_MODEL), cluster=cluster, training=training, strategy=Strategy(name=name))
-        for name in ("ddp", "zero1", "zero2", "zero3")
+        for name in comparable_strategies(grouped=False)
     ]
 
 

@@ -17,6 +17,7 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import render_table
+from shardscope.core.engines import ENGINE_RULES
 from shardscope.core.result import CATEGORIES
 from shardscope.specs import ModelSpec, Scenario
 from shardscope.units import format_bytes
@@ -75,7 +76,7 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         raise CliError(
             "--params gives no shape to replay; use --model, --config or --module, or `shardscope estimate --params`"
         )
-    if args.engine != "pytorch":
+    if not ENGINE_RULES[args.engine].torch_engines:
         raise CliError(
             f"--engine {args.engine}: the trace runs torch's own engines (--engine pytorch); use "
             "`shardscope estimate` for the paper or deepspeed accounting"

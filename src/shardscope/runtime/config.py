@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shardscope.choices import parse_choice
+from shardscope.mesh import DATA_PARALLEL_PRESETS, canonical_strategy
 from shardscope.presets import model_preset
 from shardscope.specs import STRATEGIES, ModelSpec, SpecError, TrainingSpec
 
@@ -61,17 +63,15 @@ class RunConfig:
         model_spec = model_preset(self.model)
         if not model_spec.has_shape:
             raise SpecError(f"RunConfig.model={self.model!r} has no shape to build; choose a gpt2, llama or moe preset")
-        if self.strategy not in STRATEGIES:
-            raise SpecError(f"RunConfig.strategy={self.strategy!r} is not known; allowed: {', '.join(STRATEGIES)}")
-        if self.engine not in RUN_ENGINES:
-            raise SpecError(f"RunConfig.engine={self.engine!r} is not known; allowed: {', '.join(RUN_ENGINES)}")
+        strategy = parse_choice("RunConfig.strategy", self.strategy, STRATEGIES)
+        parse_choice("RunConfig.engine", self.engine, RUN_ENGINES)
         if self.precision not in ("fp64", "fp32", "bf16-mixed"):
             raise SpecError(f"RunConfig.precision={self.precision!r} is not runnable; allowed: fp64, fp32, bf16-mixed")
         if self.world_size < 1:  # the local launcher caps it further (MAX_LOCAL_WORLD_SIZE); torchrun does not
             raise SpecError(f"RunConfig.world_size={self.world_size} must be at least 1")
         if self.steps < 1:
             raise SpecError(f"RunConfig.steps={self.steps} must be at least 1")
-        if self.strategy == "hsdp":
+        if DATA_PARALLEL_PRESETS[strategy].groups_replicate:
             if self.shard_group < 1 or self.world_size % self.shard_group:
                 raise SpecError(
                     f"RunConfig.shard_group={self.shard_group} must divide world_size={self.world_size} for hsdp"
@@ -113,7 +113,7 @@ class RunConfig:
     @property
     def canonical_strategy(self) -> str:
         """'fsdp' runs as 'zero3'."""
-        return "zero3" if self.strategy == "fsdp" else self.strategy
+        return canonical_strategy(parse_choice("RunConfig.strategy", self.strategy, STRATEGIES))
 
     def to_args(self) -> list[str]:
         """Command-line flags for `python -m shardscope.runtime.worker` that rebuild this config."""

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
 from shardscope.trace.compat import ddp_on_fake_tensors, rebuild_ddp_buckets
 from shardscope.trace.setup import COMPUTE_DTYPES
@@ -24,7 +25,7 @@ DDP_STEPS = 3
 
 def uses_ddp(scenario: Scenario) -> bool:
     """ddp and zero1 run on DistributedDataParallel (zero1 with ZeroRedundancyOptimizer), as in the runtime."""
-    return scenario.strategy.canonical_name in ("ddp", "zero1")
+    return runs_on_ddp(scenario)
 
 
 def materialise(root: nn.Module) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
 from shardscope.trace.request import TraceRequest
 
@@ -216,7 +217,7 @@ def make_mesh(scenario: Scenario) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = scenario.cluster.world_size
-    if scenario.strategy.name == "hsdp":
+    if scenario.strategy.preset.groups_replicate:
         group = scenario.shard_degree
         return init_device_mesh("cpu", (world // group, group), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -228,16 +229,14 @@ def apply_strategy(traced: TracedModel, scenario: Scenario) -> str:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     strategy, training = scenario.strategy, scenario.training
-    if strategy.canonical_name == "ddp":
-        return "torch DistributedDataParallel"
-    if strategy.canonical_name == "zero1":
-        return "torch DistributedDataParallel + ZeroRedundancyOptimizer"
+    if runs_on_ddp(scenario):
+        return "torch DistributedDataParallel" + (" + ZeroRedundancyOptimizer" if strategy.stage == 1 else "")
     mesh = make_mesh(scenario)
     compute = COMPUTE_DTYPES.get(training.precision)
     policy = (
         MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     )
-    reshard = strategy.reshard_after_forward and strategy.canonical_name != "zero2"
+    reshard = strategy.reshard_after_forward and strategy.stage == 3
     for unit in traced.blocks:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(traced.root, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -256,7 +255,7 @@ def make_optimizer(root: nn.Module, scenario: Scenario) -> torch.optim.Optimizer
         "sgd-momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
     }
     cls, options = kinds[name]
-    if scenario.strategy.canonical_name == "zero1":
+    if runs_on_ddp(scenario) and scenario.strategy.stage == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, cls, foreach=False, **options)

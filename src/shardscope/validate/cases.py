@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from shardscope.choices import STRATEGIES, parse_choice
+from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
 from shardscope.units import GIB
@@ -12,11 +14,16 @@ from shardscope.units import GIB
 # The teaching strategies are the ZeRO paper's accounting made real, so the paper engine predicts them; torch's own
 # engines are predicted by the pytorch engine (DESIGN.md).
 CORE_ENGINE = {"teaching": "paper", "pytorch": "pytorch"}
-CASE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+CASE_STRATEGIES = comparable_strategies(grouped=True)
 # A CPU "GPU" big enough that fitting never matters here; measurements have no framework context or allocator.
 VALIDATION_GPU = custom_gpu(1024 * GIB)
 NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
 DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def _grouped(strategy: str) -> bool:
+    """The strategy splits the ranks into replicating shard groups (hsdp): it needs two groups of two."""
+    return DATA_PARALLEL_PRESETS[parse_choice("ValidationCase.strategy", strategy, STRATEGIES)].groups_replicate
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,17 +50,16 @@ class ValidationCase:
     """'cpu' (gloo processes) or 'cuda' (nccl, one GPU per rank, torch.cuda.max_memory_allocated as the peak)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in CORE_ENGINE:
-            raise SpecError(f"ValidationCase.engine={self.engine!r} is not known; allowed: teaching, pytorch")
+        parse_choice("ValidationCase.engine", self.engine, tuple(CORE_ENGINE))
         if self.device not in DEVICE_BACKEND:
             raise SpecError(f"ValidationCase.device={self.device!r} is not known; allowed: cpu, cuda")
-        if self.strategy == "hsdp" and self.world_size < 4:
+        if _grouped(self.strategy) and self.world_size < 4:
             raise SpecError("ValidationCase: hsdp needs world_size >= 4 (two groups of two)")
 
     @property
     def shard_group(self) -> int:
         """hsdp: two groups; 0 for the others."""
-        return self.world_size // 2 if self.strategy == "hsdp" else 0
+        return self.world_size // 2 if _grouped(self.strategy) else 0
 
     @property
     def backend(self) -> str:
@@ -111,7 +117,7 @@ def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
         ("fp32", "bf16-mixed"),
         ("none", "full"),
     ):
-        if strategy == "hsdp" and world < 4:
+        if _grouped(strategy) and world < 4:
             continue
         cases.append(
             ValidationCase(

@@ -6,7 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardscope.choices import engine_name
 from shardscope.core.comm import collective_ledger
+from shardscope.core.engines import ENGINE_RULES
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow, MemoryBreakdown
 from shardscope.presets.hardware import HardwareProfile
@@ -40,7 +42,7 @@ def _trace(
     case: ValidationCase, progress: Progress
 ) -> tuple[MemoryBreakdown | None, tuple[CollectiveRow, ...] | None, int | None, str]:
     """The trace of rank 0 and its comparable peak, or None and the reason where the trace does not cover a case."""
-    if case.engine != "pytorch":
+    if not ENGINE_RULES[engine_name(case.engine)].torch_engines:
         return (
             None,
             None,

@@ -86,6 +86,8 @@ class EngineRules(Protocol):
     """One line for the assumptions: whose accounting this is."""
     fused_optimizer: bool
     """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
+    torch_engines: bool
+    """Its rules are those of torch's own engines, which `trace` replays on fake tensors."""
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         """What the rank holds and the moments of its step."""

@@ -38,6 +38,7 @@ class DeepSpeedRules:
     name: EngineName = "deepspeed"
     summary = "DeepSpeed's own estimators (largest layer gathered under ZeRO-3, 1.5x host buffers)"
     fused_optimizer = True  # DeepSpeed's fused Adam reads and writes each state once
+    torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         states = _states(scenario)

@@ -38,6 +38,7 @@ class PaperRules:
     name: EngineName = "paper"
     summary = "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)"
     fused_optimizer = False
+    torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward."""

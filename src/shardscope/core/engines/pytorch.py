@@ -34,8 +34,9 @@ from shardscope.specs import Scenario
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
-def _on_ddp(scenario: Scenario) -> bool:
-    """ddp and zero1 run on DistributedDataParallel; the stages that shard gradients on FSDP2."""
+def runs_on_ddp(scenario: Scenario) -> bool:
+    """ddp and zero1 run on DistributedDataParallel (zero1 under ZeroRedundancyOptimizer); the stages that shard
+    gradients on FSDP2's fully_shard."""
     return scenario.strategy.stage <= 1
 
 
@@ -45,9 +46,10 @@ class PyTorchRules:
     name: EngineName = "pytorch"
     summary = "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)"
     fused_optimizer = False
+    torch_engines = True
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        if not _on_ddp(scenario):
+        if not runs_on_ddp(scenario):
             return fsdp2_memory(scenario, rank)
         states = offload(scenario, _replicated(scenario, rank))
         acts = activations_for(scenario, states.autocast)
@@ -68,7 +70,7 @@ class PyTorchRules:
         """DDP and ZeroRedundancyOptimizer under autocast keep fp32 parameters; FSDP2's MixedPrecisionPolicy
         (param_dtype=bf16) gathers 16-bit."""
         training = scenario.training
-        if training.is_mixed and _on_ddp(scenario):
+        if training.is_mixed and runs_on_ddp(scenario):
             return 4
         return element_bytes(training.precision)
 
@@ -89,7 +91,7 @@ class PyTorchRules:
         default); FSDP2 gathers and reduce-scatters per unit, regathering the root for backward."""
         layout = param_layout(scenario.model)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
-        if not _on_ddp(scenario):
+        if not runs_on_ddp(scenario):
             gathered = dim0_unit_sizes(layout, scenario.shard_degree)  # FSDP2 pads each tensor's dim 0 to the degree
             return sharded_events(scenario, gathered, param, grad, regather_root=True)
         buckets = self.gradient_buckets(scenario)
@@ -110,7 +112,7 @@ class PyTorchRules:
         `take_tensors` closes a bucket once it reaches the limit). FSDP2 does not broadcast: the runs broadcast each
         parameter tensor from rank 0 before sharding."""
         stored = 4 if scenario.training.is_mixed else element_bytes(scenario.training.precision)
-        if not _on_ddp(scenario):
+        if not runs_on_ddp(scenario):
             return per_tensor_broadcasts(scenario, stored)
         world = scenario.cluster.world_size
         tensors = param_layout(scenario.model).tensors()
@@ -133,7 +135,7 @@ class PyTorchRules:
         """torch DDP's per-step bookkeeping with the first backward stage (the head's), where its reducer's autograd
         hooks start (benchmarks/bench_time_phases.py measures it there); FSDP2's per-unit bookkeeping, half with the
         unit's forward and half with its backward."""
-        if _on_ddp(scenario):
+        if runs_on_ddp(scenario):
             return {("backward", scenario.model.num_layers + 1): profile.ddp_step_overhead_s}
         half = profile.fsdp_unit_overhead_s / 2
         extra: dict[TimePlace, float] = {("forward", 0): half, ("backward", 0): half}  # the root unit
@@ -149,7 +151,7 @@ class PyTorchRules:
 
     def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
         """FSDP2's per-tensor work around the step; ZeroRedundancyOptimizer's over every tensor."""
-        if not _on_ddp(scenario):
+        if not runs_on_ddp(scenario):
             return shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
         if scenario.strategy.stage == 1:
             return param_layout(scenario.model).tensor_count * profile.zero_tensor_overhead_s
@@ -158,7 +160,7 @@ class PyTorchRules:
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """DDP's Reducer all-reduces its buckets with async_op=True from backward (zero1's too); FSDP2's own
         overlap is part of its per-unit term."""
-        return _on_ddp(scenario) and event.trigger == "after_backward"
+        return runs_on_ddp(scenario) and event.trigger == "after_backward"
 
 
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:
