@@ -59,12 +59,14 @@ def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
         "strategy",
         "engine",
         "world_size",
+        "parallelism",
         "per_rank",
         "ledger",
         "parity",
         "step_time_s",
     }
     assert document["model"] == {"name": "tiny-gpt2", "parameters": 120_576}
+    assert document["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert len(document["per_rank"]) == 2
     assert set(document["per_rank"][0]) == set(MemoryBreakdown().to_json())
     assert document["parity"]["ok"] and document["parity"]["max_abs_diff"] <= 1e-10

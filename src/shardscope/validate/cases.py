@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from shardscope.mesh import data_parallel_mesh
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
 from shardscope.units import GIB
@@ -96,6 +97,7 @@ class ValidationCase:
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "device": self.device,
+            "parallelism": data_parallel_mesh(self.strategy, self.world_size, self.shard_group).to_json(),
         }
 
 
