@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import SchemaCheck
 from shardscope.cli import main
 from shardscope.core.result import MemoryBreakdown
 
@@ -28,7 +29,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
 
 
 @pytest.mark.distributed
-def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_run(capsys: pytest.CaptureFixture[str], matches_schema: SchemaCheck) -> None:
     code = main(
         [
             "run",
@@ -72,3 +73,4 @@ def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert document["parity"]["ok"] and document["parity"]["max_abs_diff"] <= 1e-10
     assert {"phase", "op", "group_size", "payload_bytes", "count"} == set(document["ledger"][0])
     assert "shardscope run: rank 0 " in captured.err  # progress while it runs
+    assert matches_schema.rejects_renamed_keys(document) >= 6  # document, model, per_rank, ledger row, parity, mesh

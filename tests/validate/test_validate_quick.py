@@ -7,13 +7,14 @@ import sys
 
 import pytest
 
+from conftest import SchemaCheck
 from shardscope.core.result import MemoryBreakdown
 from shardscope.validate.cases import ValidationCase, quick_matrix
 from shardscope.validate.compare import compare_case
 
 
 @pytest.mark.distributed
-def test_quick_validation_is_within_targets() -> None:
+def test_quick_validation_is_within_targets(matches_schema: SchemaCheck) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     # One run: the measured peak is deterministic (runtime/tracker.py places gloo's late frees by a fixed rule).
     result = subprocess.run(
@@ -26,6 +27,7 @@ def test_quick_validation_is_within_targets() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document["schema"] == "shardscope.validate/v1"
+    matches_schema(document)
     rows = document["rows"]
     assert len(rows) == 6 * len(quick_matrix())
     assert all(row["ok"] for row in rows)
