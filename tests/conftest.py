@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jsonschema
@@ -14,30 +14,11 @@ from shardscope.schemas import load_schema
 # Objects used as maps (keys are data, not names), where any key is allowed.
 OPEN_MAPS = ("peak_flops_per_s", "notes")
 
+Document = dict[str, Any]
 
-class SchemaCheck:
-    """Validates a document against the checked-in schema its `schema` key names (Draft 2020-12)."""
 
-    def __call__(self, document: dict[str, Any]) -> None:
-        """Raises jsonschema.ValidationError, naming the path and the rule, when the document breaks its schema."""
-        jsonschema.Draft202012Validator(load_schema(document["schema"])).validate(document)
-
-    def rejects_renamed_keys(self, document: dict[str, Any]) -> int:
-        """Renames a key of each object in the document (the first item of each list), one at a time, and asserts the
-        schema rejects every such copy; returns how many objects were tried."""
-        self(document)
-        validator = jsonschema.Draft202012Validator(load_schema(document["schema"]))
-        tried = 0
-        for path in _object_paths(document):
-            changed = copy.deepcopy(document)
-            node = changed
-            for step in path:
-                node = node[step]
-            key = next(iter(node))
-            node[f"{key}_renamed"] = node.pop(key)
-            assert not validator.is_valid(changed), f"{document['schema']}: renaming {(*path, key)} still validates"
-            tried += 1
-        return tried
+def _validator(document: Document) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(load_schema(document["schema"]))
 
 
 def _object_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -52,6 +33,30 @@ def _object_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, 
 
 
 @pytest.fixture
-def matches_schema() -> SchemaCheck:
-    """Checks documents against their JSON Schemas."""
-    return SchemaCheck()
+def matches_schema() -> Callable[[Document], None]:
+    """Validates a document against the checked-in JSON Schema its `schema` key names (Draft 2020-12); raises
+    jsonschema.ValidationError, naming the path and the rule, when it breaks it."""
+    return lambda document: _validator(document).validate(document)
+
+
+@pytest.fixture
+def rejects_renamed_keys() -> Callable[[Document], int]:
+    """Validates a document, then renames a key of each of its objects (the first item of each list), one at a time,
+    and asserts the schema rejects every such copy; returns how many objects were tried."""
+
+    def check(document: Document) -> int:
+        validator = _validator(document)
+        validator.validate(document)
+        tried = 0
+        for path in _object_paths(document):
+            changed = copy.deepcopy(document)
+            node = changed
+            for step in path:
+                node = node[step]
+            key = next(iter(node))
+            node[f"{key}_renamed"] = node.pop(key)
+            assert not validator.is_valid(changed), f"{document['schema']}: renaming {(*path, key)} still validates"
+            tried += 1
+        return tried
+
+    return check

@@ -6,11 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import SchemaCheck
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow
@@ -27,7 +28,7 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.distributed
 def test_torchrun_writes_the_run_document_and_matches_the_prediction(
-    tmp_path: Path, matches_schema: SchemaCheck
+    tmp_path: Path, matches_schema: Callable[[dict[str, Any]], None]
 ) -> None:
     done = torchrun(["--model", "tiny-gpt2", "--strategy", "zero3", "--engine", "pytorch", "--run-dir", str(tmp_path)])
     assert done.returncode == 0, done.stderr[-2000:]

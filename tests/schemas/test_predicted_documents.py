@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Callable
+from typing import Any
 
 import jsonschema
 import pytest
 
-from conftest import SchemaCheck
 from shardscope.cli import main
+from shardscope.core.result import MemoryBreakdown
 from shardscope.presets import gpu_preset
 from shardscope.presets.hardware import FamilyOpCost, InterconnectSpec, OpCost, default_profile
 from shardscope.presets.profile_toml import profile_to_toml
@@ -19,6 +21,9 @@ from shardscope.schemas import load_schema
 from shardscope.validate.cases import ValidationCase
 from shardscope.validate.compare import compare_case
 from shardscope.validate.runner import CaseResult, validation_document
+
+Matches = Callable[[dict[str, Any]], None]  # the matches_schema fixture (tests/conftest.py)
+RejectsRenamed = Callable[[dict[str, Any]], int]  # the rejects_renamed_keys fixture
 
 ESTIMATES = [
     ["--model", "llama-3-70b", "--gpus", "64", "--strategy", "all"],
@@ -41,14 +46,14 @@ def _printed(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 @pytest.mark.parametrize("argv", ESTIMATES, ids=lambda argv: " ".join(argv[:6]))
 def test_estimate_follows_its_schema(
-    argv: list[str], capsys: pytest.CaptureFixture[str], matches_schema: SchemaCheck
+    argv: list[str], capsys: pytest.CaptureFixture[str], rejects_renamed_keys: RejectsRenamed
 ) -> None:
     document = _printed(capsys, "estimate", *argv)
     assert document["schema"] == "shardscope.estimate/v1"
-    assert matches_schema.rejects_renamed_keys(document) >= 8  # the document, model, cluster, gpu, training, ...
+    assert rejects_renamed_keys(document) >= 8  # the document, model, cluster, gpu, training, ...
 
 
-def test_estimate_time_comes_whole(capsys: pytest.CaptureFixture[str], matches_schema: SchemaCheck) -> None:
+def test_estimate_time_comes_whole(capsys: pytest.CaptureFixture[str], matches_schema: Matches) -> None:
     document = _printed(capsys, "estimate", *ESTIMATES[1])
     del document["strategies"][0]["mfu"]
     with pytest.raises(jsonschema.ValidationError, match="'mfu' is a dependency of 'step_time_s'"):
@@ -57,14 +62,14 @@ def test_estimate_time_comes_whole(capsys: pytest.CaptureFixture[str], matches_s
 
 @pytest.mark.parametrize("argv", PLANS, ids=lambda argv: " ".join(argv[:2]))
 def test_plan_follows_its_schema(
-    argv: list[str], capsys: pytest.CaptureFixture[str], matches_schema: SchemaCheck
+    argv: list[str], capsys: pytest.CaptureFixture[str], rejects_renamed_keys: RejectsRenamed
 ) -> None:
     document = _printed(capsys, "plan", *argv)
     assert document["plans"] or document["rejected"]
-    assert matches_schema.rejects_renamed_keys(document) >= 10
+    assert rejects_renamed_keys(document) >= 10
 
 
-def test_a_wrong_degree_is_named(capsys: pytest.CaptureFixture[str], matches_schema: SchemaCheck) -> None:
+def test_a_wrong_degree_is_named(capsys: pytest.CaptureFixture[str], matches_schema: Matches) -> None:
     document = _printed(capsys, "plan", *PLANS[1])
     assert document["rejected"] and document["rejected"][0]["closest"]["parallelism"]["dp_shard"] >= 1
     document["plans"][0]["parallelism"]["tp"] = 0
@@ -72,9 +77,7 @@ def test_a_wrong_degree_is_named(capsys: pytest.CaptureFixture[str], matches_sch
         matches_schema(document)
 
 
-def test_validation_document_follows_its_schema(matches_schema: SchemaCheck) -> None:
-    from shardscope.core.result import MemoryBreakdown
-
+def test_validation_document_follows_its_schema(rejects_renamed_keys: RejectsRenamed) -> None:
     case = ValidationCase(model="tiny-llama", strategy="hsdp", engine="teaching", world_size=4)
     measured = MemoryBreakdown(parameters_bytes=100, gradients_bytes=100, optimizer_state_bytes=200, peak_bytes=900)
     rows = compare_case(case, measured, (), 0.01, None, None, None, measured, (), 0.012)
@@ -82,7 +85,7 @@ def test_validation_document_follows_its_schema(matches_schema: SchemaCheck) -> 
     document = json.loads(json.dumps(document))
     assert {row["category"] for row in document["rows"]} >= {"peak", "step_time_s"}
     assert document["rows"][0]["case"]["parallelism"]["dp_replicate"] == 2
-    assert matches_schema.rejects_renamed_keys(document) >= 4
+    assert rejects_renamed_keys(document) >= 4
 
 
 def _profile_dict() -> dict:
@@ -97,13 +100,15 @@ def _profile_dict() -> dict:
     return tomllib.loads(profile_to_toml(profile))
 
 
-def test_written_hardware_profile_follows_its_schema(matches_schema: SchemaCheck) -> None:
+def test_written_hardware_profile_follows_its_schema(rejects_renamed_keys: RejectsRenamed) -> None:
     data = _profile_dict()
     assert data["schema"] == "shardscope.hardware/v1"
-    assert matches_schema.rejects_renamed_keys(data) >= 8
+    assert rejects_renamed_keys(data) >= 8
 
 
-def test_hand_written_profile_follows_its_schema_and_a_misspelt_key_fails(matches_schema: SchemaCheck) -> None:
+def test_hand_written_profile_follows_its_schema_and_a_misspelt_key_fails(
+    matches_schema: Matches,
+) -> None:
     text = """schema = "shardscope.hardware/v1"
     [compute]
     efficiency = 0.3

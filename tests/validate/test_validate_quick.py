@@ -4,17 +4,18 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from conftest import SchemaCheck
 from shardscope.core.result import MemoryBreakdown
 from shardscope.validate.cases import ValidationCase, quick_matrix
 from shardscope.validate.compare import compare_case
 
 
 @pytest.mark.distributed
-def test_quick_validation_is_within_targets(matches_schema: SchemaCheck) -> None:
+def test_quick_validation_is_within_targets(matches_schema: Callable[[dict[str, Any]], None]) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     # One run: the measured peak is deterministic (runtime/tracker.py places gloo's late frees by a fixed rule).
     result = subprocess.run(

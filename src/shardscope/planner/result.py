@@ -68,7 +68,6 @@ class Plan:
             micro_batch=training.micro_batch_size,
             grad_accum=training.grad_accum_steps,
             checkpointing=training.checkpointing,
-            offload=scenario.strategy.offload,
             global_batch_tokens=self.global_batch_tokens,
             communication={
                 "ledger": [row.to_json() for row in collective_ledger(scenario)],
