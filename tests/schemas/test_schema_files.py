@@ -26,3 +26,10 @@ def test_each_schema_is_valid_and_named_by_its_documents(name: str) -> None:
 def test_an_unknown_schema_is_named() -> None:
     with pytest.raises(UnknownSchemaError, match=r"'shardscope\.nope/v1' is not known"):
         load_schema("shardscope.nope/v1")
+
+
+@pytest.mark.parametrize("name", [name for name in SCHEMA_FILES if name != "shardscope.hardware/v1"])
+def test_every_result_document_carries_the_six_degrees(name: str) -> None:
+    parallelism = load_schema(name)["$defs"]["parallelism"]
+    assert parallelism["required"] == ["dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"]
+    assert parallelism["additionalProperties"] is False
