@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -28,7 +30,7 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
 
 
 @pytest.mark.distributed
-def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_run(capsys: pytest.CaptureFixture[str], rejects_renamed_keys: Callable[[dict[str, Any]], int]) -> None:
     code = main(
         [
             "run",
@@ -59,14 +61,17 @@ def test_json_run(capsys: pytest.CaptureFixture[str]) -> None:
         "strategy",
         "engine",
         "world_size",
+        "parallelism",
         "per_rank",
         "ledger",
         "parity",
         "step_time_s",
     }
     assert document["model"] == {"name": "tiny-gpt2", "parameters": 120_576}
+    assert document["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert len(document["per_rank"]) == 2
     assert set(document["per_rank"][0]) == set(MemoryBreakdown().to_json())
     assert document["parity"]["ok"] and document["parity"]["max_abs_diff"] <= 1e-10
     assert {"phase", "op", "group_size", "payload_bytes", "count"} == set(document["ledger"][0])
     assert "shardscope run: rank 0 " in captured.err  # progress while it runs
+    assert rejects_renamed_keys(document) >= 6  # document, model, per_rank, ledger row, parity, mesh

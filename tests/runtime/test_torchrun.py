@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,13 +27,16 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.distributed
-def test_torchrun_writes_the_run_document_and_matches_the_prediction(tmp_path: Path) -> None:
+def test_torchrun_writes_the_run_document_and_matches_the_prediction(
+    tmp_path: Path, matches_schema: Callable[[dict[str, Any]], None]
+) -> None:
     done = torchrun(["--model", "tiny-gpt2", "--strategy", "zero3", "--engine", "pytorch", "--run-dir", str(tmp_path)])
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shardscope: zero3 (pytorch) on 2 ranks" in done.stdout
     document = json.loads((tmp_path / "run.json").read_text())
     assert document["schema"] == "shardscope.run/v1" and document["world_size"] == 2
     assert document["parity"]["ok"]
+    matches_schema(document)
     scenario = ValidationCase(model="tiny-gpt2", strategy="zero3", engine="pytorch", world_size=2).scenario()
     predicted = estimate_memory(scenario, rank=0).per_rank
     measured = document["per_rank"][0]

@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -13,7 +15,7 @@ from shardscope.validate.compare import compare_case
 
 
 @pytest.mark.distributed
-def test_quick_validation_is_within_targets() -> None:
+def test_quick_validation_is_within_targets(matches_schema: Callable[[dict[str, Any]], None]) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     # One run: the measured peak is deterministic (runtime/tracker.py places gloo's late frees by a fixed rule).
     result = subprocess.run(
@@ -26,6 +28,7 @@ def test_quick_validation_is_within_targets() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     document = json.loads(result.stdout)
     assert document["schema"] == "shardscope.validate/v1"
+    matches_schema(document)
     rows = document["rows"]
     assert len(rows) == 6 * len(quick_matrix())
     assert all(row["ok"] for row in rows)

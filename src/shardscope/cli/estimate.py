@@ -17,11 +17,9 @@ from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.core.memory import describe_assumptions, estimate_memory
 from shardscope.core.params import count_parameters
-from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.core.result import CATEGORIES, ESTIMATE_SCHEMA, MemoryEstimate, estimate_document
 from shardscope.core.timeline import TimeEstimate, estimate_time
 from shardscope.units import format_bytes, format_count
-
-SCHEMA = "shardscope.estimate/v1"
 
 EXAMPLES = """examples:
   shardscope estimate --model llama-3-8b --gpus 8 --strategy all
@@ -45,42 +43,9 @@ def add_parser(subparsers: Any) -> None:
     add_training_arguments(parser)
     add_strategy_arguments(parser)
     parser.add_argument("--units", choices=("GiB", "GB"), default="GiB", help="printed units (default GiB)")
-    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({ESTIMATE_SCHEMA})")
     parser.add_argument("--time", action="store_true", help="add communication, step time, tokens/s and MFU")
     add_hardware_arguments(parser)
-
-
-def estimate_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
-    """The `shardscope.estimate/v1` document for estimates of one model, cluster and training setup."""
-    first = estimates[0].scenario
-    parameters = count_parameters(first.model)
-    return {
-        "schema": SCHEMA,
-        "model": {**first.model.to_json(), "parameters": parameters},
-        "cluster": first.cluster.to_json(),
-        "training": first.training.to_json(),
-        "strategies": [strategy_json(estimate) for estimate in estimates],
-    }
-
-
-def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
-    """One entry of `strategies`."""
-    scenario = estimate.scenario
-    return {
-        "strategy": scenario.strategy.name,
-        "engine": scenario.strategy.engine,
-        "world_size": scenario.cluster.world_size,
-        "shard_group": scenario.shard_degree,
-        "parallelism": scenario.parallelism.to_json(),
-        "offload": scenario.strategy.offload,
-        "parameters": count_parameters(scenario.model),
-        "per_rank": estimate.per_rank.to_json(),
-        "host_bytes": estimate.host_bytes_per_node,
-        "fits": estimate.fits,
-        "peak_moment": estimate.peak_moment,
-        "activations_estimated": estimate.activations_estimated,
-        "assumptions": list(describe_assumptions(estimate)),
-    }
 
 
 def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
@@ -144,10 +109,7 @@ def run(args: argparse.Namespace) -> int:
         hardware = hardware_from_args(args, scenarios[0].cluster.gpu)
         times = [estimate_time(scenario, hardware) for scenario in scenarios]
     if args.json:
-        document = estimate_json(estimates)
-        for entry, time in zip(document["strategies"], times, strict=False):
-            entry.update(time.to_json())
-        print(json.dumps(document, indent=2))
+        print(json.dumps(estimate_document(estimates, times), indent=2))
     else:
         print(render_estimates(estimates, args.units))
         if times:

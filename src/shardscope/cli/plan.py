@@ -10,19 +10,16 @@ from typing import Any
 
 from shardscope.choices import Word, parse_choice
 from shardscope.cli.errors import CliError
-from shardscope.cli.estimate import strategy_json
 from shardscope.cli.scenario_args import add_model_arguments, gpu_from_args, model_from_args, positive_int
 from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
-from shardscope.core.comm import collective_ledger
 from shardscope.core.params import count_parameters
 from shardscope.mesh import STRATEGY_ALIASES
-from shardscope.planner import FAMILIES, RANKINGS, Plan, PlanRequest, PlanResult, plan
+from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
+from shardscope.planner.result import PLAN_SCHEMA
 from shardscope.presets import gpu_preset_names
 from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads, SpecError
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
-
-SCHEMA = "shardscope.plan/v1"
 
 EXAMPLES = """examples:
   shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M
@@ -95,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_plan_arguments(parser)
     parser.add_argument("--units", choices=("GiB", "GB"), default="GiB", help="printed units (default GiB)")
-    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({PLAN_SCHEMA})")
 
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
@@ -134,71 +131,6 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         min_gpus=args.min_gpus,
         hardware=hardware_from_args(args, gpu),
     )
-
-
-def plan_entry_json(entry: Plan) -> dict[str, Any]:
-    """One plan: the fields of an estimate, its time, and the plan's own fields."""
-    scenario, timing = entry.scenario, entry.timing
-    training = scenario.training
-    document = strategy_json(entry.memory)
-    document.update(
-        gpus=entry.gpus,
-        micro_batch=training.micro_batch_size,
-        grad_accum=training.grad_accum_steps,
-        checkpointing=training.checkpointing,
-        offload=scenario.strategy.offload,
-        global_batch_tokens=entry.global_batch_tokens,
-        communication={
-            "ledger": [row.to_json() for row in collective_ledger(scenario)],
-            "wire_bytes_per_rank": timing.wire_bytes_per_rank,
-            "time_s": timing.comm_time_s,
-            "exposed_time_s": timing.exposed_comm_s,
-            "host_copy_time_s": timing.host_copy_s,
-        },
-        compute_time_s=timing.compute_time_s,
-        step_time_s=timing.step_time_s,
-        tokens_per_s=timing.tokens_per_s,
-        mfu=timing.mfu,
-        simulated_micro_batches=timing.simulated_micro_batches,
-        cost_per_million_tokens=entry.cost_per_million_tokens,
-        failure_mode=entry.failure_mode.to_json(),
-        risks=[risk.to_json() for risk in entry.risks[1:]],
-    )
-    return document
-
-
-def plan_json(result: PlanResult) -> dict[str, Any]:
-    """The `shardscope.plan/v1` document."""
-    request = result.request
-    return {
-        "schema": SCHEMA,
-        "model": {**request.model.to_json(), "parameters": count_parameters(request.model)},
-        "gpu": request.gpu.to_json(),
-        "request": {
-            "sequence_length": request.sequence_length,
-            "global_batch_tokens": request.global_batch_tokens,
-            "batch_tolerance": request.batch_tolerance,
-            "gpus_per_node": request.gpus_per_node,
-            "max_gpus": request.max_gpus,
-            "headroom": request.headroom,
-            "budget_bytes": request.budget_bytes,
-            "host_memory_bytes": request.host_memory_bytes,
-            "rank_by": request.rank_by,
-            "price_per_gpu_hour": request.price_per_gpu_hour,
-            "min_gpus": request.min_gpus,
-            "hardware": request.hardware.name if request.hardware else None,
-        },
-        "fewest_gpus": result.fewest_gpus if request.min_gpus else None,
-        "plans": [plan_entry_json(entry) for entry in result.plans],
-        "best_per_family": [plan_entry_json(entry) for entry in result.best_per_family],
-        "rejected": [rejection.to_json() for rejection in result.rejected],
-        "stats": {
-            "candidates": result.stats.candidates,
-            "memory_evaluations": result.stats.memory_evaluations,
-            "fitting": result.stats.fitting,
-            "time_evaluations": result.stats.time_evaluations,
-        },
-    }
 
 
 def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
@@ -288,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty() and not args.json:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan_json(result), indent=2))
+        print(json.dumps(result.to_json(), indent=2))
     else:
         print(render_plan(result, args.units, elapsed))
     return 0 if result.plans else 1

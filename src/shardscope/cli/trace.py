@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             sys.stderr.write("\r\x1b[K")
     if args.json:
-        print(json.dumps(result.to_json(scenario.model.name), indent=1))
+        print(json.dumps(result.to_json(scenario), indent=1))
     else:
         print(render(result, args.units))
     return 0

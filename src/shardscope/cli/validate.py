@@ -9,8 +9,7 @@ from typing import Any
 
 from shardscope.cli.errors import CliError
 from shardscope.cli.tables import render_table
-
-SCHEMA = "shardscope.validate/v1"
+from shardscope.validate.runner import VALIDATE_SCHEMA
 
 
 def add_parser(subparsers: Any) -> None:
@@ -39,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="PROFILE",
         help="hardware profile (from `shardscope calibrate`) to predict step times with",
     )
-    parser.add_argument("--json", action="store_true", help=f"print JSON ({SCHEMA})")
+    parser.add_argument("--json", action="store_true", help=f"print JSON ({VALIDATE_SCHEMA})")
 
 
 def _keep(values: str | None) -> set[str] | None:
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         except HardwareError as error:
             raise CliError(str(error)) from None
     from shardscope.runtime.config import RunError
-    from shardscope.validate.runner import validate_cases
+    from shardscope.validate.runner import validate_cases, validation_document
 
     def progress(text: str) -> None:
         print(f"  {text}", file=sys.stderr, flush=True)
@@ -96,18 +95,11 @@ def run(args: argparse.Namespace) -> int:
         results = validate_cases(cases, hardware=hardware, with_trace=not args.no_trace, progress=progress)
     except RunError as error:
         raise CliError(f"a real run failed: {error}", exit_code=1) from None
-    ok = all(result.ok for result in results)
     if args.json:
-        document = {
-            "schema": SCHEMA,
-            "ok": ok,
-            "rows": [row.to_json() for result in results for row in result.rows],
-            "notes": {result.case.label: list(result.notes) for result in results if result.notes},
-        }
-        print(json.dumps(document, indent=2))
+        print(json.dumps(validation_document(results), indent=2))
     else:
         print(render_results(results))
-    return 0 if ok else 1
+    return 0 if all(result.ok for result in results) else 1
 
 
 def _value(quantity: str, value: float | None) -> str:

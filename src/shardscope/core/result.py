@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from shardscope.core.params import count_parameters
 from shardscope.specs import Scenario, SpecError
+
+if TYPE_CHECKING:
+    from shardscope.core.timeline import TimeEstimate
+
+ESTIMATE_SCHEMA = "shardscope.estimate/v1"
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary", "overhead")
 PHASES = ("setup", "forward", "backward", "optimizer")
@@ -142,3 +150,42 @@ class MemoryEstimate:
     def fits(self) -> bool:
         """The peak fits in the GPU's memory."""
         return self.per_rank.peak_bytes <= self.scenario.cluster.gpu.memory_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of `strategies` in `shardscope.estimate/v1` (and the first fields of a plan in `plan/v1`)."""
+        from shardscope.core.memory import describe_assumptions  # core.memory builds this type: imported when called
+
+        scenario = self.scenario
+        return {
+            "strategy": scenario.strategy.name,
+            "engine": scenario.strategy.engine,
+            "world_size": scenario.cluster.world_size,
+            "shard_group": scenario.shard_degree,
+            "parallelism": scenario.parallelism.to_json(),
+            "offload": scenario.strategy.offload,
+            "parameters": count_parameters(scenario.model),
+            "per_rank": self.per_rank.to_json(),
+            "host_bytes": self.host_bytes_per_node,
+            "fits": self.fits,
+            "peak_moment": self.peak_moment,
+            "activations_estimated": self.activations_estimated,
+            "assumptions": list(describe_assumptions(self)),
+        }
+
+
+def estimate_document(estimates: Sequence[MemoryEstimate], times: Sequence[TimeEstimate] = ()) -> dict[str, Any]:
+    """The `shardscope.estimate/v1` document: estimates of one model, cluster and training setup, one per strategy,
+    each with its time when `times` (one per estimate) are given."""
+    if times and len(times) != len(estimates):
+        raise SpecError(f"estimate_document: {len(times)} times for {len(estimates)} estimates; give one per estimate")
+    first = estimates[0].scenario
+    strategies = [estimate.to_json() for estimate in estimates]
+    for entry, time in zip(strategies, times, strict=False):
+        entry.update(time.to_json())
+    return {
+        "schema": ESTIMATE_SCHEMA,
+        "model": {**first.model.to_json(), "parameters": count_parameters(first.model)},
+        "cluster": first.cluster.to_json(),
+        "training": first.training.to_json(),
+        "strategies": strategies,
+    }

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from shardscope.core.comm import collective_ledger
+from shardscope.core.params import count_parameters
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.failure import FailureMode
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import PlanTiming
 from shardscope.specs import Scenario
+
+PLAN_SCHEMA = "shardscope.plan/v1"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +58,35 @@ class Plan:
         training = self.scenario.training
         return training.tokens_per_micro_batch * training.grad_accum_steps * self.gpus
 
+    def to_json(self) -> dict[str, Any]:
+        """One plan of `shardscope.plan/v1`: the fields of an estimate, its time, and the plan's own fields."""
+        scenario, timing = self.scenario, self.timing
+        training = scenario.training
+        document = self.memory.to_json()
+        document.update(
+            gpus=self.gpus,
+            micro_batch=training.micro_batch_size,
+            grad_accum=training.grad_accum_steps,
+            checkpointing=training.checkpointing,
+            global_batch_tokens=self.global_batch_tokens,
+            communication={
+                "ledger": [row.to_json() for row in collective_ledger(scenario)],
+                "wire_bytes_per_rank": timing.wire_bytes_per_rank,
+                "time_s": timing.comm_time_s,
+                "exposed_time_s": timing.exposed_comm_s,
+                "host_copy_time_s": timing.host_copy_s,
+            },
+            compute_time_s=timing.compute_time_s,
+            step_time_s=timing.step_time_s,
+            tokens_per_s=timing.tokens_per_s,
+            mfu=timing.mfu,
+            simulated_micro_batches=timing.simulated_micro_batches,
+            cost_per_million_tokens=self.cost_per_million_tokens,
+            failure_mode=self.failure_mode.to_json(),
+            risks=[risk.to_json() for risk in self.risks[1:]],
+        )
+        return document
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rejection:
@@ -78,6 +112,7 @@ class Rejection:
             "closest": {
                 "gpus": scenario.cluster.world_size,
                 "shard_group": scenario.shard_degree,
+                "parallelism": scenario.parallelism.to_json(),
                 "offload": scenario.strategy.offload,
                 "checkpointing": scenario.training.checkpointing,
                 "micro_batch": scenario.training.micro_batch_size,
@@ -99,6 +134,15 @@ class SearchStats:
     time_evaluations: int
     """Plans whose step was simulated (the rest were bounded out)."""
 
+    def to_json(self) -> dict[str, int]:
+        """The `stats` object of `shardscope.plan/v1`."""
+        return {
+            "candidates": self.candidates,
+            "memory_evaluations": self.memory_evaluations,
+            "fitting": self.fitting,
+            "time_evaluations": self.time_evaluations,
+        }
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanResult:
@@ -119,3 +163,36 @@ class PlanResult:
     def fewest_gpus(self) -> int | None:
         """The smallest GPU count among the plans (the answer to --min-gpus), or None when nothing fits."""
         return min((plan.gpus for plan in self.plans), default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        """The `shardscope.plan/v1` document."""
+        request = self.request
+        return {
+            "schema": PLAN_SCHEMA,
+            "model": {**request.model.to_json(), "parameters": count_parameters(request.model)},
+            "gpu": request.gpu.to_json(),
+            "request": _request_json(request),
+            "fewest_gpus": self.fewest_gpus if request.min_gpus else None,
+            "plans": [entry.to_json() for entry in self.plans],
+            "best_per_family": [entry.to_json() for entry in self.best_per_family],
+            "rejected": [rejection.to_json() for rejection in self.rejected],
+            "stats": self.stats.to_json(),
+        }
+
+
+def _request_json(request: PlanRequest) -> dict[str, Any]:
+    """The `request` object of `shardscope.plan/v1`: the question's limits (its model and GPU have their own)."""
+    return {
+        "sequence_length": request.sequence_length,
+        "global_batch_tokens": request.global_batch_tokens,
+        "batch_tolerance": request.batch_tolerance,
+        "gpus_per_node": request.gpus_per_node,
+        "max_gpus": request.max_gpus,
+        "headroom": request.headroom,
+        "budget_bytes": request.budget_bytes,
+        "host_memory_bytes": request.host_memory_bytes,
+        "rank_by": request.rank_by,
+        "price_per_gpu_hour": request.price_per_gpu_hour,
+        "min_gpus": request.min_gpus,
+        "hardware": request.hardware.name if request.hardware else None,
+    }

@@ -9,6 +9,7 @@ from typing import Any
 
 from shardscope.core.params import count_parameters
 from shardscope.core.result import CollectiveRow, MemoryBreakdown
+from shardscope.mesh import Parallelism, data_parallel_mesh
 from shardscope.runtime.config import RunConfig
 
 SCHEMA = "shardscope.run/v1"
@@ -55,6 +56,12 @@ class RunResult:
     step_time_s: float
     """Median wall time of the unmeasured steps, slowest rank."""
 
+    @property
+    def parallelism(self) -> Parallelism:
+        """The mesh the run's strategy made of its ranks."""
+        config = self.config
+        return data_parallel_mesh(config.strategy, config.world_size, config.shard_group)
+
     def to_json(self) -> dict[str, Any]:
         """The `shardscope.run/v1` document."""
         model = self.config.model_spec
@@ -64,6 +71,7 @@ class RunResult:
             "strategy": self.config.strategy,
             "engine": self.config.engine,
             "world_size": self.config.world_size,
+            "parallelism": self.parallelism.to_json(),
             "per_rank": [breakdown.to_json() for breakdown in self.per_rank],
             "ledger": [row.to_json() for row in self.ledger],
             "parity": self.parity.to_json(),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardscope.core.result import CollectiveRow, MemoryBreakdown
+from shardscope.specs import Scenario
 
 SCHEMA = "shardscope.trace/v1"
 
@@ -93,18 +94,19 @@ class TraceResult:
     elapsed_s: float = 0.0
     """Wall time of the trace, building included."""
 
-    def to_json(self, scenario_name: str = "") -> dict[str, Any]:
-        """The `shardscope.trace/v1` document."""
+    def to_json(self, scenario: Scenario) -> dict[str, Any]:
+        """The `shardscope.trace/v1` document of the trace of `scenario`."""
         per_rank: dict[str, Any] = dict(self.per_rank.to_json())
         per_rank["ledger"] = [row.to_json() for row in self.ledger]
         per_rank["flops"] = self.flops.to_json()
         per_rank["peak_moment"] = self.peak_moment
         return {
             "schema": SCHEMA,
-            "model": scenario_name,
+            "model": scenario.model.name,
             "world_size": self.world_size,
             "strategy": self.strategy,
             "engine": self.engine,
+            "parallelism": scenario.parallelism.to_json(),
             "per_rank": per_rank,
             "peak_by_category": {name: size for name, size in self.peak_by_category},
             "per_module": [row.to_json() for row in self.per_module],

@@ -58,7 +58,7 @@ def main() -> int:
 
         request = request_from_json(sys.stdin.read())
         result = run_trace(request, progress=_progress)
-        answer = result.to_json(request.scenario.model.name)
+        answer = result.to_json(request.scenario)
     except Exception as error:  # every failure becomes one line for the CLI
         answer, code = {"error": explain(error)}, 2
     sys.stdout.write(json.dumps(answer))

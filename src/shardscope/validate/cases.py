@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from shardscope.choices import STRATEGIES, parse_choice
-from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
+from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies, data_parallel_mesh
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
 from shardscope.units import GIB
@@ -102,6 +102,7 @@ class ValidationCase:
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "device": self.device,
+            "parallelism": data_parallel_mesh(self.strategy, self.world_size, self.shard_group).to_json(),
         }
 
 

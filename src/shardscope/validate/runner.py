@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardscope.choices import engine_name
 from shardscope.core.comm import collective_ledger
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from shardscope.runtime.api import RunResult
 
 Progress = Callable[[str], None]
+VALIDATE_SCHEMA = "shardscope.validate/v1"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +37,16 @@ class CaseResult:
     def ok(self) -> bool:
         """Every row within its target."""
         return all(row.ok for row in self.rows)
+
+
+def validation_document(results: Sequence[CaseResult]) -> dict[str, Any]:
+    """The `shardscope.validate/v1` document: every row of every case, and the notes of the cases that have any."""
+    return {
+        "schema": VALIDATE_SCHEMA,
+        "ok": all(result.ok for result in results),
+        "rows": [row.to_json() for result in results for row in result.rows],
+        "notes": {result.case.label: list(result.notes) for result in results if result.notes},
+    }
 
 
 def _trace(

@@ -1,0 +1,62 @@
+"""Fixtures every test directory shares."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+
+from shardscope.schemas import load_schema
+
+# Objects used as maps (keys are data, not names), where any key is allowed.
+OPEN_MAPS = ("peak_flops_per_s", "notes")
+
+Document = dict[str, Any]
+
+
+def _validator(document: Document) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(load_schema(document["schema"]))
+
+
+def _object_paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Paths to every non-empty object that is not an open map, descending into the first item of each list."""
+    if isinstance(node, dict):
+        if node and (not path or path[-1] not in OPEN_MAPS):
+            yield path
+        for key, value in node.items():
+            yield from _object_paths(value, (*path, key))
+    elif isinstance(node, list) and node:
+        yield from _object_paths(node[0], (*path, 0))
+
+
+@pytest.fixture
+def matches_schema() -> Callable[[Document], None]:
+    """Validates a document against the checked-in JSON Schema its `schema` key names (Draft 2020-12); raises
+    jsonschema.ValidationError, naming the path and the rule, when it breaks it."""
+    return lambda document: _validator(document).validate(document)
+
+
+@pytest.fixture
+def rejects_renamed_keys() -> Callable[[Document], int]:
+    """Validates a document, then renames a key of each of its objects (the first item of each list), one at a time,
+    and asserts the schema rejects every such copy; returns how many objects were tried."""
+
+    def check(document: Document) -> int:
+        validator = _validator(document)
+        validator.validate(document)
+        tried = 0
+        for path in _object_paths(document):
+            changed = copy.deepcopy(document)
+            node = changed
+            for step in path:
+                node = node[step]
+            key = next(iter(node))
+            node[f"{key}_renamed"] = node.pop(key)
+            assert not validator.is_valid(changed), f"{document['schema']}: renaming {(*path, key)} still validates"
+            tried += 1
+        return tried
+
+    return check
