@@ -42,15 +42,13 @@ Every field added after the first version is optional and defaults to 0 (not mod
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from shardscope.presets import LINK_ROLES, gpu_preset_names, gpu_record, gpus_file
 from shardscope.specs import FAMILIES, GpuSpec, SpecError
 
 PROFILE_SCHEMA = "shardscope.hardware/v1"
@@ -241,21 +239,14 @@ class HardwareProfile:
             raise HardwareError(f"profile {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
 
 
-@cache
-def _data() -> dict[str, Any]:
-    text = resources.files("shardscope.presets").joinpath("interconnects.json").read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    return data
-
-
 def interconnect_preset_names() -> tuple[str, ...]:
     """Every interconnect preset id."""
-    return tuple(_data()["interconnects"])
+    return tuple(gpus_file()["links"])
 
 
 def interconnect_preset(name: str) -> InterconnectSpec:
     """The InterconnectSpec of a preset id such as 'ib-ndr'."""
-    table = _data()["interconnects"]
+    table = gpus_file()["links"]
     if name not in table:
         raise HardwareError(f"unknown interconnect {name!r}; known: {', '.join(table)}")
     entry = table[name]
@@ -269,15 +260,18 @@ def interconnect_preset(name: str) -> InterconnectSpec:
 
 
 def gpu_memory_bandwidth(gpu: GpuSpec) -> float:
-    """The GPU preset's datasheet memory bandwidth in bytes per second, or 0 when unknown."""
-    entry = _data()["memory_bandwidth"].get(gpu.id)
-    return float(entry["bytes_per_s"]) if isinstance(entry, dict) else 0.0
+    """The GPU preset's datasheet memory bandwidth in bytes per second, or 0 for a GPU that is not a preset."""
+    return float(gpu_record(gpu.id).memory_bandwidth_bytes_per_s) if gpu.id in gpu_preset_names() else 0.0
 
 
 def default_profile(gpu: GpuSpec) -> HardwareProfile:
     """The datasheet profile of a GPU preset: its typical links, NCCL's latencies, the default efficiency."""
-    data = _data()
-    links = data["gpu_defaults"].get(gpu.id, data["gpu_defaults"]["custom"])
+    data = gpus_file()
+    if gpu.id in gpu_preset_names():
+        record = gpu_record(gpu.id)
+        links = {role: getattr(record, role) for role in LINK_ROLES}
+    else:
+        links = data["custom_gpu_links"]
     profile = HardwareProfile(
         name=f"datasheet: {gpu.name}",
         intra_node=interconnect_preset(links["intra_node"]),
@@ -285,7 +279,7 @@ def default_profile(gpu: GpuSpec) -> HardwareProfile:
         host=interconnect_preset(links["host"]),
         call_latency_s=float(data["call_latency_s"]),
         memory_bandwidth_bytes_per_s=gpu_memory_bandwidth(gpu),
-        source=f"{gpu.source}; links: interconnects.json; {data['call_latency_source']}; "
+        source=f"{gpu.source}; links: gpus.json; {data['call_latency_source']}; "
         f"framework: {data['framework_defaults']['source']}",
     )
     overheads: dict[str, Any] = {name: float(data["framework_defaults"][name]) for name in OVERHEAD_FIELDS}
