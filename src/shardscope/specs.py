@@ -7,29 +7,63 @@ take one.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-FAMILIES = ("gpt2", "llama", "moe", "count")
-PRECISIONS = ("fp32", "fp64", "bf16-mixed", "fp16-mixed", "bf16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
-CHECKPOINTING = ("none", "full", "selective")
-ATTENTION = ("eager", "sdpa")
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-OFFLOADS = ("none", "optimizer", "optimizer+params")
-ENGINES = ("paper", "pytorch", "deepspeed")
-BACKENDS = ("nccl", "gloo")
+from shardscope.choices import (
+    ATTENTION,
+    BACKENDS,
+    CHECKPOINTING,
+    ENGINES,
+    FAMILIES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    Attention,
+    Backend,
+    Checkpointing,
+    EngineName,
+    Family,
+    Offload,
+    OptimizerName,
+    Precision,
+    SpecError,
+    StrategyName,
+)
+from shardscope.mesh import (
+    DATA_PARALLEL_PRESETS,
+    DataParallelPreset,
+    Parallelism,
+    canonical_strategy,
+    data_parallel_mesh,
+)
+
+__all__ = [
+    "ATTENTION",
+    "BACKENDS",
+    "CHECKPOINTING",
+    "ENGINES",
+    "FAMILIES",
+    "OFFLOADS",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "STRATEGIES",
+    "ClusterSpec",
+    "GpuSpec",
+    "ModelSpec",
+    "Overheads",
+    "Parallelism",
+    "Scenario",
+    "SpecError",
+    "Strategy",
+    "TrainingSpec",
+]
 
 # Sanity bounds: anything past these is a typo, not a model (the largest published dense models are ~1e12).
 MAX_PARAMETERS = 10**15
 MAX_SEQUENCE_LENGTH = 10**8
 MAX_WORLD_SIZE = 10**6
-
-Family = Literal["gpt2", "llama", "moe", "count"]
-
-
-class SpecError(ValueError):
-    """A spec field holds a value that is not allowed; the message names the field, the value and what is allowed."""
 
 
 def _require_choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -167,7 +201,7 @@ class ClusterSpec:
     """Total ranks (GPUs) in the job."""
     gpus_per_node: int = 8
     """GPUs in one node; the world is whole nodes, or one partly used node."""
-    backend: str = "nccl"
+    backend: Backend = "nccl"
     """The collectives library: 'nccl' (GPUs) or 'gloo' (CPU processes, as `validate` runs here). It decides what
     a collective allocates beside its input, e.g. gloo's reduce-scatter works on a clone of its whole input."""
 
@@ -212,13 +246,13 @@ class TrainingSpec:
     """Tokens per sequence."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step."""
-    precision: str = "bf16-mixed"
+    precision: Precision = "bf16-mixed"
     """'fp32', 'fp64', 'bf16-mixed' or 'fp16-mixed' (16-bit compute, fp32 master weights), or 'bf16' (pure)."""
-    optimizer: str = "adamw"
+    optimizer: OptimizerName = "adamw"
     """'adamw', 'adam', 'sgd' or 'sgd-momentum'."""
-    checkpointing: str = "none"
+    checkpointing: Checkpointing = "none"
     """Activation checkpointing: 'none', 'full' (keep only block inputs) or 'selective' (recompute attention)."""
-    attention: str = "sdpa"
+    attention: Attention = "sdpa"
     """'eager' (materialises the score matrix) or 'sdpa' (fused flash/memory-efficient kernels)."""
 
     def __post_init__(self) -> None:
@@ -250,13 +284,13 @@ class TrainingSpec:
 class Strategy:
     """How the data-parallel ranks split the model states, and whose memory rules apply."""
 
-    name: str
+    name: StrategyName
     """'ddp', 'zero1', 'zero2', 'zero3', 'fsdp' (read as zero3) or 'hsdp'."""
-    engine: str = "pytorch"
+    engine: EngineName = "pytorch"
     """Whose accounting: 'paper' (the ZeRO paper), 'pytorch' (DDP, ZeroRedundancyOptimizer, FSDP2) or 'deepspeed'."""
     shard_group: int = 0
     """hsdp only: ranks in one shard group; groups replicate each other."""
-    offload: str = "none"
+    offload: Offload = "none"
     """'none', 'optimizer' (optimizer state on the host) or 'optimizer+params' (zero3/hsdp: parameters too)."""
     bucket_bytes: int = 25 * 1024 * 1024
     """Gradient bucket size for DDP's all-reduce (torch's default is 25 MiB)."""
@@ -271,7 +305,7 @@ class Strategy:
         _require_choice(owner, "engine", self.engine, ENGINES)
         _require_choice(owner, "offload", self.offload, OFFLOADS)
         _require_int(owner, "bucket_bytes", self.bucket_bytes, 1)
-        if self.name == "hsdp":
+        if self.preset.groups_replicate:
             _require_int(owner, "shard_group", self.shard_group, 1, MAX_WORLD_SIZE)
         elif self.shard_group:
             raise SpecError(
@@ -283,14 +317,33 @@ class Strategy:
             )
 
     @property
-    def canonical_name(self) -> str:
+    def canonical_name(self) -> StrategyName:
         """'fsdp' is another name for 'zero3'."""
-        return "zero3" if self.name == "fsdp" else self.name
+        return canonical_strategy(self.name)
+
+    @property
+    def label(self) -> str:
+        """The strategy as printed: its name, and an hsdp's shard group, e.g. 'hsdp(8)'."""
+        return f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
+
+    def sibling(self, name: StrategyName, shard_group: int) -> Strategy:
+        """The strategy `name` with this one's other settings, for a side-by-side comparison: `shard_group` when
+        `name` splits into groups, and parameter offload kept only where parameters are sharded."""
+        preset = DATA_PARALLEL_PRESETS[name]
+        offload = self.offload
+        if offload == "optimizer+params" and preset.zero_stage < 3:
+            offload = "optimizer"
+        return replace(self, name=name, shard_group=shard_group if preset.groups_replicate else 0, offload=offload)
+
+    @property
+    def preset(self) -> DataParallelPreset:
+        """What the strategy's name means in mesh degrees."""
+        return DATA_PARALLEL_PRESETS[self.name]
 
     @property
     def stage(self) -> int:
         """ZeRO stage: 0 for ddp, 1 to 3, and 3 for hsdp inside a group."""
-        return {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}[self.name]
+        return DATA_PARALLEL_PRESETS[self.name].zero_stage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -323,15 +376,19 @@ class Scenario:
     overheads: Overheads = field(default_factory=Overheads)
     """Non-tensor memory assumptions."""
 
+    parallelism: Parallelism = field(init=False, compare=False)
+    """The device mesh the strategy makes of the cluster's GPUs (derived)."""
+
     def __post_init__(self) -> None:
-        group = self.strategy.shard_group
-        if self.strategy.name == "hsdp" and (group > self.cluster.world_size or self.cluster.world_size % group):
-            raise SpecError(f"Strategy.shard_group={group} must divide world_size={self.cluster.world_size}")
+        mesh = data_parallel_mesh(self.strategy.name, self.cluster.world_size, self.strategy.shard_group)
+        object.__setattr__(self, "parallelism", mesh)
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that share one copy of the sharded states: the world, or the hsdp shard group."""
-        return self.strategy.shard_group if self.strategy.name == "hsdp" else self.cluster.world_size
+        """Ranks that share one copy of the sharded states: the hsdp shard group, else the whole world (DDP's
+        included, where nothing is sharded: see `parallelism.dp_shard` for the degree that shards)."""
+        mesh = self.parallelism
+        return mesh.dp_shard if self.strategy.preset.shards else mesh.world_size
 
     @property
     def replica_degree(self) -> int:

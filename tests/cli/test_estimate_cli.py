@@ -82,7 +82,10 @@ BAD = [
     (["--model", "gpt2", "--gpus", "-2"], "--gpus"),
     (["--model", "gpt2", "--gpus", "2.5"], "--gpus"),
     (["--model", "gpt2", "--gpus", "12", "--gpus-per-node", "8"], "multiple of gpus_per_node"),
-    (["--model", "gpt2", "--strategy", "hsdp", "--shard-group", "3"], "must divide world_size"),
+    (
+        ["--model", "gpt2", "--strategy", "hsdp", "--shard-group", "3"],
+        "dp_replicate 2 x dp_shard 3 = 6, not the 8 GPUs given",
+    ),
     (["--model", "nope"], "unknown model preset"),
     (["--model", "gpt2", "--gpu", "nope"], "unknown GPU preset"),
     (["--model", "gpt2", "--engine", "megatron"], "--engine"),

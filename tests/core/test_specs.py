@@ -1,5 +1,6 @@
 import pytest
 
+from shardscope.mesh import MeshError, Parallelism
 from shardscope.presets import PresetError, gpu_preset, gpu_preset_names, model_preset
 from shardscope.specs import ClusterSpec, ModelSpec, Scenario, SpecError, Strategy, TrainingSpec
 from shardscope.units import GIB
@@ -21,10 +22,11 @@ def test_errors_name_field_value_and_allowed() -> None:
 def test_hsdp_shard_group_must_divide_world() -> None:
     cluster = ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=16)
     model = model_preset("gpt2")
-    with pytest.raises(SpecError, match="shard_group=3 must divide world_size=16"):
+    with pytest.raises(SpecError, match="dp_replicate 5 x dp_shard 3 = 15, not the 16 GPUs given"):
         Scenario(model=model, cluster=cluster, strategy=Strategy(name="hsdp", shard_group=3))
     scenario = Scenario(model=model, cluster=cluster, strategy=Strategy(name="hsdp", shard_group=8))
     assert (scenario.shard_degree, scenario.replica_degree) == (8, 2)
+    assert scenario.parallelism == Parallelism(dp_replicate=2, dp_shard=8)
     with pytest.raises(SpecError, match="only used by hsdp"):
         Strategy(name="zero3", shard_group=8)
     with pytest.raises(SpecError, match="needs sharded parameters"):
@@ -55,3 +57,41 @@ def test_gpu_presets_store_bytes() -> None:
     assert all(gpu_preset(name).source for name in gpu_preset_names())
     with pytest.raises(PresetError, match="unknown GPU preset 'h1000'"):
         gpu_preset("h1000")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "group", "mesh"),
+    [
+        ("ddp", 0, Parallelism(dp_replicate=16)),
+        ("zero1", 0, Parallelism(dp_shard=16)),
+        ("zero2", 0, Parallelism(dp_shard=16)),
+        ("zero3", 0, Parallelism(dp_shard=16)),
+        ("fsdp", 0, Parallelism(dp_shard=16)),
+        ("hsdp", 4, Parallelism(dp_replicate=4, dp_shard=4)),
+    ],
+)
+def test_strategies_are_presets_over_the_data_parallel_degrees(strategy: str, group: int, mesh: Parallelism) -> None:
+    cluster = ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=16)
+    scenario = Scenario(
+        model=model_preset("gpt2"), cluster=cluster, strategy=Strategy(name=strategy, shard_group=group)
+    )
+    assert scenario.parallelism == mesh
+    assert mesh.world_size == 16
+    assert mesh.to_json() == {
+        "dp_replicate": mesh.dp_replicate,
+        "dp_shard": mesh.dp_shard,
+        "cp": 1,
+        "tp": 1,
+        "pp": 1,
+        "ep": 1,
+    }
+
+
+def test_mesh_errors_name_the_degrees_and_their_values() -> None:
+    with pytest.raises(MeshError, match=r"^pp 2 x dp_shard 2 x tp 4 = 16, not the 8 GPUs given$"):
+        Parallelism(pp=2, dp_shard=2, tp=4).require_world_size(8)
+    with pytest.raises(MeshError, match=r"tp=0 must be a whole number"):
+        Parallelism(tp=0)
+    with pytest.raises(MeshError, match=r"ep 3 must divide dp_shard 4 x cp 1 = 4"):
+        Parallelism(dp_shard=4, ep=3)
+    assert Parallelism(dp_shard=4, cp=2, ep=8).world_size == 8  # ep borrows dp_shard x cp, it adds no GPU

@@ -14,6 +14,7 @@ from shardscope.core.chrome_trace import chrome_trace
 from shardscope.core.compute import model_flops_per_step
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import default_profile, interconnect_preset
+from shardscope.specs import Scenario
 
 
 def _profile(overlap: bool = True, inter: str = "ib-ndr"):  # type: ignore[no-untyped-def]
@@ -112,8 +113,11 @@ def test_core_time_model_imports_without_torch() -> None:
 
 
 def test_framework_overheads_add_per_unit_per_step_and_per_tensor() -> None:
+    from shardscope.core.engines import rules_for
     from shardscope.core.params import param_layout
-    from shardscope.core.timeline import optimizer_tensors
+
+    def optimizer_tensors(case: Scenario) -> int:
+        return rules_for(case).optimizer_tensors(case)
 
     case = scenario(model="tiny-llama", strategy="zero3", world_size=2, gpus_per_node=2, sequence_length=32)
     base = dataclasses.replace(_profile(overlap=False), fsdp_unit_overhead_s=0.0, ddp_step_overhead_s=0.0)

@@ -71,6 +71,7 @@ def strategy_json(estimate: MemoryEstimate) -> dict[str, Any]:
         "engine": scenario.strategy.engine,
         "world_size": scenario.cluster.world_size,
         "shard_group": scenario.shard_degree,
+        "parallelism": scenario.parallelism.to_json(),
         "offload": scenario.strategy.offload,
         "parameters": count_parameters(scenario.model),
         "per_rank": estimate.per_rank.to_json(),
@@ -91,10 +92,7 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
         f"{cluster.gpu.name} ({format_bytes(cluster.gpu.memory_bytes, units, 0)}), {training.precision}, "
         f"{training.optimizer}, micro-batch {training.micro_batch_size} x {training.sequence_length}"
     )
-    columns = [
-        e.scenario.strategy.name + (f"({e.scenario.shard_degree})" if e.scenario.strategy.name == "hsdp" else "")
-        for e in estimates
-    ]
+    columns = [e.scenario.strategy.label for e in estimates]
     rows: list[list[str]] = []
     for category in CATEGORIES:
         label = category.replace("_", " ")

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from shardscope.choices import Word, parse_choice
 from shardscope.cli.errors import CliError
 from shardscope.cli.estimate import strategy_json
 from shardscope.cli.scenario_args import add_model_arguments, gpu_from_args, model_from_args, positive_int
@@ -15,9 +16,10 @@ from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.core.comm import collective_ledger
 from shardscope.core.params import count_parameters
+from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, Plan, PlanRequest, PlanResult, plan
 from shardscope.presets import gpu_preset_names
-from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads
+from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads, SpecError
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
 SCHEMA = "shardscope.plan/v1"
@@ -30,18 +32,23 @@ EXAMPLES = """examples:
 """
 
 
-def _choices(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+def _choices(text: str, allowed: tuple[Word, ...], option: str) -> tuple[Word, ...]:
     """A comma list of allowed values, or 'all'."""
     if text == "all":
         return allowed
-    values = tuple(value.strip() for value in text.split(",") if value.strip())
-    values = tuple("zero3" if value == "fsdp" else value for value in values)
-    for value in values:
-        if value not in allowed:
-            raise CliError(f"{option} {value!r} is not known; give a comma list of {', '.join(allowed)}, or all")
-    if not values:
+    words = tuple(value.strip() for value in text.split(",") if value.strip())
+    words = tuple(STRATEGY_ALIASES.get(value, value) for value in words)
+    if not words:
         raise CliError(f"{option} is empty; give a comma list of {', '.join(allowed)}, or all")
-    return values
+    values = []
+    for word in words:
+        try:
+            values.append(parse_choice(option, word, allowed))
+        except SpecError:
+            raise CliError(
+                f"{option} {word!r} is not known; give a comma list of {', '.join(allowed)}, or all"
+            ) from None
+    return tuple(values)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:

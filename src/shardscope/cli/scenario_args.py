@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from shardscope.choices import StrategyName, parse_choice
 from shardscope.cli.errors import CliError
+from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
 from shardscope.presets.hf_config import read_hf_config
 from shardscope.specs import (
@@ -16,6 +18,7 @@ from shardscope.specs import (
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
+    STRATEGIES,
     ClusterSpec,
     GpuSpec,
     ModelSpec,
@@ -25,8 +28,6 @@ from shardscope.specs import (
     TrainingSpec,
 )
 from shardscope.units import parse_bytes, parse_count
-
-BASIC_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def positive_int(text: str) -> int:
@@ -149,21 +150,18 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
     return gpu_preset(args.gpu)
 
 
-def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[str]:
+def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:
     """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
     text: str = args.strategy
     if text == "all":
-        names = list(BASIC_STRATEGIES)
-        if args.shard_group or cluster.num_nodes > 1:
-            names.append("hsdp")
-        return names
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
+        return list(comparable_strategies(grouped=bool(args.shard_group) or cluster.num_nodes > 1))
+    words = [word.strip() for word in text.split(",") if word.strip()]
+    if not words:
         raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")
-    return names
+    return [parse_choice("Strategy.name", word, STRATEGIES) for word in words]
 
 
-def scenarios_from_args(args: argparse.Namespace, names: Sequence[str] | None = None) -> list[Scenario]:
+def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] | None = None) -> list[Scenario]:
     """One Scenario per strategy named on the command line."""
     model = model_from_args(args)
     cluster = ClusterSpec(
@@ -180,14 +178,16 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[str] | None = 
     )
     overheads = Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom)
     scenarios = []
+    group = args.shard_group or cluster.ranks_per_node
+    compared = Strategy(name="zero3", engine=args.engine, offload=args.offload)
     for name in names or strategy_names(args, cluster):
-        shard_group = 0
-        if name == "hsdp":
-            shard_group = args.shard_group or cluster.ranks_per_node
-        offload = args.offload
-        if offload == "optimizer+params" and name in ("ddp", "zero1", "zero2") and args.strategy == "all":
-            offload = "optimizer"  # 'all' compares strategies; parameters can only be offloaded when sharded
-        strategy = Strategy(name=name, engine=args.engine, shard_group=shard_group, offload=offload)
+        if args.strategy == "all":  # a comparison: parameters are only offloaded where they are sharded
+            strategy = compared.sibling(name, group)
+        else:
+            preset = DATA_PARALLEL_PRESETS[name]
+            strategy = Strategy(
+                name=name, engine=args.engine, shard_group=group if preset.groups_replicate else 0, offload=args.offload
+            )
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
+from shardscope.core.engines import rules_for
 from shardscope.core.params import ParamTensor, param_layout
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
@@ -216,7 +217,7 @@ def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int
     if compute.memory_bandwidth_bytes_per_s <= 0:
         return kernels
     state_bytes = 8 if scenario.training.precision == "fp64" else 4
-    fused = scenario.strategy.engine == "deepspeed"
+    fused = rules_for(scenario).fused_optimizer
     accessed = (FUSED_OPTIMIZER_ACCESSES if fused else OPTIMIZER_ACCESSES)[optimizer] * state_bytes * shard_numel
     return kernels + accessed / compute.memory_bandwidth_bytes_per_s
 

@@ -1,10 +1,8 @@
-"""Model states per rank (parameters, gradients, optimizer state) and the buffers a strategy adds, per engine.
+"""Model states per rank (parameters, gradients, optimizer state) and the buffers a strategy adds.
 
-Each engine's rules live in their own module: `paper_states` (the ZeRO paper's accounting, as shardscope's teaching
-strategies allocate it), `torch_states` (DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2) and
-`deepspeed_states` (DeepSpeed's own estimators). Besides the states, each says what is gathered and which unsharded
-gradients are in flight at the moments of backward that `memory` compares. The in-flight terms were read off
-measured peaks of real gloo runs (`shardscope validate`), each naming the mechanism it stands for.
+Every engine (`shardscope.core.engines`) fills one `ModelStates`: what it holds, what is gathered and which unsharded
+gradients are in flight at the moments every engine shares (`core.engines.base`). What only one engine's mechanism
+makes stays in that engine's module, with the moments it adds.
 """
 
 from __future__ import annotations
@@ -35,41 +33,9 @@ class ModelStates:
     """Unsharded gradients in flight while the top block runs backward (beyond `gradients_bytes`)."""
     boundary_grads_bytes: int = 0
     """Unsharded gradients in flight between the top two blocks' backward."""
-    walks_block_backward: bool = False
-    """Whether the top block's backward is seen at its MLP's backward and at its reduce-scatter (FSDP2) rather than
-    as one coarse moment."""
-    top_reduce_scatter_bytes: int = 0
-    """At the top block's reduce-scatter: the reduce-scatter input and output shard (NCCL), and under gloo the
-    input's clone less the block's gathered parameters, resharded by then (see `torch_states._fully_sharded`)."""
-    gloo_clone_moments: bool = False
-    """Whether the bottom block's and the root's reduce-scatters are moments of their own: gloo's reduce-scatter
-    holds a clone of its whole input besides it (see `torch_states._fully_sharded`)."""
-    root_reduce_scatter_bytes: int = 0
-    """At the root's reduce-scatter (gloo): the gathered root, and the root's input with gloo's clone of it."""
-    root_landed_grads_bytes: int = 0
-    """Every block's gradient shard, landed when the root reduce-scatters."""
-    bottom_block_moment: bool = False
-    """Whether the bottom block's backward (the last block to run it) is a moment of its own for this engine."""
-    bottom_buffers_bytes: int = 0
-    """Gathered parameters and communication buffers while the bottom block runs backward."""
-    bottom_landed_grads_bytes: int = 0
-    """Gradients of the blocks above that have landed (sharded) when the bottom block runs backward."""
-    bottom_grads_bytes: int = 0
-    """Unsharded gradients in flight while the bottom block runs backward (beyond the landed ones)."""
-    bottom_reduce_scatter_bytes: int = 0
-    """At the bottom block's reduce-scatter (gloo): the root and the block gathered, its reduce-scatter input and
-    gloo's clone of it."""
-    after_backward_buffers_bytes: int = 0
-    """Buffers of the reduce-scatters that run after backward (the teaching ZeRO-1), with every gradient whole; 0 when
-    the strategy has none."""
     recompute_grads_bytes: int = 0
     """Under checkpointing, the top block's own gradients, made while its recomputed activations are still whole
     (measured for DDP; the sharded engines hand each unit's gradients on as they land)."""
-    forward_staging_bytes: int = 0
-    """The last all-gather's flat output, held until the loss runs (FSDP2 without resharding after forward)."""
-    first_block_buffers_bytes: int = 0
-    """Gathered while the first block runs forward, with the next block prefetched and both all-gathers' flat outputs
-    held (FSDP2 without resharding after forward); 0 when not a moment of its own."""
     forward_temporary_bytes: int = 0
     """Autocast's 16-bit weight copies, cached for the whole forward."""
     optimizer_temporary_bytes: int = 0

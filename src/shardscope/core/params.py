@@ -184,3 +184,11 @@ def count_parameters(model: ModelSpec) -> int:
 def model_facts(model: ModelSpec) -> tuple[int, ParamLayout | None]:
     """The parameter count and the layout (None without a shape), in one cache lookup for hot paths."""
     return count_parameters(model), param_layout(model) if model.has_shape else None
+
+
+@cache
+def head_numel(layout: ParamLayout) -> int:
+    """Parameters whose gradients backward makes first: the final norm and the output head (the tied embedding)."""
+    tail = sum(t.numel for t in layout.root if not t.name.startswith("embed"))
+    tied = not any(t.name.startswith("lm_head") for t in layout.root)
+    return tail + (layout.root[0].numel if tied else 0)

@@ -27,14 +27,9 @@ from shardscope.core.compute import (
     optimizer_step_s,
     stage_flops,
 )
+from shardscope.core.engines import rules_for
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, network_model
-from shardscope.core.overheads import (
-    async_slowdown_s,
-    framework_s,
-    is_async,
-    optimizer_tensors,
-    uses_fsdp2,
-)
+from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import param_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import flat_shard_numel
@@ -156,7 +151,8 @@ def _compute_tasks(
 ) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
     """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
     stages = stage_flops(scenario.model, scenario.training)
-    framework = framework_s(scenario, profile)
+    rules = rules_for(scenario)
+    framework = rules.framework_s(scenario, profile)
     tasks: list[_Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
@@ -179,14 +175,11 @@ def _compute_tasks(
                 add("recompute", micro_batch, index, recompute[index])
             add("backward", micro_batch, index, backward[index])
     layout = param_layout(scenario.model)
-    degree = 1 if scenario.strategy.stage == 0 else scenario.shard_degree
-    shard_tensors = optimizer_tensors(scenario)
+    degree = scenario.parallelism.dp_shard
+    shard_tensors = rules.optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
     seconds += profile.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
-    if uses_fsdp2(scenario):
-        seconds += shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
-    if scenario.strategy.engine == "pytorch" and scenario.strategy.canonical_name == "zero1":
-        seconds += layout.tensor_count * profile.zero_tensor_overhead_s  # ZeroRedundancyOptimizer, every tensor
+    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
     where[("optimizer", 0, -1)] = len(tasks)
     tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
     return tasks, where
@@ -290,7 +283,8 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     compute = compute_model(scenario, profile)
     costs = _event_costs(scenario, events, network_model(profile))
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
-    asynchronous = tuple(is_async(event, scenario) for event in events)
+    rules = rules_for(scenario)
+    asynchronous = tuple(rules.is_async(scenario, event) for event in events)
     if profile.async_compute_slowdown:
         _slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.async_compute_slowdown)
     comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s, asynchronous)
@@ -337,8 +331,8 @@ def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -
     return simulate(scenario, hardware or default_profile(scenario.cluster.gpu))
 
 
-# compute_model, network_model and optimizer_tensors moved to core.compute, core.network and core.overheads; they stay
-# importable from here, where callers found them.
+# compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers
+# found them.
 __all__ = [
     "STREAMS",
     "Span",
@@ -346,6 +340,5 @@ __all__ = [
     "compute_model",
     "estimate_time",
     "network_model",
-    "optimizer_tensors",
     "simulate",
 ]

@@ -11,10 +11,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardscope.choices import Checkpointing
 from shardscope.core.activations import estimate_activations
-from shardscope.core.params import param_layout
+from shardscope.core.engines import rules_for
 from shardscope.core.result import MemoryEstimate
-from shardscope.core.sharding import whole_tensor_shards
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import PlanTiming
 from shardscope.specs import Scenario
@@ -53,7 +53,9 @@ def _gib(num_bytes: float) -> str:
     return format_bytes(num_bytes, "GiB")
 
 
-def _with(scenario: Scenario, *, sequence_length: int | None = None, checkpointing: str | None = None) -> Scenario:
+def _with(
+    scenario: Scenario, *, sequence_length: int | None = None, checkpointing: Checkpointing | None = None
+) -> Scenario:
     training = scenario.training
     training = dataclasses.replace(
         training,
@@ -124,7 +126,7 @@ def _zero3_cross_node(
 ) -> FailureMode | None:
     cluster = scenario.cluster
     share = timing.exposed_comm_s / timing.step_time_s
-    if scenario.strategy.canonical_name != "zero3" or cluster.num_nodes < 2 or share < EXPOSED_SHARE:
+    if not scenario.strategy.preset.full_shard or cluster.num_nodes < 2 or share < EXPOSED_SHARE:
         return None
     message = (
         f"ZeRO-3 gathers and reduce-scatters across {cluster.num_nodes} nodes: {timing.exposed_comm_s:.3f} s of the "
@@ -166,9 +168,9 @@ def _offload(
 
 
 def _zero1_uneven(scenario: Scenario) -> FailureMode | None:
-    if scenario.strategy.canonical_name != "zero1" or scenario.strategy.engine != "pytorch":
+    sizes = rules_for(scenario).optimizer_shard_numels(scenario)
+    if sizes is None:
         return None
-    sizes = whole_tensor_shards(param_layout(scenario.model), scenario.cluster.world_size).numel_per_rank
     even = sum(sizes) / len(sizes)
     busiest = max(sizes)
     excess = busiest / even - 1.0
@@ -186,7 +188,7 @@ def _zero1_uneven(scenario: Scenario) -> FailureMode | None:
 
 def _communication(scenario: Scenario, timing: PlanTiming) -> FailureMode | None:
     share = timing.exposed_comm_s / timing.step_time_s
-    if share < COMM_BOUND_SHARE or scenario.strategy.canonical_name == "zero3":
+    if share < COMM_BOUND_SHARE or scenario.strategy.preset.full_shard:
         return None
     return FailureMode(
         kind="communication-bound",

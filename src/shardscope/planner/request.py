@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardscope.choices import Attention, Checkpointing, EngineName, Offload, OptimizerName, Precision, StrategyName
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import (
     ATTENTION,
@@ -21,11 +22,11 @@ from shardscope.specs import (
     SpecError,
 )
 
-FAMILIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+FAMILIES: tuple[StrategyName, ...] = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 RANKINGS = ("step-time", "tokens-per-s", "cost")
 # Cheapest first: the search treats an option later in these tuples as never faster than an earlier one.
-CHECKPOINTING_ORDER = ("none", "selective", "full")
-OFFLOAD_ORDER = ("none", "optimizer", "optimizer+params")
+CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
+OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "optimizer", "optimizer+params")
 
 
 def _require_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
@@ -58,21 +59,21 @@ class PlanRequest:
     """Fraction of GPU memory kept free: a plan fits when its peak is at most (1 - headroom) x memory."""
     host_memory_bytes: int = 0
     """Host memory per node for offload; 0 when not stated (offload is then not checked against it)."""
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[StrategyName, ...] = FAMILIES
     """Strategy families to search; hsdp is searched with every valid shard group."""
-    offloads: tuple[str, ...] = OFFLOADS
+    offloads: tuple[Offload, ...] = OFFLOADS
     """Offload settings to search."""
-    checkpointing: tuple[str, ...] = CHECKPOINTING
+    checkpointing: tuple[Checkpointing, ...] = CHECKPOINTING
     """Checkpointing settings to search."""
     max_micro_batch: int = 32
     """The largest micro-batch (sequences per rank per forward) to try."""
-    precision: str = "bf16-mixed"
+    precision: Precision = "bf16-mixed"
     """Training precision, as in TrainingSpec."""
-    optimizer: str = "adamw"
+    optimizer: OptimizerName = "adamw"
     """Optimizer, as in TrainingSpec."""
-    attention: str = "sdpa"
+    attention: Attention = "sdpa"
     """Attention kernel, as in TrainingSpec."""
-    engine: str = "pytorch"
+    engine: EngineName = "pytorch"
     """Whose memory rules apply, as in Strategy."""
     overheads: Overheads = field(default_factory=Overheads)
     """Framework context and allocator headroom assumptions."""

@@ -40,7 +40,7 @@ class Plan:
     def label(self) -> str:
         """The strategy as printed: 'hsdp(8)' or the family."""
         strategy = self.scenario.strategy
-        return f"hsdp({strategy.shard_group})" if strategy.name == "hsdp" else self.family
+        return strategy.label if strategy.preset.groups_replicate else self.family
 
     @property
     def gpus(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardscope.choices import Checkpointing, Offload, StrategyName
+from shardscope.mesh import DATA_PARALLEL_PRESETS
 from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
@@ -24,7 +26,7 @@ class BatchShape:
 class Variant:
     """A strategy setting at one GPU count: the family and, for hsdp, the shard group."""
 
-    family: str
+    family: StrategyName
     """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp'."""
     shard_group: int = 0
     """hsdp: ranks per shard group."""
@@ -32,7 +34,9 @@ class Variant:
     @property
     def label(self) -> str:
         """'hsdp(8)', or the family name."""
-        return f"hsdp({self.shard_group})" if self.family == "hsdp" else self.family
+        return (
+            f"{self.family}({self.shard_group})" if DATA_PARALLEL_PRESETS[self.family].groups_replicate else self.family
+        )
 
 
 def gpu_counts(request: PlanRequest) -> tuple[int, ...]:
@@ -80,25 +84,28 @@ def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, .
 
 def variants(request: PlanRequest, gpus: int) -> tuple[Variant, ...]:
     """Strategy settings at a GPU count; hsdp with every shard group that divides it and stays node-aligned."""
-    if gpus == 1:
-        return (Variant(family="ddp"),) if "ddp" in request.families else (Variant(family=request.families[0]),)
-    found = [Variant(family=family) for family in request.families if family != "hsdp"]
-    if "hsdp" in request.families:
-        per_node = request.gpus_per_node
+    if gpus == 1:  # nothing to shard: the first family that replicates, as all are the same on one GPU
+        replicating = [family for family in request.families if not DATA_PARALLEL_PRESETS[family].shards]
+        return (Variant(family=(replicating or list(request.families))[0]),)
+    found = [
+        Variant(family=family) for family in request.families if not DATA_PARALLEL_PRESETS[family].groups_replicate
+    ]
+    per_node = request.gpus_per_node
+    for family in (family for family in request.families if DATA_PARALLEL_PRESETS[family].groups_replicate):
         for group in range(2, gpus):
             aligned = per_node % group == 0 if group < per_node else group % per_node == 0
             if gpus % group == 0 and aligned:
-                found.append(Variant(family="hsdp", shard_group=group))
+                found.append(Variant(family=family, shard_group=group))
     return tuple(found)
 
 
-def offloads_for(request: PlanRequest, family: str) -> tuple[str, ...]:
+def offloads_for(request: PlanRequest, family: StrategyName) -> tuple[Offload, ...]:
     """The offload settings a family allows, least offloaded first (parameters offload only when sharded)."""
-    allowed = OFFLOAD_ORDER if family in ("zero3", "hsdp") else OFFLOAD_ORDER[:2]
+    allowed = OFFLOAD_ORDER if DATA_PARALLEL_PRESETS[family].zero_stage == 3 else OFFLOAD_ORDER[:2]
     return tuple(offload for offload in allowed if offload in request.offloads)
 
 
-def checkpointing_options(request: PlanRequest) -> tuple[str, ...]:
+def checkpointing_options(request: PlanRequest) -> tuple[Checkpointing, ...]:
     """Checkpointing settings, the cheapest in time first."""
     return tuple(option for option in CHECKPOINTING_ORDER if option in request.checkpointing)
 
@@ -107,8 +114,8 @@ def make_scenario(
     request: PlanRequest,
     gpus: int,
     variant: Variant,
-    offload: str,
-    checkpointing: str,
+    offload: Offload,
+    checkpointing: Checkpointing,
     micro_batch: int,
     grad_accum: int,
 ) -> Scenario:

@@ -160,7 +160,7 @@ class HardwareProfile:
     communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
     bookkeeping_op_overhead_s: float = 0.0
     """One small op the teaching strategies dispatch from Python around their collectives (flattening gradients
-    into a buffer, shard slices, div_, clone, zero_; counted by core.overheads.bookkeeping_ops)."""
+    into a buffer, shard slices, div_, clone, zero_; counted by core.engines.teaching_ops.bookkeeping_ops)."""
     hook_overhead_s: float = 0.0
     """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
     tensor's gradient hook, a parameter's post-accumulate-grad hook): what the teaching strategies pay to drive their

@@ -11,10 +11,11 @@ from shardscope.core.memory import estimate_memory
 from shardscope.core.params import count_parameters
 from shardscope.core.result import CollectiveRow, MemoryEstimate
 from shardscope.core.timeline import TimeEstimate, estimate_time
+from shardscope.mesh import comparable_strategies
 from shardscope.planner import PlanResult, PlanTiming, plan_timing
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.report.observations import assumptions, observations
-from shardscope.specs import Scenario, SpecError, Strategy
+from shardscope.specs import Scenario, SpecError
 
 # The chosen plan's step is simulated in full up to this many micro-batches; beyond, the picture shows this many.
 TIMELINE_MICRO_BATCHES = 4
@@ -63,35 +64,23 @@ class ReportData:
     """What was assumed."""
 
 
-def _label(scenario: Scenario) -> str:
-    strategy = scenario.strategy
-    return f"hsdp({strategy.shard_group})" if strategy.name == "hsdp" else strategy.name
-
-
 def _row(scenario: Scenario, hardware: HardwareProfile | None) -> Row:
     memory = estimate_memory(scenario)
     if hardware is None or not scenario.model.has_shape:
-        return Row(label=_label(scenario), memory=memory, timing=None, ledger=())
+        return Row(label=scenario.strategy.label, memory=memory, timing=None, ledger=())
     timing = plan_timing(scenario, hardware)
-    return Row(label=_label(scenario), memory=memory, timing=timing, ledger=collective_ledger(scenario))
+    return Row(label=scenario.strategy.label, memory=memory, timing=timing, ledger=collective_ledger(scenario))
 
 
 def _siblings(scenario: Scenario) -> list[Scenario]:
     """The chosen scenario under every family, at the same GPUs and batch shape (offload kept where allowed)."""
     cluster, chosen = scenario.cluster, scenario.strategy
-    names = ["ddp", "zero1", "zero2", "zero3"]
-    if cluster.num_nodes > 1 or chosen.name == "hsdp":
-        names.append("hsdp")
     found = []
-    for name in names:
+    for name in comparable_strategies(grouped=cluster.num_nodes > 1 or chosen.preset.groups_replicate):
         if name == chosen.canonical_name:
             found.append(scenario)
             continue
-        group = (chosen.shard_group or cluster.ranks_per_node) if name == "hsdp" else 0
-        offload = chosen.offload
-        if offload == "optimizer+params" and name in ("ddp", "zero1", "zero2"):
-            offload = "optimizer"  # parameters can only be offloaded when they are sharded
-        strategy = Strategy(name=name, engine=chosen.engine, shard_group=group, offload=offload)
+        strategy = chosen.sibling(name, chosen.shard_group or cluster.ranks_per_node)
         found.append(dataclasses.replace(scenario, strategy=strategy))
     return found
 

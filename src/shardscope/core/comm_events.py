@@ -1,0 +1,244 @@
+"""The collective calls of a step, one `CommEvent` each, and the builders the engines make their steps from.
+
+What to communicate is kept apart from when (picotron's habit): events are listed in program order, each tagged with
+the compute stage it waits for (`CommEvent.trigger`, `CommEvent.stage`); `core.timeline` decides when they run, and
+`core.network` what they cost. Which builder a strategy uses, with which sizes and dtypes, is its engine's rule
+(`shardscope.core.engines`).
+
+Payload convention (all layers agree): all_reduce and broadcast carry the buffer's bytes; all_gather and
+reduce_scatter carry the UNSHARDED (gathered, pre-scatter) buffer's bytes; host transfers carry the bytes one rank
+copies.
+
+Compute stages of one micro-batch, in forward order: 0 = embeddings, 1..L = the transformer blocks, L+1 = final norm,
+output head and loss. Backward visits them in reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardscope.choices import CommGroup, Trigger
+from shardscope.core.params import ParamLayout, ParamTensor, param_layout
+from shardscope.core.result import CollectiveRow
+from shardscope.core.sharding import flat_shard_numel
+from shardscope.specs import Scenario
+
+# torch DDP's first gradient bucket is 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES); later ones bucket_bytes.
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommEvent:
+    """One collective call or host copy, placed relative to the compute stage it serves."""
+
+    row: CollectiveRow
+    """What moves (count 1)."""
+    group: CommGroup
+    """'world' (all ranks), 'shard' (an hsdp shard group of consecutive ranks), 'replica' (ranks holding the same
+    shard, strided by the shard group size), or 'host' (a copy between this GPU and its host)."""
+    micro_batch: int
+    """The micro-batch it belongs to (the last one for optimizer-phase events)."""
+    stage: int
+    """The compute stage it waits for or feeds (see the module docstring); -1 for the optimizer step."""
+    trigger: Trigger
+    """'before_forward' / 'before_backward' (must finish before that stage runs), 'after_backward' (may start once
+    that stage's backward is done), 'after_step' (after the optimizer step)."""
+    label: str
+    """A name for the trace, e.g. 'all_gather block 3'."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unit:
+    """An FSDP unit: the tensors it gathers and the stages that use them."""
+
+    name: str
+    tensors: tuple[ParamTensor, ...]
+    first_stage: int
+    """The first stage in forward that uses it (the stage its forward all-gather precedes)."""
+    last_stage: int
+    """The last stage in forward that uses it (its first stage in backward)."""
+
+
+Place = tuple[int, int, Trigger]
+"""(micro-batch, stage, trigger) of an event."""
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one element in the precision's working dtype."""
+    return {"fp32": 4, "fp64": 8}.get(precision, 2)
+
+
+def stage_of(tensor_name: str, num_blocks: int) -> int:
+    """The compute stage whose forward uses a parameter tensor."""
+    if tensor_name.startswith("layers."):
+        return 1 + int(tensor_name.split(".")[1])
+    return 0 if tensor_name.startswith("embed") else num_blocks + 1
+
+
+def fsdp_units(layout: ParamLayout) -> tuple[Unit, ...]:
+    """FSDP wrapping: the root unit (embeddings, final norm, head) and one unit per block, in forward order."""
+    root = Unit(name="root", tensors=layout.root, first_stage=0, last_stage=layout.num_blocks + 1)
+    blocks = tuple(
+        Unit(name=f"block {index}", tensors=layout.block, first_stage=index + 1, last_stage=index + 1)
+        for index in range(layout.num_blocks)
+    )
+    return (root, *blocks)
+
+
+def size_buckets(layout: ParamLayout, element: int, limits: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Buckets filled walking the parameters in reverse, each closed once it holds at least its limit (the last
+    limit repeats): (bytes, stage whose backward completes the bucket)."""
+    buckets: list[tuple[int, int]] = []
+    size, ready_stage = 0, layout.num_blocks + 1
+    for tensor in reversed(layout.tensors()):
+        size += tensor.numel * element
+        ready_stage = min(ready_stage, stage_of(tensor.name, layout.num_blocks))
+        if size >= limits[min(len(buckets), len(limits) - 1)]:
+            buckets.append((size, ready_stage))
+            size, ready_stage = 0, layout.num_blocks + 1
+    if size:
+        buckets.append((size, ready_stage))
+    return tuple(buckets)
+
+
+@lru_cache(maxsize=4096)
+def _row(phase: str, op: str, size: int, payload: int) -> CollectiveRow:
+    """One call's ledger row, shared by every event of that shape (a 70B step has hundreds of identical ones)."""
+    return CollectiveRow(phase=phase, op=op, group_size=size, payload_bytes=payload, count=1)
+
+
+def event(phase: str, op: str, size: int, payload: int, group: CommGroup, at: Place, label: str) -> CommEvent:
+    """One call of `op` on a group of `size` ranks at `at`."""
+    micro_batch, stage, trigger = at
+    return CommEvent(
+        row=_row(phase, op, size, payload),
+        group=group,
+        micro_batch=micro_batch,
+        stage=stage,
+        trigger=trigger,
+        label=label,
+    )
+
+
+def gradient_reductions(
+    scenario: Scenario, buckets: Sequence[tuple[int, int]], element: int, all_reduce: bool, after_whole_backward: bool
+) -> list[CommEvent]:
+    """Gradient buckets reduced over the world as they fill in backward (or all after the whole backward): an
+    all-reduce of each (DDP), or a reduce-scatter of each padded to the world size in elements (ZeRO-1/2). Only the
+    last micro-batch reduces, except under ZeRO-2, which keeps only a gradient shard and so reduces every one."""
+    world, steps = scenario.cluster.world_size, scenario.training.grad_accum_steps
+    reduced = range(steps) if scenario.strategy.stage == 2 else range(steps - 1, steps)
+    op = "all_reduce" if all_reduce else "reduce_scatter"
+    events = []
+    for micro_batch in reduced:
+        for index, (size, stage) in enumerate(buckets):
+            padded = flat_shard_numel(size // element, world) * world * element
+            at: Place = (micro_batch, 0 if after_whole_backward else stage, "after_backward")
+            events.append(
+                event("backward", op, world, size if all_reduce else padded, "world", at, f"{op} bucket {index}")
+            )
+    return events
+
+
+def step_gathers(scenario: Scenario, pieces: Sequence[tuple[int, str]], element: int) -> list[CommEvent]:
+    """After the optimizer step, each updated piece's shards all-gathered over the world, padded to the world size."""
+    world = scenario.cluster.world_size
+    after_step: Place = (scenario.training.grad_accum_steps - 1, -1, "after_step")
+    return [
+        event(
+            "optimizer",
+            "all_gather",
+            world,
+            flat_shard_numel(numel, world) * world * element,
+            "world",
+            after_step,
+            f"all_gather {name}",
+        )
+        for numel, name in pieces
+    ]
+
+
+def sharded_events(
+    scenario: Scenario, gathered_numels: tuple[int, int], param_bytes: int, grad_bytes: int, regather_root: bool
+) -> list[CommEvent]:
+    """ZeRO-3, FSDP and HSDP: per-unit all-gathers before use, per-unit reduce-scatters after backward (hsdp: then an
+    all-reduce of the shard across replica groups); `gathered_numels` is (root, one block) once gathered, padding
+    included; `regather_root`: the root is gathered again for backward (else kept from forward)."""
+    strategy = scenario.strategy
+    degree, replicas = scenario.shard_degree, scenario.replica_degree
+    group: CommGroup = "shard" if strategy.preset.groups_replicate else "world"
+    offload_params = strategy.offload == "optimizer+params"
+    reshard = strategy.reshard_after_forward and strategy.stage == 3
+    layout_units = fsdp_units(param_layout(scenario.model))
+    root_numel, block_numel = gathered_numels
+    events: list[CommEvent] = []
+
+    def gather(phase: str, numel: int, at: Place, name: str) -> None:
+        if offload_params:
+            events.append(event(phase, "host_to_device", 1, numel // degree * param_bytes, "host", at, f"h2d {name}"))
+        events.append(event(phase, "all_gather", degree, numel * param_bytes, group, at, f"all_gather {name}"))
+
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        for unit in layout_units:
+            gather(
+                "forward",
+                root_numel if unit.name == "root" else block_numel,
+                (micro_batch, unit.first_stage, "before_forward"),
+                unit.name,
+            )
+        for unit in reversed(layout_units):
+            numel = root_numel if unit.name == "root" else block_numel
+            if reshard and (unit.name != "root" or regather_root):
+                gather("backward", numel, (micro_batch, unit.last_stage, "before_backward"), unit.name)
+            at: Place = (micro_batch, unit.first_stage, "after_backward")
+            shard = numel // degree * grad_bytes
+            events.append(
+                event(
+                    "backward", "reduce_scatter", degree, numel * grad_bytes, group, at, f"reduce_scatter {unit.name}"
+                )
+            )
+            if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
+                events.append(
+                    event("backward", "all_reduce", replicas, shard, "replica", at, f"all_reduce {unit.name}")
+                )
+            if offload_params:
+                events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
+    return events
+
+
+def optimizer_offload_events(scenario: Scenario, grad_bytes: int, param_bytes: int) -> list[CommEvent]:
+    """ZeRO-Offload ("ZeRO-Offload: Democratizing Billion-Scale Model Training"): the reduced gradient shard goes to
+    the host, the CPU optimizer steps, and the updated parameter shard comes back."""
+    shard_numel = flat_shard_numel(param_layout(scenario.model).total_numel, scenario.parallelism.dp_shard)
+    last = scenario.training.grad_accum_steps - 1
+    return [
+        event(
+            "backward",
+            "device_to_host",
+            1,
+            shard_numel * grad_bytes,
+            "host",
+            (last, 0, "after_backward"),
+            "d2h gradients",
+        ),
+        event(
+            "optimizer",
+            "host_to_device",
+            1,
+            shard_numel * param_bytes,
+            "host",
+            (last, -1, "after_step"),
+            "h2d parameters",
+        ),
+    ]
+
+
+def per_tensor_broadcasts(scenario: Scenario, element: int) -> list[CollectiveRow]:
+    """Every parameter tensor broadcast from rank 0, one call each (the setup of every engine but torch's DDP)."""
+    world = scenario.cluster.world_size
+    return [
+        CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)
+        for t in param_layout(scenario.model).tensors()
+    ]

@@ -1,0 +1,211 @@
+"""What every engine's rules object answers, and the moments of a step that all engines share.
+
+An engine is whose rules apply to a strategy: what a rank holds by category, the moments of the step whose live bytes
+`memory` compares (the peak is the largest), the collectives it issues, and its own time terms. Each engine is one
+object that follows `EngineRules`; `shardscope.core.engines` holds the registry. The moments shared by every engine:
+- end of forward: weights, optimizer state, every saved activation, the gathered units and the loss's spike;
+- start of backward: the same with the gradients of the log-softmax instead of the forward spike;
+- top block's backward: the head's activations freed, its gradients and the top block's in flight (under
+  checkpointing also the block's recomputed activations and, where measured, its own gradients);
+- between the top two blocks: the top block's activations freed, two blocks gathered, their gradients in flight;
+- optimizer step: weights, gradients, optimizer state and the step's workspace.
+An engine adds moments of its own where its mechanism makes one (see its module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from shardscope.choices import EngineName
+from shardscope.core.activations import ActivationEstimate, estimate_activations
+from shardscope.core.comm_events import CommEvent
+from shardscope.core.model_states import ModelStates
+from shardscope.core.result import CollectiveRow
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+LOSS_GRAD_BYTES = 4  # the scalar gradient of the loss
+TOP_BLOCK = "top block's backward"
+
+NO_ACTIVATIONS = ActivationEstimate(
+    saved_bytes=0,
+    block_bytes=0,
+    stored_block_bytes=0,
+    recompute_bytes=0,
+    logits_bytes=0,
+    loss_forward_spike_bytes=0,
+    loss_backward_spike_bytes=0,
+    head_bytes=0,
+    head_gradient_bytes=0,
+    hidden_bytes=0,
+)
+
+
+class LiveBytes(NamedTuple):
+    """Bytes live at one moment, by category (a named tuple: a 70B planner sweep builds millions of these)."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    buffers: int = 0
+    temporary: int = 0
+    """Workspace and transient tensors: the loss's spikes, activation gradients, the optimizer's temporaries."""
+
+    @property
+    def total(self) -> int:
+        """Every category together."""
+        return sum(self)
+
+
+Moment = tuple[str, LiveBytes]
+"""A named moment of the step and what is live then."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMemory:
+    """One rank's memory under an engine: what it holds, its activations, and the moments to compare."""
+
+    states: ModelStates
+    activations: ActivationEstimate
+    moments: tuple[Moment, ...]
+    """In the order the step reaches them; the peak is the first of the largest."""
+
+
+TimePlace = tuple[str, int]
+"""(kind of compute task, stage): ('forward', s), ('backward', s), or ('optimizer', -1) for the step."""
+
+
+class EngineRules(Protocol):
+    """The rules one engine applies to every data-parallel strategy preset."""
+
+    name: EngineName
+    summary: str
+    """One line for the assumptions: whose accounting this is."""
+    fused_optimizer: bool
+    """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
+
+    def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
+        """What the rank holds and the moments of its step."""
+        ...
+
+    def busiest_rank(self, scenario: Scenario) -> int:
+        """The rank that holds the most."""
+        ...
+
+    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
+        """Optimizer elements per rank where ranks hold different amounts; None where every rank holds the same."""
+        ...
+
+    def param_comm_bytes(self, scenario: Scenario) -> int:
+        """Bytes per element of the parameters the strategy gathers or broadcasts."""
+        ...
+
+    def grad_comm_bytes(self, scenario: Scenario) -> int:
+        """Bytes per element of the gradients the strategy reduces."""
+        ...
+
+    def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
+        """Gradient buckets in the order backward fills them: (bytes, stage whose backward completes the bucket)."""
+        ...
+
+    def step_events(self, scenario: Scenario) -> list[CommEvent]:
+        """The collectives of one step (host copies of offload included), in the order rank 0 issues them."""
+        ...
+
+    def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
+        """The collectives made once before the first step so every rank starts from rank 0's weights."""
+        ...
+
+    def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
+        """The engine's own work beside the compute task it runs with, per micro-batch (the step's once)."""
+        ...
+
+    def optimizer_tensors(self, scenario: Scenario) -> int:
+        """Tensors one rank's optimizer steps over."""
+        ...
+
+    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
+        """The engine's own work in the optimizer step beyond the update itself."""
+        ...
+
+    def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
+        """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight)."""
+        ...
+
+
+def activations_for(scenario: Scenario, autocast: bool) -> ActivationEstimate:
+    """The activations of one micro-batch (none without a shape); `autocast` saves the 16-bit weight copies too."""
+    model = scenario.model
+    return estimate_activations(model, scenario.training, autocast) if model.has_shape else NO_ACTIVATIONS
+
+
+def gradients_in_base(scenario: Scenario, states: ModelStates) -> bool:
+    """Whether the gradients are live from forward on: flat buffers kept between steps, or accumulation."""
+    return states.gradients_persist or scenario.training.grad_accum_steps > 1
+
+
+def held(states: ModelStates, with_gradients: bool) -> LiveBytes:
+    """What lives through the whole step: weights, optimizer state, persistent buffers, and the gradients when they
+    persist."""
+    return LiveBytes(
+        parameters=states.parameters_bytes,
+        gradients=states.gradients_bytes if with_gradients else 0,
+        optimizer_state=states.optimizer_state_bytes,
+        buffers=states.persistent_buffers_bytes,
+    )
+
+
+def plus(live: LiveBytes, **more: int) -> LiveBytes:
+    """`live` with bytes added to the named categories."""
+    return live._replace(**{name: getattr(live, name) + value for name, value in more.items()})
+
+
+def shared_moments(
+    scenario: Scenario, states: ModelStates, acts: ActivationEstimate, top_block: LiveBytes | None = None
+) -> list[Moment]:
+    """The moments every engine has (see the module docstring); `top_block` replaces the coarse top block's
+    backward where an engine follows it more closely."""
+    base = held(states, gradients_in_base(scenario, states))
+    after_head = acts.saved_bytes - acts.head_bytes
+    recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
+    forward_end = plus(
+        base,
+        activations=acts.saved_bytes,
+        buffers=states.forward_buffers_bytes,
+        temporary=states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
+    )
+    backward_start = plus(
+        base,
+        activations=acts.saved_bytes,
+        buffers=states.forward_buffers_bytes,
+        temporary=acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES,
+    )
+    coarse_top = plus(
+        base,
+        activations=after_head + acts.recompute_bytes,
+        buffers=states.backward_buffers_bytes,
+        gradients=states.backward_grads_bytes + recomputed_block_grads,
+        temporary=acts.head_gradient_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
+    )
+    boundary = plus(
+        base,
+        activations=after_head - acts.stored_block_bytes,
+        buffers=states.boundary_buffers_bytes,
+        gradients=states.boundary_grads_bytes,
+    )
+    step = plus(held(states, True), temporary=states.optimizer_temporary_bytes)
+    return [
+        ("end of forward", forward_end),
+        ("start of backward", backward_start),
+        (TOP_BLOCK, coarse_top if top_block is None else top_block),
+        ("between blocks in backward", boundary),
+        ("optimizer step", step),
+    ]
+
+
+def peak_of(moments: Sequence[Moment]) -> Moment:
+    """The first of the largest moments."""
+    return max(moments, key=lambda moment: moment[1].total)

@@ -1,0 +1,231 @@
+"""FSDP2 `fully_shard` on every block and the root, the 'pytorch' engine's zero2, zero3 and hsdp: what a rank holds,
+and the moments of backward FSDP2's per-unit mechanism makes.
+
+zero3 reshards after forward, zero2 keeps units gathered until backward, hsdp shards inside groups of the shard
+degree. FSDP2 pads every parameter's dim 0 to a multiple of the shard degree, gathers units in the compute dtype
+(MixedPrecisionPolicy), keeps the root gathered while forward ends and the head's gradients unsharded through
+backward. Besides the moments every engine has, it is followed through the output head's forward (zero2: the last
+all-gather's output still held), the first block's forward (both all-gathers' outputs held when nothing reshards),
+the top block's MLP backward and its reduce-scatter, the bottom block's backward and, under gloo, the bottom block's
+and the root's reduce-scatters, where gloo holds a clone of the reduce-scatter input (what a collective allocates
+depends on the library, so the backend is the cluster's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardscope.core.activations import ActivationEstimate
+from shardscope.core.engines.base import (
+    LOSS_GRAD_BYTES,
+    Moment,
+    RankMemory,
+    activations_for,
+    gradients_in_base,
+    held,
+    plus,
+    shared_moments,
+)
+from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
+from shardscope.core.params import head_numel, model_facts
+from shardscope.core.sharding import dim0_shards, dim0_unit_sizes, flat_shard_numel
+from shardscope.specs import Scenario
+
+
+def single_tensor_step_bytes(optimizer: str, largest_tensor_bytes: int) -> int:
+    """Temporaries of a single-tensor (foreach=False) optimizer step, the torch engine's (runtime/trainer.py): Adam's
+    `(exp_avg_sq.sqrt() / bias_correction2_sqrt)` holds two tensors the size of one parameter at once, one
+    parameter at a time; SGD works in place (measured with runtime/tracker.py on torch 2.13)."""
+    return 2 * largest_tensor_bytes if optimizer in ("adam", "adamw") else 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _UnitMoments:
+    """What FSDP2's per-unit moments hold beyond the shared ones (bytes; see `_states` for each term's source)."""
+
+    shaped: bool
+    """The model has a shape (units to follow); without one only the shared moments apply."""
+    gloo: bool
+    top_reduce_scatter: int
+    bottom_reduce_scatter: int
+    root_reduce_scatter: int
+    root_landed_grads: int
+    bottom_buffers: int
+    bottom_landed_grads: int
+    bottom_grads: int
+    forward_staging: int
+    first_block_buffers: int
+
+
+def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
+    """The rank's states and every moment FSDP2 makes."""
+    states, units = _states(scenario, rank)
+    states = offload(scenario, states)
+    acts = activations_for(scenario, states.autocast)
+    moments = _moments(scenario, states, units, acts)
+    return RankMemory(states=states, activations=acts, moments=tuple(moments))
+
+
+def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts: ActivationEstimate) -> list[Moment]:
+    base = held(states, gradients_in_base(scenario, states))
+    landed = not gradients_in_base(scenario, states)
+    blocks = scenario.model.num_layers
+    after_head = acts.saved_bytes - acts.head_bytes
+    # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
+    # gradients), and at its reduce-scatter (its saved tensors freed; the collective's buffers, per backend).
+    top = plus(
+        base,
+        activations=after_head,
+        buffers=states.backward_buffers_bytes,
+        temporary=acts.hidden_bytes + LOSS_GRAD_BYTES,
+        gradients=states.backward_grads_bytes,
+    )
+    moments = shared_moments(
+        scenario, states, acts, plus(top, temporary=acts.block_backward_bytes) if units.shaped else None
+    )
+    if units.forward_staging:
+        # The output head's forward: the loss has not yet made its log-softmax, and the last all-gather's output is
+        # still held (traced: zero2 peaks at 'forward: lm_head').
+        moments.append(
+            (
+                "output head's forward",
+                plus(
+                    base,
+                    activations=acts.saved_bytes - acts.log_softmax_bytes,
+                    temporary=acts.logits_bytes,
+                    buffers=states.forward_buffers_bytes + units.forward_staging,
+                ),
+            )
+        )
+    if units.first_block_buffers:
+        # The first block's forward: what the embeddings and the block saved (or, checkpointed, its stored input)
+        # and the block's output being made, with the next block prefetched (validated on tiny-moe zero2).
+        first_block_saved = acts.saved_bytes - acts.head_bytes - (blocks - 1) * acts.stored_block_bytes
+        moments.append(
+            (
+                "first block's forward",
+                plus(
+                    base, activations=first_block_saved, temporary=acts.hidden_bytes, buffers=units.first_block_buffers
+                ),
+            )
+        )
+    if not units.shaped:
+        return moments
+    moments.append(
+        (
+            "top block's reduce-scatter",
+            plus(top, activations=-acts.stored_block_bytes, buffers=units.top_reduce_scatter),
+        )
+    )
+    # The blocks above have freed what they stored and landed their gradient shards; the bottom block holds its own
+    # stored tensors, what its backward makes, and the gradient flowing in from above.
+    moments.append(
+        (
+            "bottom block's backward",
+            plus(
+                base,
+                activations=after_head - max(blocks - 1, 0) * acts.stored_block_bytes,
+                temporary=acts.block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
+                buffers=units.bottom_buffers,
+                gradients=units.bottom_grads + (units.bottom_landed_grads if landed else 0),
+            ),
+        )
+    )
+    if units.gloo:
+        # gloo's reduce-scatter holds a clone of its input: the bottom block's, with its backward's tensors freed,
+        # and the root's, with every block's stored tensors freed and their gradient shards landed.
+        after_blocks = plus(base, activations=after_head - blocks * acts.stored_block_bytes, temporary=LOSS_GRAD_BYTES)
+        moments.append(
+            (
+                "bottom block's reduce-scatter",
+                plus(
+                    after_blocks,
+                    temporary=acts.hidden_bytes,
+                    gradients=units.bottom_grads + (units.bottom_landed_grads if landed else 0),
+                    buffers=units.bottom_reduce_scatter,
+                ),
+            )
+        )
+        moments.append(
+            (
+                "root's reduce-scatter",
+                plus(
+                    after_blocks, gradients=units.root_landed_grads if landed else 0, buffers=units.root_reduce_scatter
+                ),
+            )
+        )
+    return moments
+
+
+def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
+    training, strategy = scenario.training, scenario.strategy
+    total, layout = model_facts(scenario.model)
+    stored = 4 if training.is_mixed else dtype_bytes(training.precision)
+    compute = dtype_bytes(training.precision)
+    degree = scenario.shard_degree
+    if layout is None:  # a bare parameter count: one flat shard, no unit sizes to gather
+        padded = local = largest = flat_shard_numel(total, degree)
+        owned, root, block, blocks, head, block_numel = 1, 0, 0, 0, 0, 0
+    else:
+        shards = dim0_shards(layout, degree, rank)
+        padded, local, owned = shards.padded_numel, shards.local_numel, shards.tensors_with_rows
+        largest = shards.largest_local_numel
+        root, block = dim0_unit_sizes(layout, degree)
+        blocks, head, block_numel = layout.num_blocks, head_numel(layout), layout.block_numel
+    # Unsharded gradients are made in the compute dtype; under mixed precision the reduce-scatter input is an fp32
+    # copy of the unit's gradients.
+    block_grads = block_numel * (compute + (4 if training.is_mixed else 0))
+    in_flight_blocks, staging = 1, 0
+    if strategy.stage == 2 or not strategy.reshard_after_forward:
+        # Traced: the last block's flat all-gather output is held through the output head's forward and freed when
+        # the loss runs; in backward the block's gradients add nothing beyond the gathered model.
+        gathered_forward = gathered_backward = gathered_boundary = (root + blocks * block) * compute
+        in_flight_blocks, staging = 0, block * compute
+    else:
+        gathered_forward = root * compute
+        # traced: FSDP2 prefetches the next block's all-gather while a block runs backward
+        gathered_backward = (root + block + (block if blocks > 1 else 0)) * compute
+        gathered_boundary = (root + block) * compute  # traced: FSDP2 frees a block before gathering the next
+    moments = optimizer_moments(training.optimizer)
+    # The bottom block's backward (traced on tiny-llama zero2 bf16-mixed with full checkpointing, as the gloo run):
+    # every block above has resharded after its backward (zero2 too), so the root and this block are gathered; the
+    # block above's reduce-scatter input (in the reduce dtype, fp32 under mixed precision) is only freed when the
+    # next reduce-scatter waits on it; the blocks above have landed their gradient shards.
+    reduce_bytes = 4 if training.is_mixed else compute
+    # The top block's reduce-scatter: FSDP2's foreach_reduce copies the unit's unsharded gradients into one flat
+    # input (the reduce dtype) and frees them; the output shard is allocated before the collective. Under NCCL
+    # (the trace replays its semantics) the peak holds the gathered block, the input and the output shard.
+    # ProcessGroupGloo's reduce_scatter_tensor_coalesced (_reduce_scatter_base) clones its whole input, all-reduces
+    # the clone and copies this rank's chunk out at wait(), so at the call the rank holds the input twice; by then
+    # post_backward has resharded the block (the trace with --backend gloo and the runtime tracker agree).
+    gloo = scenario.cluster.backend == "gloo"
+    shard_out = (block // degree) * reduce_bytes
+    units = _UnitMoments(
+        shaped=layout is not None,
+        gloo=gloo and layout is not None,
+        top_reduce_scatter=block * reduce_bytes + shard_out + (block * (reduce_bytes - compute) if gloo else 0),
+        # By a unit's reduce-scatter the previous unit's input is freed (FSDP2 frees it when the next reduce
+        # starts) and the unit's own gradients were copied in and freed; the unit itself is still gathered.
+        bottom_reduce_scatter=(root + block) * compute + 2 * block * reduce_bytes,
+        root_reduce_scatter=root * compute + 2 * root * reduce_bytes,
+        root_landed_grads=blocks * (block // degree) * stored,
+        bottom_buffers=(root + block) * compute + (block * reduce_bytes if blocks > 1 else 0),
+        bottom_landed_grads=max(blocks - 1, 0) * (block // degree) * stored,
+        bottom_grads=head * compute,
+        forward_staging=staging,
+        # traced: in the first block's forward the next block's all-gather is prefetched, so two blocks and both
+        # flat all-gather outputs are live beside the root
+        first_block_buffers=(root + 2 * block) * compute + 2 * staging if staging and blocks > 1 else 0,
+    )
+    states = ModelStates(
+        parameters_bytes=padded * stored,
+        gradients_bytes=padded * stored,
+        optimizer_state_bytes=local * moments * stored + owned * step_tensor_bytes(training.optimizer),
+        forward_buffers_bytes=gathered_forward,
+        backward_buffers_bytes=gathered_backward,
+        boundary_buffers_bytes=gathered_boundary,
+        backward_grads_bytes=head * compute + (0 if layout else in_flight_blocks * block_grads),
+        boundary_grads_bytes=head * compute + in_flight_blocks * block_grads,
+        optimizer_temporary_bytes=single_tensor_step_bytes(training.optimizer, largest * stored),
+    )
+    return states, units

@@ -1,0 +1,176 @@
+"""The 'paper' engine: "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (Rajbhandari et al.),
+Section 3 and Figure 1, as shardscope's teaching strategies (shardscope.runtime.teaching) allocate and send it.
+
+Mixed-precision Adam holds 2 + 2 + K bytes per parameter with K = 12 (fp32 master, momentum, variance); stage 1
+shards the K bytes over N ranks, stage 2 also the gradients, stage 3 also the parameters. The teaching strategies
+keep one flat buffer per unit (the root: embeddings, final norm and head; then each block), padded to a multiple of
+the shard degree D, so a rank holds ceil(P_u / D) elements of unit u, and Adam keeps one 4-byte step per buffer.
+Without a shape (--params) the model is one flat buffer, which is the paper's own accounting. Communication volumes
+follow the paper's Section 7: DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x.
+"""
+
+from __future__ import annotations
+
+from shardscope.choices import EngineName
+from shardscope.core.comm_events import (
+    CommEvent,
+    element_bytes,
+    gradient_reductions,
+    per_tensor_broadcasts,
+    sharded_events,
+    step_gathers,
+)
+from shardscope.core.engines.base import RankMemory, TimePlace, activations_for, held, plus, shared_moments
+from shardscope.core.engines.teaching_ops import bookkeeping_ops, hook_calls
+from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
+from shardscope.core.params import ParamLayout, head_numel, model_facts, param_layout
+from shardscope.core.result import CollectiveRow
+from shardscope.core.sharding import flat_shard_numel, flat_units
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+ADAM_TEMPORARIES = 3
+
+
+class PaperRules:
+    """The ZeRO paper's accounting, as the teaching strategies run it."""
+
+    name: EngineName = "paper"
+    summary = "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)"
+    fused_optimizer = False
+
+    def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
+        """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward."""
+        states, after_backward = _states(scenario)
+        states = offload(scenario, states)
+        acts = activations_for(scenario, states.autocast)
+        moments = shared_moments(scenario, states, acts)
+        if after_backward:
+            moments.append(("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)))
+        return RankMemory(states=states, activations=acts, moments=tuple(moments))
+
+    def busiest_rank(self, scenario: Scenario) -> int:
+        return 0
+
+    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
+        return None
+
+    def param_comm_bytes(self, scenario: Scenario) -> int:
+        """16-bit parameters under mixed precision (the paper's fp16 weights)."""
+        return element_bytes(scenario.training.precision)
+
+    def grad_comm_bytes(self, scenario: Scenario) -> int:
+        """16-bit gradients under mixed precision."""
+        return element_bytes(scenario.training.precision)
+
+    def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
+        """One flat bucket per unit: the blocks in reverse, then the root."""
+        layout = param_layout(scenario.model)
+        element = self.grad_comm_bytes(scenario)
+        blocks = [(layout.block_numel * element, index + 1) for index in reversed(range(layout.num_blocks))]
+        return (*blocks, (layout.root_numel * element, 0))
+
+    def step_events(self, scenario: Scenario) -> list[CommEvent]:
+        """DDP all-reduces each unit's bucket as it fills; ZeRO-1 reduce-scatters every unit after the whole backward
+        and ZeRO-2 as each fills, then both all-gather each unit's padded flat buffer (root, then blocks); ZeRO-3
+        gathers and reduce-scatters per unit, keeping the root gathered from forward into backward."""
+        stage, layout = scenario.strategy.stage, param_layout(scenario.model)
+        grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
+        if stage == 3:
+            degree = scenario.shard_degree
+            gathered = (
+                flat_shard_numel(layout.root_numel, degree) * degree,
+                flat_shard_numel(layout.block_numel, degree) * degree,
+            )
+            return sharded_events(scenario, gathered, param, grad, regather_root=False)
+        buckets = self.gradient_buckets(scenario)
+        events = gradient_reductions(scenario, buckets, grad, all_reduce=stage == 0, after_whole_backward=stage == 1)
+        if stage == 0:
+            return events
+        pieces = [(layout.root_numel, "root")] + [(layout.block_numel, f"block {i}") for i in range(layout.num_blocks)]
+        return events + step_gathers(scenario, pieces, param)
+
+    def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
+        return per_tensor_broadcasts(scenario, element_bytes(scenario.training.precision))
+
+    def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
+        """The teaching strategies' Python hook calls where they fire and their bookkeeping ops."""
+        extra: dict[TimePlace, float] = {}
+        if profile.hook_overhead_s:
+            for place, calls in hook_calls(scenario).items():
+                extra[place] = extra.get(place, 0.0) + calls * profile.hook_overhead_s
+        if profile.bookkeeping_op_overhead_s:
+            for place, ops in bookkeeping_ops(scenario).items():
+                extra[place] = extra.get(place, 0.0) + ops * profile.bookkeeping_op_overhead_s
+        return extra
+
+    def optimizer_tensors(self, scenario: Scenario) -> int:
+        """One flat buffer (or shard) per unit."""
+        return param_layout(scenario.model).num_blocks + 1
+
+    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
+        return 0.0
+
+    def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
+        """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward."""
+        return scenario.strategy.stage == 0 and event.trigger == "after_backward"
+
+
+def _states(scenario: Scenario) -> tuple[ModelStates, int]:
+    """Model states, gathered units and in-flight gradients of one rank (every rank holds the same), and the buffers
+    of ZeRO-1's reduce-scatters after backward (0 for the other stages)."""
+    training, stage = scenario.training, scenario.strategy.stage
+    total, layout = model_facts(scenario.model)
+    degree = scenario.shard_degree if stage else 1
+    units = flat_units(layout if layout is not None else total, degree)
+    weight = dtype_bytes(training.precision)
+    master = 4 if training.is_mixed else 0
+    moment = 4 if training.is_mixed else weight
+    moments = optimizer_moments(training.optimizer)
+    optimizer_numel = units.shard_numel if stage >= 1 else units.padded_numel
+    in_flight = _in_flight(layout, units.root_padded_numel, units.block_padded_numel, weight, stage)
+    # Stage 1 reduce-scatters each unit's flat gradients after backward into a new shard-sized buffer; gloo's
+    # reduce-scatter (ProcessGroupGloo::reduce_scatter_tensor_coalesced) also clones its whole input meanwhile.
+    largest_unit = max(units.root_padded_numel, units.block_padded_numel)
+    clone = largest_unit if scenario.cluster.backend == "gloo" else 0
+    after_backward = (units.largest_shard_numel + clone) * weight if stage == 1 else 0
+    states = ModelStates(
+        parameters_bytes=(units.shard_numel if stage >= 3 else units.padded_numel) * weight,
+        gradients_bytes=(units.shard_numel if stage >= 2 else units.padded_numel) * weight,
+        optimizer_state_bytes=optimizer_numel * (master + moments * moment)
+        + units.count * step_tensor_bytes(training.optimizer),
+        # torch's single-tensor Adam works one flat buffer at a time with up to three temporaries of its size (the
+        # square root, the denominator, the update; measured); under mixed precision every buffer's gradient is
+        # first copied to fp32.
+        optimizer_temporary_bytes=(ADAM_TEMPORARIES * units.largest_shard_numel * moment + optimizer_numel * master)
+        if moments
+        else 0,
+        gradients_persist=True,
+        forward_buffers_bytes=in_flight[0],
+        backward_buffers_bytes=in_flight[1],
+        boundary_buffers_bytes=in_flight[2],
+        backward_grads_bytes=in_flight[3],
+        boundary_grads_bytes=in_flight[4],
+    )
+    return states, after_backward
+
+
+def _in_flight(
+    layout: ParamLayout | None, root_padded: int, block_padded: int, weight: int, stage: int
+) -> tuple[int, int, int, int, int]:
+    """(gathered when forward ends, gathered in the top block's backward, gathered between blocks, gradients in
+    flight in the top block's backward, and between blocks).
+
+    Stages 0 and 1 keep whole flat gradient buffers: nothing else is in flight. Stages 2 and 3: a unit's
+    per-parameter gradients live until its last one lands and is reduce-scattered; the root's land last, so they are
+    in flight through all of backward, but while the blocks run only the head's (final norm, output head) exist: an
+    untied embedding's gradient is made after the bottom block (measured: `shardscope validate` case
+    tiny-llama zero3 teaching w4 fp32 ckpt). Stage 3 also keeps the root gathered from forward to the end of
+    backward, a block while it runs, and the next block gathered at the boundary."""
+    if layout is None or stage < 2:
+        return 0, 0, 0, 0, 0
+    head, block = head_numel(layout) * weight, layout.block_numel * weight
+    if stage < 3:
+        return 0, 0, 0, head, head + block + block_padded * weight
+    gathered_root, gathered_block = root_padded * weight, block_padded * weight
+    return (gathered_root, gathered_root + gathered_block, gathered_root + 2 * gathered_block, head, head + block)

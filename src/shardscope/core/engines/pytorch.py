@@ -1,0 +1,197 @@
+"""The 'pytorch' engine: what DistributedDataParallel (ddp), ZeroRedundancyOptimizer over DDP (zero1) and FSDP2
+`fully_shard` (zero2, zero3, hsdp; see `fsdp2`) allocate and send.
+
+Mixed precision keeps fp32 parameters (autocast computes in 16 bits for DDP; a MixedPrecisionPolicy for FSDP2, whose
+reduce dtype is fp32, torchtitan's default), Adam keeps a 4-byte step per parameter tensor, DDP keeps one bucket copy
+of the gradients (unless gradient_as_bucket_view: its reducer allocates it once, before the first backward, and reuses
+it); ZeroRedundancyOptimizer gives whole tensors to ranks.
+"""
+
+from __future__ import annotations
+
+from shardscope.choices import EngineName
+from shardscope.core.comm_events import (
+    DDP_FIRST_BUCKET_BYTES,
+    CommEvent,
+    Place,
+    element_bytes,
+    event,
+    gradient_reductions,
+    per_tensor_broadcasts,
+    sharded_events,
+    size_buckets,
+)
+from shardscope.core.engines.base import RankMemory, TimePlace, activations_for, shared_moments
+from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
+from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
+from shardscope.core.params import head_numel, model_facts, param_layout
+from shardscope.core.result import CollectiveRow
+from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+# DistributedDataParallel.__init__ broadcasts rank 0's module states in 250 MiB buckets (its broadcast_bucket_size).
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def _on_ddp(scenario: Scenario) -> bool:
+    """ddp and zero1 run on DistributedDataParallel; the stages that shard gradients on FSDP2."""
+    return scenario.strategy.stage <= 1
+
+
+class PyTorchRules:
+    """torch's own engines."""
+
+    name: EngineName = "pytorch"
+    summary = "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)"
+    fused_optimizer = False
+
+    def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
+        if not _on_ddp(scenario):
+            return fsdp2_memory(scenario, rank)
+        states = offload(scenario, _replicated(scenario, rank))
+        acts = activations_for(scenario, states.autocast)
+        return RankMemory(states=states, activations=acts, moments=tuple(shared_moments(scenario, states, acts)))
+
+    def busiest_rank(self, scenario: Scenario) -> int:
+        """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
+        sizes = self.optimizer_shard_numels(scenario)
+        return sizes.index(max(sizes)) if sizes else 0
+
+    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
+        """ZeroRedundancyOptimizer gives whole tensors to ranks, so ranks hold different amounts."""
+        if scenario.strategy.stage != 1 or not scenario.model.has_shape:
+            return None
+        return whole_tensor_shards(param_layout(scenario.model), scenario.cluster.world_size).numel_per_rank
+
+    def param_comm_bytes(self, scenario: Scenario) -> int:
+        """DDP and ZeroRedundancyOptimizer under autocast keep fp32 parameters; FSDP2's MixedPrecisionPolicy
+        (param_dtype=bf16) gathers 16-bit."""
+        training = scenario.training
+        if training.is_mixed and _on_ddp(scenario):
+            return 4
+        return element_bytes(training.precision)
+
+    def grad_comm_bytes(self, scenario: Scenario) -> int:
+        """DDP reduces the fp32 gradients of fp32 parameters; FSDP2 reduces in fp32 (reduce_dtype)."""
+        return 4 if scenario.training.is_mixed else element_bytes(scenario.training.precision)
+
+    def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
+        """torch DDP's Reducer (`_compute_bucket_assignment_by_size`): parameters in reverse, a bucket closed once it
+        holds at least the limit: 1 MiB for the first bucket, then bucket_bytes."""
+        element = self.grad_comm_bytes(scenario)
+        limits = [DDP_FIRST_BUCKET_BYTES, scenario.strategy.bucket_bytes]
+        return size_buckets(param_layout(scenario.model), element, limits)
+
+    def step_events(self, scenario: Scenario) -> list[CommEvent]:
+        """DDP all-reduces its buckets as they fill (zero1 too, then ZeroRedundancyOptimizer.step broadcasts every
+        tensor from the rank that updated it, one call per tensor: parameters_as_bucket_view=False, torch's
+        default); FSDP2 gathers and reduce-scatters per unit, regathering the root for backward."""
+        layout = param_layout(scenario.model)
+        grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
+        if not _on_ddp(scenario):
+            gathered = dim0_unit_sizes(layout, scenario.shard_degree)  # FSDP2 pads each tensor's dim 0 to the degree
+            return sharded_events(scenario, gathered, param, grad, regather_root=True)
+        buckets = self.gradient_buckets(scenario)
+        events = gradient_reductions(scenario, buckets, grad, all_reduce=True, after_whole_backward=False)
+        if scenario.strategy.stage == 0:
+            return events
+        world = scenario.cluster.world_size
+        after_step: Place = (scenario.training.grad_accum_steps - 1, -1, "after_step")
+        for tensor in layout.tensors():
+            label = f"broadcast {tensor.name}"
+            events.append(event("optimizer", "broadcast", world, tensor.numel * param, "world", after_step, label))
+        return events
+
+    def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
+        """DistributedDataParallel checks parameter shapes (`_verify_param_shape_across_processes`: an all-gather of
+        each rank's int64 tensor count, then a broadcast of every tensor's sizes and strides as int64) and broadcasts
+        its module states coalesced into 250 MiB buckets (`_sync_module_states`; torch/csrc/utils/tensor_flatten.cpp
+        `take_tensors` closes a bucket once it reaches the limit). FSDP2 does not broadcast: the runs broadcast each
+        parameter tensor from rank 0 before sharding."""
+        stored = 4 if scenario.training.is_mixed else element_bytes(scenario.training.precision)
+        if not _on_ddp(scenario):
+            return per_tensor_broadcasts(scenario, stored)
+        world = scenario.cluster.world_size
+        tensors = param_layout(scenario.model).tensors()
+        metadata = 8 * sum(2 * len(t.shape) for t in tensors)
+        rows = [
+            CollectiveRow(phase="setup", op="all_gather", group_size=world, payload_bytes=8 * world, count=1),
+            CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=metadata, count=1),
+        ]
+        size = 0
+        for tensor in tensors:
+            size += tensor.numel * stored
+            if size >= DDP_BROADCAST_BUCKET_BYTES:
+                rows.append(CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=size, count=1))
+                size = 0
+        if size:
+            rows.append(CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=size, count=1))
+        return rows
+
+    def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
+        """torch DDP's per-step bookkeeping with the first backward stage (the head's), where its reducer's autograd
+        hooks start (benchmarks/bench_time_phases.py measures it there); FSDP2's per-unit bookkeeping, half with the
+        unit's forward and half with its backward."""
+        if _on_ddp(scenario):
+            return {("backward", scenario.model.num_layers + 1): profile.ddp_step_overhead_s}
+        half = profile.fsdp_unit_overhead_s / 2
+        extra: dict[TimePlace, float] = {("forward", 0): half, ("backward", 0): half}  # the root unit
+        for stage in range(1, scenario.model.num_layers + 1):
+            extra[("forward", stage)] = extra[("backward", stage)] = half
+        return extra
+
+    def optimizer_tensors(self, scenario: Scenario) -> int:
+        """DDP every parameter; ZeroRedundancyOptimizer about 1/world of them; FSDP2 every parameter, as a DTensor
+        shard."""
+        tensors = param_layout(scenario.model).tensor_count
+        return -(-tensors // scenario.cluster.world_size) if scenario.strategy.stage == 1 else tensors
+
+    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
+        """FSDP2's per-tensor work around the step; ZeroRedundancyOptimizer's over every tensor."""
+        if not _on_ddp(scenario):
+            return shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
+        if scenario.strategy.stage == 1:
+            return param_layout(scenario.model).tensor_count * profile.zero_tensor_overhead_s
+        return 0.0
+
+    def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
+        """DDP's Reducer all-reduces its buckets with async_op=True from backward (zero1's too); FSDP2's own
+        overlap is part of its per-unit term."""
+        return _on_ddp(scenario) and event.trigger == "after_backward"
+
+
+def _replicated(scenario: Scenario, rank: int) -> ModelStates:
+    """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
+    training, strategy = scenario.training, scenario.strategy
+    total, layout = model_facts(scenario.model)
+    stored = 4 if training.is_mixed else dtype_bytes(training.precision)  # mixed keeps fp32 weights
+    moments = optimizer_moments(training.optimizer)
+    if strategy.stage == 0:
+        optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
+        largest = layout.largest_tensor_numel if layout else total
+    elif layout is not None:
+        shards = whole_tensor_shards(layout, scenario.cluster.world_size)
+        optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
+        largest = shards.largest_per_rank[rank]
+    else:  # a bare parameter count: an even split is the best available assumption
+        optimizer_numel = largest = flat_shard_numel(total, scenario.shard_degree)
+        optimizer_tensors = 1
+    bucket = 0 if strategy.gradient_as_bucket_view else total * stored
+    head = head_numel(layout) * stored if layout else 0
+    block = layout.block_numel * stored if layout else 0
+    return ModelStates(
+        parameters_bytes=total * stored,
+        gradients_bytes=total * stored,
+        optimizer_state_bytes=optimizer_numel * moments * stored
+        + optimizer_tensors * step_tensor_bytes(training.optimizer),
+        persistent_buffers_bytes=bucket,
+        backward_grads_bytes=head,
+        boundary_grads_bytes=head + block,
+        recompute_grads_bytes=block,
+        autocast=training.is_mixed,
+        # Autocast's 16-bit weight copies are saved for backward: the activations count them (without a shape,
+        # which has no activations, they are counted here).
+        forward_temporary_bytes=total * dtype_bytes(training.precision) if training.is_mixed and not layout else 0,
+        optimizer_temporary_bytes=single_tensor_step_bytes(training.optimizer, largest * stored),
+    )

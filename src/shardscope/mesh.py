@@ -1,0 +1,135 @@
+"""Parallelism as the degrees of a device mesh, as torchtitan's ParallelDims has it, and the data-parallel strategy
+names as presets over the data-parallel degrees.
+
+A job of W GPUs is a mesh `pp x dp_replicate x dp_shard x cp x tp` (outermost first; tp innermost, inside a node)
+whose product is W. Expert parallelism does not add GPUs: as in torchtitan, its `ep` ranks are borrowed from
+`dp_shard x cp`, so ep must divide that product. DDP, ZeRO-1/2/3, FSDP and HSDP differ only in how the
+data-parallel GPUs are split (replicate or shard, and over which degree) and in what the shard degree shards (the ZeRO
+stage): see `DATA_PARALLEL_PRESETS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardscope.choices import SpecError, StrategyName
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh dimensions that multiply to the world size, outermost first (their names are the degrees' names)."""
+MAX_DEGREE = 10**6
+
+
+class MeshError(SpecError):
+    """Degrees that do not form a mesh of the GPUs given; the message names the degrees and their values."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataParallelPreset:
+    """What a data-parallel strategy name means in degrees."""
+
+    zero_stage: int
+    """What the shard degree shards: 0 nothing (DDP), 1 the optimizer state, 2 also the gradients, 3 also the
+    parameters ("ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", Section 5)."""
+    shards: bool
+    """The data-parallel GPUs form one shard group (False: they all replicate, as DDP)."""
+    groups_replicate: bool
+    """Shard groups of a given size replicate each other (HSDP); False: one group of every data-parallel GPU."""
+
+    @property
+    def full_shard(self) -> bool:
+        """Parameters, gradients and optimizer state sharded over every data-parallel GPU (ZeRO-3, FSDP)."""
+        return self.zero_stage == 3 and not self.groups_replicate
+
+
+DATA_PARALLEL_PRESETS: dict[StrategyName, DataParallelPreset] = {
+    "ddp": DataParallelPreset(zero_stage=0, shards=False, groups_replicate=False),
+    "zero1": DataParallelPreset(zero_stage=1, shards=True, groups_replicate=False),
+    "zero2": DataParallelPreset(zero_stage=2, shards=True, groups_replicate=False),
+    "zero3": DataParallelPreset(zero_stage=3, shards=True, groups_replicate=False),
+    "fsdp": DataParallelPreset(zero_stage=3, shards=True, groups_replicate=False),
+    "hsdp": DataParallelPreset(zero_stage=3, shards=True, groups_replicate=True),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parallelism:
+    """The degrees of the device mesh one job runs on."""
+
+    dp_replicate: int = 1
+    """Data-parallel GPUs that hold the same states and average gradients (DDP; HSDP across shard groups)."""
+    dp_shard: int = 1
+    """Data-parallel GPUs that split the states their ZeRO stage shards (ZeRO-1/2/3, FSDP; HSDP inside a group)."""
+    cp: int = 1
+    """Context parallel: GPUs that split each sequence (ring attention)."""
+    tp: int = 1
+    """Tensor parallel: GPUs that split each layer's weights (innermost, inside a node)."""
+    pp: int = 1
+    """Pipeline parallel: GPUs that each hold a stage of consecutive layers."""
+    ep: int = 1
+    """Expert parallel: GPUs that split a mixture-of-experts layer's experts, borrowed from dp_shard x cp."""
+
+    def __post_init__(self) -> None:
+        for name in (*MESH_DIMS, "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
+                raise MeshError(f"parallelism {name}={value!r} must be a whole number between 1 and {MAX_DEGREE}")
+        if (self.dp_shard * self.cp) % self.ep:
+            raise MeshError(
+                f"ep {self.ep} must divide dp_shard {self.dp_shard} x cp {self.cp} = {self.dp_shard * self.cp} "
+                f"(expert parallelism borrows those GPUs)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the mesh: the product of the degrees (ep borrows, it does not add)."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """GPUs that see different data: dp_replicate x dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
+    def require_world_size(self, gpus: int) -> None:
+        """MeshError naming every degree above 1 when their product is not `gpus`."""
+        if self.world_size != gpus:
+            used = [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1] or [("dp_shard", 1)]
+            product = " x ".join(f"{name} {value}" for name, value in used)
+            raise MeshError(f"{product} = {self.world_size}, not the {gpus} GPUs given")
+
+    def to_json(self) -> dict[str, Any]:
+        """The six degrees as a JSON object."""
+        return {name: getattr(self, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+
+
+def comparable_strategies(grouped: bool) -> tuple[StrategyName, ...]:
+    """One strategy per preset (fsdp is zero3), for a side-by-side comparison; the presets that split the GPUs into
+    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes)."""
+    return tuple(
+        name
+        for name, preset in DATA_PARALLEL_PRESETS.items()
+        if canonical_strategy(name) == name and (grouped or not preset.groups_replicate)
+    )
+
+
+STRATEGY_ALIASES: dict[str, StrategyName] = {"fsdp": "zero3"}
+"""Names of the same preset: FSDP fully shards over every data-parallel GPU, as ZeRO-3 does."""
+
+
+def canonical_strategy(name: StrategyName) -> StrategyName:
+    """One name per preset ('fsdp' is 'zero3')."""
+    return STRATEGY_ALIASES.get(name, name)
+
+
+def data_parallel_mesh(strategy: StrategyName, world_size: int, shard_group: int = 0) -> Parallelism:
+    """The mesh a data-parallel strategy preset makes of `world_size` GPUs (cp, tp, pp and ep 1); hsdp splits them
+    into groups of `shard_group`. MeshError when the degrees do not multiply to the world size."""
+    preset = DATA_PARALLEL_PRESETS[strategy]
+    if preset.groups_replicate:
+        mesh = Parallelism(dp_replicate=max(world_size // shard_group, 1), dp_shard=shard_group)
+    elif preset.shards:
+        mesh = Parallelism(dp_shard=world_size)
+    else:
+        mesh = Parallelism(dp_replicate=world_size)
+    mesh.require_world_size(world_size)
+    return mesh
