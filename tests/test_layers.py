@@ -17,7 +17,16 @@ import pytest
 import shardscope
 
 PACKAGE = Path(shardscope.__file__).parent
-ABOVE_CORE = ("torch", "shardscope.runtime", "shardscope.trace", "shardscope.calibrate", "shardscope.cli")
+# the torch side (runtime, trace, calibrate; the measuring and process packages of issue 16 once they land) and the CLI
+ABOVE_CORE = (
+    "torch",
+    "shardscope.runtime",
+    "shardscope.trace",
+    "shardscope.calibrate",
+    "shardscope.measure",
+    "shardscope.procs",
+    "shardscope.cli",
+)
 ABOVE_PLANNER = ("shardscope.report", "shardscope.validate", "shardscope.lesson")
 # layer (module prefix) -> the modules it must not reach, directly or through another module
 RULES: dict[str, tuple[str, ...]] = {
@@ -27,9 +36,15 @@ RULES: dict[str, tuple[str, ...]] = {
     "shardscope.core": ("shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
     "shardscope.planner": (*ABOVE_CORE, *ABOVE_PLANNER),
 }
-# replay shares the measuring code with real runs, never the code that launches them (DESIGN.md, issue 16 item 4)
-RUNTIME_LAUNCH = ("shardscope.runtime.launch", "shardscope.runtime.spawn")
-TRACE_RULE = {"shardscope.trace": (*RUNTIME_LAUNCH, "shardscope.cli", "shardscope.planner", *ABOVE_PLANNER)}
+# replay shares the measuring code with real runs, never the code that launches them (DESIGN.md, issue 16 item 4);
+# the launcher lives in runtime today and in the process package (shardscope.procs) once that lands
+LAUNCHER = (
+    "shardscope.runtime.launch",
+    "shardscope.runtime.spawn",
+    "shardscope.procs.launcher",
+    "shardscope.procs.functions",
+)
+TRACE_RULE = {"shardscope.trace": (*LAUNCHER, "shardscope.cli", "shardscope.planner", *ABOVE_PLANNER)}
 
 
 def module_name(path: Path) -> str:
@@ -104,9 +119,9 @@ def test_layers_import_only_downwards() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known violation, reported to the lead: trace.setup imports shardscope.runtime.models, whose package "
-    "__init__ imports runtime.api, which imports runtime.launch; it goes when the reference models and the "
-    "measuring code move out of the runtime package (issue 16 item 4)",
+    reason="known violation, reported to the lead: trace.setup imports shardscope.runtime.models inside a function, "
+    "and loading any runtime module runs runtime/__init__.py, whose imports (runtime.api, runtime.config) reach the "
+    "launcher; it goes when the reference models leave the runtime package or its __init__ stops importing the API",
 )
 def test_trace_does_not_reach_the_launcher() -> None:
     found = violations(TRACE_RULE)
