@@ -28,7 +28,8 @@ import time
 from shardscope.core.comm import run_ledger
 from shardscope.core.timeline import estimate_time
 from shardscope.presets import custom_gpu, model_preset
-from shardscope.presets.hardware import HardwareProfile, load_profile
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.presets.profile_toml import load_profile
 from shardscope.runtime.api import run_suite
 from shardscope.runtime.config import RunConfig
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec

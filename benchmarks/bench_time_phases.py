@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bench_time import ENGINES, MICRO_BATCH, PRECISION, SEQ_LEN, scenario_for
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import load_profile
+from shardscope.presets.profile_toml import load_profile
 from shardscope.runtime.config import RunConfig
 from shardscope.runtime.models import build_model
 from shardscope.runtime.spawn import run_on_ranks

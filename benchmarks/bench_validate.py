@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     hardware = None
     if args.hardware:
-        from shardscope.presets.hardware import load_profile
+        from shardscope.presets.profile_toml import load_profile
 
         hardware = load_profile(args.hardware)
     cases = full_matrix(args.device)

@@ -11,22 +11,17 @@ from shardscope.core.params import count_parameters, param_layout
 from shardscope.presets import model_preset, model_preset_names
 from shardscope.presets.hf_config import ConfigError, read_hf_config
 
-HF_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "hf-configs"
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "hf-configs"
 PUBLISHED = [name for name in model_preset_names() if not name.startswith("tiny-")]
 
 
 def test_every_published_preset_has_a_config_file() -> None:
-    if not HF_CONFIGS.is_dir():
-        pytest.skip(f"{HF_CONFIGS} is not present")
     assert sorted(p.stem for p in HF_CONFIGS.glob("*.json")) == sorted(PUBLISHED)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_config_reader_matches_preset(name: str) -> None:
-    path = HF_CONFIGS / f"{name}.json"
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
-    from_config = read_hf_config(path)
+    from_config = read_hf_config(HF_CONFIGS / f"{name}.json")
     assert count_parameters(from_config) == count_parameters(model_preset(name))
 
 
@@ -35,10 +30,7 @@ def test_count_equals_transformers_on_meta(name: str) -> None:
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = HF_CONFIGS / f"{name}.json"
-    if not path.exists():
-        pytest.skip(f"{path} is not present")
-    data = json.loads(path.read_text())
+    data = json.loads((HF_CONFIGS / f"{name}.json").read_text())
     config = transformers.AutoConfig.for_model(**data)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from timecases import scenario
 
+import shardscope
 from shardscope.core.engines.teaching_ops import bookkeeping_ops
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import default_profile
@@ -20,7 +21,8 @@ from shardscope.presets.hardware import default_profile
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-TEACHING = str(Path(__file__).resolve().parents[2] / "src" / "shardscope" / "runtime" / "teaching")
+# from the package, not the checkout, so the test holds against an installed copy
+TEACHING = str(Path(shardscope.__file__).parent / "runtime" / "teaching")
 # the frames torch puts between an op's caller and a dispatch mode's __torch_dispatch__
 DISPATCH_MACHINERY = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_python_dispatch.py")
 

@@ -7,8 +7,7 @@ import pytest
 pytest.importorskip("torch")
 
 from shardscope.calibrate import Sample, calibrate, fit_samples
-from shardscope.presets.hardware import parse_profile
-from shardscope.presets.profile_toml import profile_to_toml
+from shardscope.presets.profile_toml import parse_profile, profile_to_toml
 
 
 def test_fit_recovers_a_known_alpha_beta_model() -> None:

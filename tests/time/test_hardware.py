@@ -12,10 +12,8 @@ from shardscope.presets.hardware import (
     default_profile,
     interconnect_preset,
     interconnect_preset_names,
-    load_profile,
-    parse_profile,
 )
-from shardscope.presets.profile_toml import profile_to_toml
+from shardscope.presets.profile_toml import load_profile, parse_profile, profile_to_toml
 
 
 def test_every_interconnect_cites_a_source_and_has_a_speed() -> None:

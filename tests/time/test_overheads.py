@@ -12,8 +12,8 @@ from shardscope.core.engines.teaching_ops import hook_calls
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import param_layout
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import PROFILE_SCHEMA, default_profile, parse_profile
-from shardscope.presets.profile_toml import profile_to_toml
+from shardscope.presets.hardware import PROFILE_SCHEMA, default_profile
+from shardscope.presets.profile_toml import parse_profile, profile_to_toml
 
 
 def _tiny(strategy: str, engine: str = "paper"):  # type: ignore[no-untyped-def]

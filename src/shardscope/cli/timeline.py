@@ -31,8 +31,8 @@ from shardscope.presets.hardware import (
     default_profile,
     interconnect_preset,
     interconnect_preset_names,
-    load_profile,
 )
+from shardscope.presets.profile_toml import load_profile
 from shardscope.specs import GpuSpec
 from shardscope.units import format_bytes, parse_bytes
 

@@ -59,7 +59,8 @@ def _require_gpus(world_size: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the matrix and print the comparison."""
-    from shardscope.presets.hardware import HardwareError, load_profile
+    from shardscope.presets.hardware import HardwareError
+    from shardscope.presets.profile_toml import load_profile
     from shardscope.validate.cases import full_matrix, quick_matrix
 
     cases = quick_matrix(args.device) if args.quick else full_matrix(args.device)

@@ -1,56 +1,16 @@
 """Interconnect presets and hardware profiles: the links and speeds the time model runs on.
 
-A hardware profile is a TOML file (`--hardware profile.toml`), written by `shardscope calibrate` or by hand:
-
-    schema = "shardscope.hardware/v1"
-    name = "my cluster"
-    source = "where the numbers come from"
-    [compute]
-    matmul_flops_per_s = 0.0        # 0: the GPU preset's datasheet peak for the step's dtype
-    efficiency = 0.5                # fraction of that peak a training step reaches
-    kernel_overhead_s = 0.0         # launch/dispatch cost per forward op (aten op)
-    backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
-    [compute.families.llama]        # optional, per model family: replaces the two per-op costs above for it
-    kernel_overhead_s = 0.0
-    backward_op_overhead_s = 0.0
-    optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
-    memory_bandwidth_bytes_per_s = 0.0
-    [framework]                     # optional: engine bookkeeping beyond ops and collectives
-    ddp_step_overhead_s = 0.0       # DistributedDataParallel per step (reducer, hooks)
-    fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
-    fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
-    sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
-    optimizer_step_overhead_s = 0.0 # per optimizer step: its first call after the rest of the step (cold caches)
-    zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
-    hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
-    bookkeeping_op_overhead_s = 0.0 # per op the teaching strategies dispatch from Python (flatten, slice, div_)
-    async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
-    [network]
-    algorithm = "ring"              # ring, tree, hierarchical or auto
-    call_latency_s = 8.4e-6
-    overlap = true                  # communication runs concurrently with compute
-    intra_node = "nvlink4"          # a preset id, or a table {name, bandwidth_bytes_per_s, latency_s}
-    inter_node = "ib-ndr"
-    host = "pcie5-x16"
-    [network.ops.reduce_scatter]    # optional, per op: replaces call_latency_s and the link bandwidth
-    call_latency_s = 3.2e-4
-    bandwidth_bytes_per_s = 6e8
-
-Every field added after the first version is optional and defaults to 0 (not modelled), so older files still load.
+A hardware profile is a TOML file (`--hardware profile.toml`): presets.profile_toml reads and writes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import tomllib
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
+from shardscope.presets import LINK_ROLES, gpu_preset_names, gpu_record, gpus_file
 from shardscope.specs import FAMILIES, GpuSpec, SpecError
 
 PROFILE_SCHEMA = "shardscope.hardware/v1"
@@ -241,21 +201,14 @@ class HardwareProfile:
             raise HardwareError(f"profile {self.name!r}: efficiency={self.efficiency!r} must be in (0, 1]")
 
 
-@cache
-def _data() -> dict[str, Any]:
-    text = resources.files("shardscope.presets").joinpath("interconnects.json").read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    return data
-
-
 def interconnect_preset_names() -> tuple[str, ...]:
     """Every interconnect preset id."""
-    return tuple(_data()["interconnects"])
+    return tuple(gpus_file()["links"])
 
 
 def interconnect_preset(name: str) -> InterconnectSpec:
     """The InterconnectSpec of a preset id such as 'ib-ndr'."""
-    table = _data()["interconnects"]
+    table = gpus_file()["links"]
     if name not in table:
         raise HardwareError(f"unknown interconnect {name!r}; known: {', '.join(table)}")
     entry = table[name]
@@ -269,15 +222,18 @@ def interconnect_preset(name: str) -> InterconnectSpec:
 
 
 def gpu_memory_bandwidth(gpu: GpuSpec) -> float:
-    """The GPU preset's datasheet memory bandwidth in bytes per second, or 0 when unknown."""
-    entry = _data()["memory_bandwidth"].get(gpu.id)
-    return float(entry["bytes_per_s"]) if isinstance(entry, dict) else 0.0
+    """The GPU preset's datasheet memory bandwidth in bytes per second, or 0 for a GPU that is not a preset."""
+    return float(gpu_record(gpu.id).memory_bandwidth_bytes_per_s) if gpu.id in gpu_preset_names() else 0.0
 
 
 def default_profile(gpu: GpuSpec) -> HardwareProfile:
     """The datasheet profile of a GPU preset: its typical links, NCCL's latencies, the default efficiency."""
-    data = _data()
-    links = data["gpu_defaults"].get(gpu.id, data["gpu_defaults"]["custom"])
+    data = gpus_file()
+    if gpu.id in gpu_preset_names():
+        record = gpu_record(gpu.id)
+        links = {role: getattr(record, role) for role in LINK_ROLES}
+    else:
+        links = data["custom_gpu_links"]
     profile = HardwareProfile(
         name=f"datasheet: {gpu.name}",
         intra_node=interconnect_preset(links["intra_node"]),
@@ -285,89 +241,8 @@ def default_profile(gpu: GpuSpec) -> HardwareProfile:
         host=interconnect_preset(links["host"]),
         call_latency_s=float(data["call_latency_s"]),
         memory_bandwidth_bytes_per_s=gpu_memory_bandwidth(gpu),
-        source=f"{gpu.source}; links: interconnects.json; {data['call_latency_source']}; "
+        source=f"{gpu.source}; links: gpus.json; {data['call_latency_source']}; "
         f"framework: {data['framework_defaults']['source']}",
     )
     overheads: dict[str, Any] = {name: float(data["framework_defaults"][name]) for name in OVERHEAD_FIELDS}
     return dataclasses.replace(profile, **overheads)
-
-
-def _link(value: object, where: str) -> InterconnectSpec:
-    if isinstance(value, str):
-        return interconnect_preset(value)
-    if not isinstance(value, dict):
-        raise HardwareError(f"{where} must be an interconnect id or a table with bandwidth_bytes_per_s and latency_s")
-    try:
-        return InterconnectSpec(
-            id=str(value.get("id", "custom")),
-            name=str(value.get("name", where)),
-            bandwidth_bytes_per_s=value["bandwidth_bytes_per_s"],
-            latency_s=value["latency_s"],
-            source=str(value.get("source", "")),
-        )
-    except KeyError as missing:
-        raise HardwareError(f"{where} is missing {missing.args[0]!r}") from None
-
-
-def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
-    """A HardwareProfile from TOML text."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise HardwareError(f"{origin} is not valid TOML: {error}") from None
-    if data.get("schema") != PROFILE_SCHEMA:
-        raise HardwareError(f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r}")
-    compute, network, framework = data.get("compute", {}), data.get("network", {}), data.get("framework", {})
-    if not isinstance(compute, dict) or not isinstance(network, dict) or not isinstance(framework, dict):
-        raise HardwareError(f"{origin}: [compute], [network] and [framework] must be tables")
-    ops, families = network.get("ops", {}), compute.get("families", {})
-    if not isinstance(ops, dict) or not all(isinstance(value, dict) for value in ops.values()):
-        raise HardwareError(f"{origin}: [network.ops] must hold one table per collective op")
-    if not isinstance(families, dict) or not all(isinstance(value, dict) for value in families.values()):
-        raise HardwareError(f"{origin}: [compute.families] must hold one table per model family")
-    try:
-        op_costs = tuple(
-            OpCost(
-                op=op,
-                call_latency_s=value.get("call_latency_s", 0.0),
-                bandwidth_bytes_per_s=value.get("bandwidth_bytes_per_s", 0.0),
-            )
-            for op, value in ops.items()
-        )
-        return HardwareProfile(
-            name=str(data.get("name", origin)),
-            source=str(data.get("source", origin)),
-            intra_node=_link(network.get("intra_node"), f"{origin}: network.intra_node"),
-            inter_node=_link(network.get("inter_node", network.get("intra_node")), f"{origin}: network.inter_node"),
-            host=_link(network.get("host", "pcie5-x16"), f"{origin}: network.host"),
-            call_latency_s=network.get("call_latency_s", 0.0),
-            algorithm=network.get("algorithm", "ring"),
-            overlap=bool(network.get("overlap", True)),
-            matmul_flops_per_s=compute.get("matmul_flops_per_s", 0.0),
-            efficiency=compute.get("efficiency", DEFAULT_EFFICIENCY),
-            kernel_overhead_s=compute.get("kernel_overhead_s", 0.0),
-            backward_op_overhead_s=compute.get("backward_op_overhead_s", 0.0),
-            optimizer_tensor_overhead_s=compute.get("optimizer_tensor_overhead_s", 0.0),
-            memory_bandwidth_bytes_per_s=compute.get("memory_bandwidth_bytes_per_s", 0.0),
-            **{name: framework.get(name, 0.0) for name in FRAMEWORK_FIELDS},
-            op_costs=op_costs,
-            family_op_costs=tuple(
-                FamilyOpCost(
-                    family=family,
-                    kernel_overhead_s=value.get("kernel_overhead_s", 0.0),
-                    backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
-                )
-                for family, value in families.items()
-            ),
-        )
-    except TypeError as error:
-        raise HardwareError(f"{origin}: a value has the wrong type ({error})") from None
-
-
-def load_profile(path: str | Path) -> HardwareProfile:
-    """Read a hardware profile file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise HardwareError(f"cannot read hardware profile {str(path)!r}: {error.strerror}") from None
-    return parse_profile(text, origin=str(path))

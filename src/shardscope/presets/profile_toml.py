@@ -1,16 +1,202 @@
-"""A hardware profile as the TOML file that presets.hardware.parse_profile reads back unchanged (what
-`shardscope calibrate --out` writes)."""
+"""The hardware profile's TOML file, read and written (`--hardware profile.toml`, `shardscope calibrate --out`).
+
+Written by `shardscope calibrate` or by hand:
+
+    schema = "shardscope.hardware/v1"
+    name = "my cluster"
+    source = "where the numbers come from"
+    [compute]
+    matmul_flops_per_s = 0.0        # 0: the GPU preset's datasheet peak for the step's dtype
+    efficiency = 0.5                # fraction of that peak a training step reaches
+    kernel_overhead_s = 0.0         # launch/dispatch cost per forward op (aten op)
+    backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
+    optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
+    memory_bandwidth_bytes_per_s = 0.0  # 0: the GPU preset's datasheet figure
+    [compute.families.llama]        # optional, per model family: replaces the two per-op costs above for it
+    kernel_overhead_s = 0.0
+    backward_op_overhead_s = 0.0
+    [framework]                     # optional: engine bookkeeping beyond ops and collectives
+    ddp_step_overhead_s = 0.0       # DistributedDataParallel per step (reducer, hooks)
+    fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
+    fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
+    sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
+    optimizer_step_overhead_s = 0.0 # per optimizer step: its first call after the rest of the step (cold caches)
+    zero_tensor_overhead_s = 0.0    # ZeroRedundancyOptimizer per parameter tensor
+    hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
+    bookkeeping_op_overhead_s = 0.0 # per op the teaching strategies dispatch from Python (flatten, slice, div_)
+    async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
+    [network]
+    algorithm = "ring"              # ring, tree, hierarchical or auto
+    call_latency_s = 8.4e-6
+    overlap = true                  # communication runs concurrently with compute
+    intra_node = "nvlink4"          # a preset id, or a table {name, bandwidth_bytes_per_s, latency_s}
+    inter_node = "ib-ndr"
+    host = "pcie5-x16"
+    [network.ops.reduce_scatter]    # optional, per op: replaces call_latency_s and the link bandwidth
+    call_latency_s = 3.2e-4
+    bandwidth_bytes_per_s = 6e8
+
+Every field added after the first version is optional and defaults to 0 (not modelled), so older files still load.
+An unknown key, or a value of the wrong kind, is an error that names it: a misspelt key would otherwise load silently
+as its default, and a quoted "false" as true.
+"""
 
 from __future__ import annotations
 
-import json
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
-from shardscope.presets.hardware import FRAMEWORK_FIELDS, PROFILE_SCHEMA, HardwareProfile, InterconnectSpec
+from shardscope.presets.hardware import (
+    DEFAULT_EFFICIENCY,
+    FRAMEWORK_FIELDS,
+    PROFILE_SCHEMA,
+    FamilyOpCost,
+    HardwareError,
+    HardwareProfile,
+    InterconnectSpec,
+    OpCost,
+    interconnect_preset,
+)
+
+NUMBER, TEXT, FLAG, TABLE, LINK = "a number", "a string", "true or false", "a table", "an interconnect id or a table"
+_IS_KIND: dict[str, Callable[[object], bool]] = {
+    NUMBER: lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+    TEXT: lambda value: isinstance(value, str),
+    FLAG: lambda value: isinstance(value, bool),
+    TABLE: lambda value: isinstance(value, dict),
+    LINK: lambda value: isinstance(value, str | dict),
+}
+# every key a profile file may hold, by table, and the kind of its value
+TOP_KEYS = {"schema": TEXT, "name": TEXT, "source": TEXT, "compute": TABLE, "framework": TABLE, "network": TABLE}
+COMPUTE_KEYS = {
+    "matmul_flops_per_s": NUMBER,
+    "efficiency": NUMBER,
+    "kernel_overhead_s": NUMBER,
+    "backward_op_overhead_s": NUMBER,
+    "optimizer_tensor_overhead_s": NUMBER,
+    "memory_bandwidth_bytes_per_s": NUMBER,
+    "families": TABLE,
+}
+FRAMEWORK_KEYS = dict.fromkeys(FRAMEWORK_FIELDS, NUMBER)
+NETWORK_KEYS = {
+    "algorithm": TEXT,
+    "call_latency_s": NUMBER,
+    "overlap": FLAG,
+    "intra_node": LINK,
+    "inter_node": LINK,
+    "host": LINK,
+    "ops": TABLE,
+}
+LINK_KEYS = {"id": TEXT, "name": TEXT, "bandwidth_bytes_per_s": NUMBER, "latency_s": NUMBER, "source": TEXT}
+FAMILY_KEYS = {"kernel_overhead_s": NUMBER, "backward_op_overhead_s": NUMBER}
+OP_KEYS = {"call_latency_s": NUMBER, "bandwidth_bytes_per_s": NUMBER}
+
+
+def _table(value: object, allowed: Mapping[str, str], where: str) -> dict[str, Any]:
+    """The table `value`, once every key is one of `allowed` and holds a value of its kind: a misspelt key would
+    otherwise load silently as its default, and a quoted "false" as true."""
+    if not isinstance(value, dict):
+        raise HardwareError(f"{where} = {value!r} must be a table")
+    for key, item in value.items():
+        if key not in allowed:
+            raise HardwareError(f"{where}: unknown key {key!r}; allowed: {', '.join(allowed)}")
+        if not _IS_KIND[allowed[key]](item):
+            raise HardwareError(f"{where}: {key} = {item!r} must be {allowed[key]}")
+    return value
+
+
+def _link(value: object, where: str) -> InterconnectSpec:
+    if isinstance(value, str):
+        return interconnect_preset(value)
+    if not isinstance(value, dict):
+        raise HardwareError(f"{where} must be an interconnect id or a table with bandwidth_bytes_per_s and latency_s")
+    table = _table(value, LINK_KEYS, where)
+    missing = [key for key in ("bandwidth_bytes_per_s", "latency_s") if key not in table]
+    if missing:
+        raise HardwareError(f"{where} is missing {missing[0]!r}")
+    return InterconnectSpec(
+        id=table.get("id", "custom"),
+        name=table.get("name", where),
+        bandwidth_bytes_per_s=table["bandwidth_bytes_per_s"],
+        latency_s=table["latency_s"],
+        source=table.get("source", ""),
+    )
+
+
+def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
+    """A HardwareProfile from TOML text; an unknown key or a value of the wrong kind is an error naming it."""
+    try:
+        data = _table(tomllib.loads(text), TOP_KEYS, origin)
+    except tomllib.TOMLDecodeError as error:
+        raise HardwareError(f"{origin} is not valid TOML: {error}") from None
+    if data.get("schema") != PROFILE_SCHEMA:
+        raise HardwareError(f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r}")
+    compute = _table(data.get("compute", {}), COMPUTE_KEYS, f"{origin}: [compute]")
+    framework = _table(data.get("framework", {}), FRAMEWORK_KEYS, f"{origin}: [framework]")
+    network = _table(data.get("network", {}), NETWORK_KEYS, f"{origin}: [network]")
+    families = {
+        family: _table(value, FAMILY_KEYS, f"{origin}: [compute.families.{family}]")
+        for family, value in compute.get("families", {}).items()
+    }
+    ops = {op: _table(value, OP_KEYS, f"{origin}: [network.ops.{op}]") for op, value in network.get("ops", {}).items()}
+    return HardwareProfile(
+        name=data.get("name", origin),
+        source=data.get("source", origin),
+        intra_node=_link(network.get("intra_node"), f"{origin}: network.intra_node"),
+        inter_node=_link(network.get("inter_node", network.get("intra_node")), f"{origin}: network.inter_node"),
+        host=_link(network.get("host", "pcie5-x16"), f"{origin}: network.host"),
+        call_latency_s=network.get("call_latency_s", 0.0),
+        algorithm=network.get("algorithm", "ring"),
+        overlap=network.get("overlap", True),
+        matmul_flops_per_s=compute.get("matmul_flops_per_s", 0.0),
+        efficiency=compute.get("efficiency", DEFAULT_EFFICIENCY),
+        kernel_overhead_s=compute.get("kernel_overhead_s", 0.0),
+        backward_op_overhead_s=compute.get("backward_op_overhead_s", 0.0),
+        optimizer_tensor_overhead_s=compute.get("optimizer_tensor_overhead_s", 0.0),
+        memory_bandwidth_bytes_per_s=compute.get("memory_bandwidth_bytes_per_s", 0.0),
+        **{name: framework.get(name, 0.0) for name in FRAMEWORK_FIELDS},
+        op_costs=tuple(
+            OpCost(
+                op=op,
+                call_latency_s=value.get("call_latency_s", 0.0),
+                bandwidth_bytes_per_s=value.get("bandwidth_bytes_per_s", 0.0),
+            )
+            for op, value in ops.items()
+        ),
+        family_op_costs=tuple(
+            FamilyOpCost(
+                family=family,
+                kernel_overhead_s=value.get("kernel_overhead_s", 0.0),
+                backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
+            )
+            for family, value in families.items()
+        ),
+    )
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """Read a hardware profile file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise HardwareError(f"cannot read hardware profile {str(path)!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise HardwareError(f"hardware profile {str(path)!r} is not UTF-8 text: {error.reason}") from None
+    return parse_profile(text, origin=str(path))
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f]")  # U+0000-U+001F and U+007F: escaped in a TOML basic string
 
 
 def _string(text: str) -> str:
-    """A TOML basic string (JSON's escapes are a subset of TOML's)."""
-    return json.dumps(text)
+    """A TOML basic string. Quotes, backslashes and the control characters TOML forbids in one are escaped; every
+    other character is written as it is (the file is UTF-8), since JSON's escapes of characters beyond U+FFFF are
+    surrogate pairs, which TOML rejects."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return '"' + _CONTROL.sub(lambda match: f"\\u{ord(match.group()):04x}", escaped) + '"'
 
 
 def _link_toml(name: str, link: InterconnectSpec) -> str:

@@ -1,0 +1,67 @@
+"""Every GPU preset is one complete record of gpus.json: memory, peak FLOP/s, memory bandwidth, default links and
+power, each positive and each with its datasheet; a record with a field missing is refused, never read as 0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shardscope.presets import (
+    GPU_RECORD_KEYS,
+    LINK_ROLES,
+    PresetError,
+    gpu_preset,
+    gpu_preset_names,
+    gpu_record,
+    gpus_file,
+    parse_gpu_record,
+)
+from shardscope.presets.hardware import default_profile, interconnect_preset, interconnect_preset_names
+
+
+@pytest.mark.parametrize("name", gpu_preset_names())
+def test_every_gpu_record_is_complete(name: str) -> None:
+    entry = gpus_file()["gpus"][name]
+    assert sorted(entry) == sorted(GPU_RECORD_KEYS)
+    record = gpu_record(name)
+    assert record.gpu == gpu_preset(name) and record.gpu.memory_bytes > 0
+    flops = dict(record.gpu.peak_flops_per_s)
+    assert flops["fp32"] > 0 and max(flops.get("bf16", 0), flops.get("fp16", 0)) > flops["fp32"]
+    assert record.memory_bandwidth_bytes_per_s > 0 and record.tdp_watts > 0
+    for source in (record.gpu.source, record.memory_bandwidth_source, record.tdp_source):
+        assert "datasheet" in source or "whitepaper" in source
+    for role in LINK_ROLES:
+        assert interconnect_preset(getattr(record, role)).bandwidth_bytes_per_s > 0
+    profile = default_profile(record.gpu)
+    assert profile.memory_bandwidth_bytes_per_s == record.memory_bandwidth_bytes_per_s
+    assert profile.intra_node.id == record.intra_node and profile.inter_node.id == record.inter_node
+
+
+def test_custom_gpu_links_are_links() -> None:
+    links = gpus_file()["custom_gpu_links"]
+    assert all(links[role] in interconnect_preset_names() for role in LINK_ROLES)
+
+
+def _entry(**changes: Any) -> dict[str, Any]:
+    entry = {**gpus_file()["gpus"]["h100-80gb"], **changes}
+    return {key: value for key, value in entry.items() if value is not None}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"memory_bandwidth_bytes_per_s": None}, "'new-gpu' lacks memory_bandwidth_bytes_per_s; a record holds: name,"),
+        ({"tdp_source": None}, "lacks tdp_source"),
+        ({"hbm_bandwidth": 1e12}, "has unknown field hbm_bandwidth"),
+        ({"memory_bandwidth_bytes_per_s": 0}, "memory_bandwidth_bytes_per_s=0 must be a positive number"),
+        ({"tdp_watts": True}, "tdp_watts=True must be a positive number"),
+        ({"peak_flops_per_s": {"bf16": -1.0}}, "peak_flops_per_s=.* must give a positive figure"),
+        ({"tdp_source": " "}, "tdp_source=' ' must name the datasheet"),
+        ({"links": {**_entry()["links"], "intra_node": "nvlink9"}}, "links.intra_node='nvlink9' is not a link"),
+        ({"links": {"intra_node": "nvlink4"}}, "must name exactly intra_node, inter_node, host"),
+    ],
+)
+def test_an_incomplete_record_is_refused(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(PresetError, match=message):
+        parse_gpu_record("new-gpu", _entry(**changes), interconnect_preset_names())
