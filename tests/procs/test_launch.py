@@ -97,3 +97,29 @@ def test_sigkill_of_the_launcher_leaves_no_rank_and_its_directory_goes_next_star
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with run_directory() as fresh:
         assert sorted(root.iterdir()) == [fresh]  # ... the next start removes it
+
+
+def test_a_failing_rank_is_named_and_a_hang_ends_at_the_deadline() -> None:
+    from shardscope.procs.functions import run_function
+    from shardscope.procs.launcher import RunError
+    from shardscope.runtime.lesson_impl import _demo_rank
+
+    with pytest.raises(RunError, match=r"rank [01] failed: KeyError: 'backend'"):
+        run_function(_demo_rank, 2, {}, timeout_s=60)
+    options = dict(backend="gloo", in_dim=4, hidden=4, out_dim=2, batch_size=2, lr=0.1, seed=0, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(RunError, match=r"did not finish within 4s: rank [01] hung at 'running"):
+        run_function(_demo_rank, 2, {**options, "num_steps": 10**7}, timeout_s=4)
+    assert time.monotonic() - started < 4 + 10
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_rank_starts() -> None:
+    from shardscope.procs.functions import run_function
+
+    with pytest.raises(ValueError, match="must be a module-level function"):
+        run_function(lambda *_: {}, 2, {}, timeout_s=10)
+    code = (
+        "from shardscope.procs.functions import run_function\ndef f(*_):\n    return {}\nrun_function(f, 2, {}, 10)\n"
+    )
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
+    assert "f is defined at a prompt or on standard input; define it in a module" in done.stderr

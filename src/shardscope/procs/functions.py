@@ -30,8 +30,8 @@ def function_target(function: RankFunction) -> str:
     if "<locals>" in name or "<lambda>" in name:
         raise ValueError(f"{name} must be a module-level function: the ranks import it by name")
     if module == "__main__":
-        path = getattr(sys.modules["__main__"], "__file__", None)
-        if not path:
+        path = getattr(sys.modules["__main__"], "__file__", None)  # '<stdin>' for `python -`
+        if not path or not Path(path).is_file():
             raise ValueError(f"{name} is defined at a prompt or on standard input; define it in a module")
         return f"{Path(path).resolve()}:{name}"
     return f"{module}:{name}"

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardscope.measure.storage import storage_bytes
 from shardscope.procs.functions import run_function
 from shardscope.runtime.collectives import all_gather_single
-from shardscope.runtime.measure import storage_bytes
 from shardscope.runtime.trainer import broadcast_module
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
-from shardscope.runtime.measure import measured_as
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
 from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
