@@ -23,8 +23,8 @@ import torch.distributed as dist
 from shardscope.calibrate.collectives import compute_segment
 from shardscope.calibrate.overheads import REFERENCE_MODEL, REFERENCE_TRAINING
 from shardscope.procs.functions import run_function
-from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.reference_models import build_model, lm_loss, sample_batch
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 
 PAYLOAD_BYTES = 64 * 1024
 

@@ -23,8 +23,8 @@ from bench_time import ENGINES, MICRO_BATCH, PRECISION, SEQ_LEN, scenario_for
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.profile_toml import load_profile
 from shardscope.procs.functions import run_function
-from shardscope.runtime.config import RunConfig
 from shardscope.reference_models import build_model
+from shardscope.runtime.config import RunConfig
 from shardscope.runtime.steps import make_trainer, model_dtype, rank_batch
 
 DEFAULT_CASES = "tiny-gpt2:ddp:teaching,tiny-gpt2:ddp:pytorch,tiny-gpt2:zero1:teaching,tiny-gpt2:zero2:teaching"
