@@ -129,6 +129,13 @@ def main() -> int:
     values = sum(_count_leaves(doc) for doc in old.values())
     for key, diffs in list(changed.items())[:20]:
         print(f"estimate {key}:\n  " + "\n  ".join(diffs[:5]))
+    groups: dict[str, int] = {}
+    for key in changed:
+        words = key.split()
+        group = f"{words[words.index('--strategy') + 1]} {words[words.index('--engine') + 1]}"
+        groups[group] = groups.get(group, 0) + 1
+    if groups:
+        print("cases that differ by strategy and engine: " + ", ".join(f"{g} {n}" for g, n in sorted(groups.items())))
     errors = sum(1 for doc in old.values() if "exit" in doc)
     print(
         f"{len(old)} cases ({errors} of them refused with exit 2), {values} values compared with {args.against}: "
