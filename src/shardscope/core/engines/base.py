@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from shardscope.choices import EngineName
@@ -60,6 +61,7 @@ class LiveBytes(NamedTuple):
         return sum(self)
 
 
+_LIVE = partial(tuple.__new__, LiveBytes)  # a LiveBytes from a tuple of six, without NamedTuple's checks
 Moment = tuple[str, LiveBytes]
 """A named moment of the step and what is live then."""
 
@@ -184,17 +186,25 @@ def gradients_in_base(scenario: Scenario, states: ModelStates) -> bool:
 def held(states: ModelStates, with_gradients: bool) -> LiveBytes:
     """What lives through the whole step: weights, optimizer state, persistent buffers, and the gradients when they
     persist."""
-    return LiveBytes(
-        parameters=states.parameters_bytes,
-        gradients=states.gradients_bytes if with_gradients else 0,
-        optimizer_state=states.optimizer_state_bytes,
-        buffers=states.persistent_buffers_bytes,
+    gradients = states.gradients_bytes if with_gradients else 0
+    return _LIVE(
+        (states.parameters_bytes, gradients, states.optimizer_state_bytes, 0, states.persistent_buffers_bytes, 0)
     )
 
 
-def plus(live: LiveBytes, **more: int) -> LiveBytes:
-    """`live` with bytes added to the named categories."""
-    return live._replace(**{name: getattr(live, name) + value for name, value in more.items()})
+def plus(
+    live: LiveBytes,
+    *,
+    parameters: int = 0,
+    gradients: int = 0,
+    optimizer_state: int = 0,
+    activations: int = 0,
+    buffers: int = 0,
+    temporary: int = 0,
+) -> LiveBytes:
+    """`live` with bytes added to the named categories (spelt out: a planner sweep builds millions of these)."""
+    p, g, o, a, b, t = live
+    return _LIVE((p + parameters, g + gradients, o + optimizer_state, a + activations, b + buffers, t + temporary))
 
 
 def shared_moments(
@@ -202,35 +212,51 @@ def shared_moments(
 ) -> list[Moment]:
     """The moments every engine has (see the module docstring); `top_block` replaces the coarse top block's
     backward where an engine follows it more closely."""
-    base = held(states, gradients_in_base(scenario, states))
+    # Each moment as (parameters, gradients, optimizer state, activations, buffers, temporary); built as plain tuples
+    # because a planner sweep builds millions of them.
+    params, optimizer, persistent = (
+        states.parameters_bytes,
+        states.optimizer_state_bytes,
+        states.persistent_buffers_bytes,
+    )
+    grads = states.gradients_bytes if gradients_in_base(scenario, states) else 0
     after_head = acts.saved_bytes - acts.head_bytes
     recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
-    forward_end = plus(
-        base,
-        activations=acts.saved_bytes,
-        buffers=states.forward_buffers_bytes,
-        temporary=states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
+    forward_buffers = persistent + states.forward_buffers_bytes
+    forward_end = _LIVE(
+        (
+            params,
+            grads,
+            optimizer,
+            acts.saved_bytes,
+            forward_buffers,
+            states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
+        )
     )
-    backward_start = plus(
-        base,
-        activations=acts.saved_bytes,
-        buffers=states.forward_buffers_bytes,
-        temporary=acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES,
+    backward_start = _LIVE(
+        (params, grads, optimizer, acts.saved_bytes, forward_buffers, acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES)
     )
-    coarse_top = plus(
-        base,
-        activations=after_head + acts.recompute_bytes,
-        buffers=states.backward_buffers_bytes,
-        gradients=states.backward_grads_bytes + recomputed_block_grads,
-        temporary=acts.head_gradient_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
+    coarse_top = _LIVE(
+        (
+            params,
+            grads + states.backward_grads_bytes + recomputed_block_grads,
+            optimizer,
+            after_head + acts.recompute_bytes,
+            persistent + states.backward_buffers_bytes,
+            acts.head_gradient_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
+        )
     )
-    boundary = plus(
-        base,
-        activations=after_head - acts.stored_block_bytes,
-        buffers=states.boundary_buffers_bytes,
-        gradients=states.boundary_grads_bytes,
+    boundary = _LIVE(
+        (
+            params,
+            grads + states.boundary_grads_bytes,
+            optimizer,
+            after_head - acts.stored_block_bytes,
+            persistent + states.boundary_buffers_bytes,
+            0,
+        )
     )
-    step = plus(held(states, True), temporary=states.optimizer_temporary_bytes)
+    step = _LIVE((params, states.gradients_bytes, optimizer, 0, persistent, states.optimizer_temporary_bytes))
     return [
         ("end of forward", forward_end),
         ("start of backward", backward_start),
@@ -242,4 +268,8 @@ def shared_moments(
 
 def peak_of(moments: Sequence[Moment]) -> Moment:
     """The first of the largest moments."""
-    return max(moments, key=lambda moment: moment[1].total)
+    return max(moments, key=_moment_total)
+
+
+def _moment_total(moment: Moment) -> int:
+    return sum(moment[1])
