@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from shardscope.calibrate.collectives import compute_segment
 from shardscope.calibrate.overheads import REFERENCE_MODEL, REFERENCE_TRAINING
-from shardscope.runtime.models import build_model, lm_loss, sample_batch
-from shardscope.runtime.spawn import run_on_ranks
+from shardscope.procs.functions import run_function
+from shardscope.reference_models import build_model, lm_loss, sample_batch
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 
 PAYLOAD_BYTES = 64 * 1024
 
@@ -36,8 +37,8 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str
     shard = torch.ones(PAYLOAD_BYTES // 4 // world)
     calls = {
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather": lambda: all_gather_single(full, shard),
+        "reduce_scatter": lambda: reduce_scatter_single(shard, full),
     }
     single: dict[str, list[float]] = {op: [] for op in calls}
     chained: dict[str, list[float]] = {op: [] for op in calls}
@@ -89,7 +90,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
-    reports = run_on_ranks(_rank, 2, {"repeats": args.repeats}, timeout=300)
+    reports = run_function(_rank, 2, {"repeats": args.repeats}, timeout_s=300)
     print(f"{'two gloo ranks, slower rank, ms':<40} {'value':>8}")
     for key in reports[0]:
         print(f"{key:<40} {max(report[key] for report in reports.values()) * 1e3:8.2f}")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardscope.calibrate.collectives import compute_segment, trimmed_mean
-from shardscope.runtime.spawn import run_on_ranks
+from shardscope.procs.functions import run_function
 
 
 def _clock_wait(ends: list[float], rank: int, world: int) -> float:
@@ -90,7 +90,7 @@ def main() -> int:
         print("error: --blocks must be 1 or more, --pairs 40 or more, --segments positive integers", file=sys.stderr)
         return 2
     options = {"blocks": args.blocks, "pairs": args.pairs, "segments": segments}
-    reports = run_on_ranks(_rank, 2, options, timeout=300)
+    reports = run_function(_rank, 2, options, timeout_s=300)
     print(f"{'rank':>4} {'block':>5} {'as calibrate, ms':>16} {'from the clock, ms':>18}")
     for rank, report in sorted(reports.items()):
         for index, (difference, skew) in enumerate(report["blocks"]):

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from shardscope.cli.tables import render_table
+from shardscope.procs.functions import run_function
 from shardscope.runtime import RunConfig, run_suite
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.lesson_impl import init_process_group
-from shardscope.runtime.spawn import run_on_ranks
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 PAYLOADS = (2**12, 2**16, 2**20, 2**23)  # bytes of the full (unsharded) buffer
@@ -34,8 +35,8 @@ def _bandwidth_rank(rank: int, world: int, port: int, options: dict[str, Any]) -
         shard = torch.zeros(full.numel() // world, dtype=torch.float32)
         calls = {
             "all_reduce": lambda full=full: dist.all_reduce(full),
-            "all_gather": lambda full=full, shard=shard: dist.all_gather_into_tensor(full, shard),
-            "reduce_scatter": lambda full=full, shard=shard: dist.reduce_scatter_tensor(shard, full),
+            "all_gather": lambda full=full, shard=shard: all_gather_single(full, shard),
+            "reduce_scatter": lambda full=full, shard=shard: reduce_scatter_single(shard, full),
         }
         for op, call in calls.items():
             call()  # warm-up
@@ -50,7 +51,7 @@ def _bandwidth_rank(rank: int, world: int, port: int, options: dict[str, Any]) -
 
 
 def bus_bandwidth(world: int) -> list[list[str]]:
-    reports = run_on_ranks(_bandwidth_rank, world, {"payloads": PAYLOADS}, timeout=300)
+    reports = run_function(_bandwidth_rank, world, {"payloads": PAYLOADS}, timeout_s=300)
     factor = {
         "all_reduce": 2 * (world - 1) / world,
         "all_gather": (world - 1) / world,

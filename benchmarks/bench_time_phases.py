@@ -22,9 +22,9 @@ import torch.distributed as dist
 from bench_time import ENGINES, MICRO_BATCH, PRECISION, SEQ_LEN, scenario_for
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.profile_toml import load_profile
+from shardscope.procs.functions import run_function
+from shardscope.reference_models import build_model
 from shardscope.runtime.config import RunConfig
-from shardscope.runtime.models import build_model
-from shardscope.runtime.spawn import run_on_ranks
 from shardscope.runtime.steps import make_trainer, model_dtype, rank_batch
 
 DEFAULT_CASES = "tiny-gpt2:ddp:teaching,tiny-gpt2:ddp:pytorch,tiny-gpt2:zero1:teaching,tiny-gpt2:zero2:teaching"
@@ -86,7 +86,7 @@ def main() -> int:
     for case in args.cases.split(","):
         model, strategy, engine = case.split(":")
         options = {"model": model, "strategy": strategy, "engine": engine}
-        reports = run_on_ranks(rank_phases, 2, options, timeout=300)
+        reports = run_function(rank_phases, 2, options, timeout_s=300)
         measured = [max(report["medians"][phase] for report in reports.values()) for phase in range(3)]
         predicted = predicted_phases(model, strategy, engine, profile)
         for name, guess, truth in zip(("forward", "backward", "step"), predicted, measured, strict=True):

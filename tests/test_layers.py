@@ -12,15 +12,14 @@ import ast
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 import shardscope
 
 PACKAGE = Path(shardscope.__file__).parent
-# the torch side (runtime, trace, calibrate; the measuring and process packages of issue 16 once they land) and the CLI
+# the torch side (runtime, trace, calibrate, the reference models, the measuring and process packages) and the CLI
 ABOVE_CORE = (
     "torch",
     "shardscope.runtime",
+    "shardscope.reference_models",
     "shardscope.trace",
     "shardscope.calibrate",
     "shardscope.measure",
@@ -36,15 +35,15 @@ RULES: dict[str, tuple[str, ...]] = {
     "shardscope.core": ("shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
     "shardscope.planner": (*ABOVE_CORE, *ABOVE_PLANNER),
 }
-# replay shares the measuring code with real runs, never the code that launches them (DESIGN.md, issue 16 item 4);
-# the launcher lives in runtime today and in the process package (shardscope.procs) once that lands
-LAUNCHER = (
-    "shardscope.runtime.launch",
-    "shardscope.runtime.spawn",
-    "shardscope.procs.launcher",
-    "shardscope.procs.functions",
-)
-TRACE_RULE = {"shardscope.trace": (*LAUNCHER, "shardscope.cli", "shardscope.planner", *ABOVE_PLANNER)}
+# Replay shares the measuring code and the reference models with real runs, never the runtime or the code that
+# launches ranks (DESIGN.md, issue 16 item 4); the measuring and process packages stand on their own.
+LAUNCHER = ("shardscope.procs.launcher", "shardscope.procs.functions")
+TORCH_SIDE_RULES: dict[str, tuple[str, ...]] = {
+    "shardscope.trace": ("shardscope.runtime", *LAUNCHER, "shardscope.cli", "shardscope.planner", *ABOVE_PLANNER),
+    "shardscope.measure": ("shardscope.runtime", "shardscope.procs", "shardscope.trace", "shardscope.cli"),
+    "shardscope.procs": ("torch", "shardscope.runtime", "shardscope.measure", "shardscope.trace", "shardscope.cli"),
+    "shardscope.reference_models": ("shardscope.runtime", "shardscope.trace", "shardscope.procs", "shardscope.cli"),
+}
 
 
 def module_name(path: Path) -> str:
@@ -117,21 +116,15 @@ def test_layers_import_only_downwards() -> None:
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known violation, reported to the lead: trace.setup imports shardscope.runtime.models inside a function, "
-    "and loading any runtime module runs runtime/__init__.py, whose imports (runtime.api, runtime.config) reach the "
-    "launcher; it goes when the reference models leave the runtime package or its __init__ stops importing the API",
-)
-def test_trace_does_not_reach_the_launcher() -> None:
-    found = violations(TRACE_RULE)
+def test_the_torch_side_keeps_replay_apart_from_launching() -> None:
+    found = violations(TORCH_SIDE_RULES)
     assert not found, "\n".join(found)
 
 
 def test_the_checker_sees_lazy_imports_and_packages() -> None:
-    # runtime.api imports the launcher inside a function; importing runtime.models runs runtime/__init__.py
-    # (which imports runtime.api); lesson imports the runtime inside a function
-    assert "shardscope.runtime.launch" in reached("shardscope.runtime.models")
+    # importing runtime.steps runs runtime/__init__.py, which imports runtime.api and so the launcher; lesson imports
+    # the runtime inside a function
+    assert "shardscope.procs.launcher" in reached("shardscope.runtime.steps")
     assert "shardscope.presets" in direct_imports("shardscope.core.timeline")
     assert any("shardscope.runtime" in chain for chain in violations({"shardscope.lesson": ("shardscope.runtime",)}))
     assert len(modules()) > 50

@@ -46,6 +46,7 @@ def test_gpu_presets_store_bytes() -> None:
         "a100-40gb",
         "a100-80gb",
         "h100-80gb",
+        "h100-pcie-80gb",
         "h200-141gb",
         "b200",
         "mi300x",

@@ -21,6 +21,9 @@ from shardscope.core.result import MemoryBreakdown
         (["--dtype", "float16"], "--dtype 'float16' is not known"),
         (["--strategy", "hsdp", "--world-size", "4", "--shard-group", "3"], "must divide world_size=4"),
         (["--model", "nope"], "unknown model preset 'nope'"),
+        (["--timeout", "nan"], "--timeout nan must be a positive, finite number of seconds"),
+        (["--timeout", "inf"], "--timeout inf must be a positive, finite number of seconds"),
+        (["--timeout", "0"], "--timeout 0.0 must be a positive, finite number of seconds"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from shardscope.core.params import count_parameters, param_layout
 from shardscope.presets import model_preset, model_preset_names
-from shardscope.runtime.models import build_model, lm_loss, sample_batch
+from shardscope.reference_models import build_model, lm_loss, sample_batch
 from shardscope.specs import TrainingSpec
 
 SHAPED = [name for name in model_preset_names() if model_preset(name).has_shape]

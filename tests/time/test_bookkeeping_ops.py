@@ -29,7 +29,7 @@ DISPATCH_MACHINERY = ("/torch/_dynamo/", "/torch/_compile.py", "/torch/utils/_py
 
 class TeachingOps(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[misc]
     """Counts the aten ops called straight from shardscope.runtime.teaching's code: not the model's (called from
-    runtime/models.py), not autograd's (from torch.autograd), not the optimizer's or a collective's own (from
+    reference_models.py), not autograd's (from torch.autograd), not the optimizer's or a collective's own (from
     torch.optim, torch.distributed)."""
 
     def __init__(self) -> None:
@@ -54,8 +54,8 @@ def one_rank_group() -> Iterator[None]:
 
 def _counted_step(strategy: str, precision: str) -> tuple[int, int]:
     """(ops in forward and backward, ops in the optimizer step) of the third step of the teaching strategy."""
+    from shardscope.reference_models import build_model
     from shardscope.runtime.config import RunConfig
-    from shardscope.runtime.models import build_model
     from shardscope.runtime.steps import make_trainer, model_dtype, rank_batch
 
     config = RunConfig(

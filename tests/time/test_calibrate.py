@@ -24,9 +24,30 @@ def test_fit_recovers_a_known_alpha_beta_model() -> None:
     assert fitted[3] < 1e-9
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--timeout", "-1"], "--timeout -1.0 must be a positive, finite number of seconds"),
+        (["--timeout", "0"], "--timeout 0.0 must be a positive, finite number of seconds"),
+        (["--timeout", "nan"], "--timeout nan must be a positive, finite number of seconds"),
+        (["--timeout", "inf"], "--timeout inf must be a positive, finite number of seconds"),
+        (["--world-size", "1000"], "--world-size 1000 must be between 2 (to time collectives) and 8 local ranks"),
+        (["--world-size", "1"], "--world-size 1 must be between 2"),
+    ],
+)
+def test_bad_values_are_one_line_and_exit_2_before_any_rank(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardscope.cli import main
+
+    assert main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.distributed
 def test_calibrate_two_gloo_ranks_writes_a_readable_profile() -> None:
-    # hard timeout: calibrate kills both ranks after timeout_s and raises TimeoutError
+    # hard timeout: the launcher kills both ranks after timeout_s and raises RunError
     result = calibrate(world_size=2, payloads=(2**12, 2**16, 2**20), repeats=3, timeout_s=90)
     assert len(result.samples) == 12  # 3 payloads x all_reduce, all_gather, reduce_scatter, broadcast
     assert profile_has_framework_terms(result.profile)

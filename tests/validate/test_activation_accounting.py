@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 from shardscope.core.activations import estimate_activations  # noqa: E402
 from shardscope.presets import model_preset  # noqa: E402
-from shardscope.runtime.models import build_model, lm_loss, sample_batch  # noqa: E402
+from shardscope.reference_models import build_model, lm_loss, sample_batch  # noqa: E402
 from shardscope.specs import TrainingSpec  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16-mixed": torch.bfloat16}

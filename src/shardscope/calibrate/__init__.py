@@ -9,19 +9,16 @@ All-reduce Algorithms for Clusters of Workstations"). Needs torch; the core neve
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import faulthandler
 import os
-import signal
 import socket
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from shardscope.calibrate.collectives import (
     DEFAULT_PAYLOADS,
@@ -41,8 +38,7 @@ from shardscope.calibrate.overheads import (
     measure_sync_wait,
 )
 from shardscope.presets.hardware import HardwareProfile, InterconnectSpec
-
-_PR_SET_PDEATHSIG = 1
+from shardscope.procs.functions import run_function
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,15 +53,13 @@ class Calibration:
     """Largest relative error of the fitted model over the samples."""
 
 
-def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats: int, queue: Any) -> None:
-    """One local gloo rank: measure, hand rank 0's numbers back, leave cleanly (DESIGN.md's rules)."""
-    ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of the *_tensor collectives
+def calibrate_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One local gloo rank (run by shardscope.procs): measure; rank 0 reports the samples and compute terms."""
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(float(os.environ.get("SHARDSCOPE_CALIBRATE_STACKS_AFTER_S", "600")))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cpu")
-    samples = _measure_collectives(payloads, repeats, device)
+    samples = _measure_collectives(tuple(options["payloads"]), options["repeats"], device)
     dist.barrier()
     compute = measure_compute(device, torch.float32)  # every rank at once, as in training
     dist.barrier()
@@ -76,49 +70,21 @@ def _worker(rank: int, world: int, port: int, payloads: tuple[int, ...], repeats
     compute["hook_s"] = measure_hook_s()
     dist.barrier()
     compute["async_slowdown"] = measure_async_slowdown()
-    if rank == 0:
-        queue.put((samples, compute))
-        # put() hands the data to a feeder thread; os._exit below would kill it before the pipe has the data
-        queue.close()
-        queue.join_thread()
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    faulthandler.cancel_dump_traceback_later()
+    if rank != 0:
+        return {}
+    return {"samples": [dataclasses.asdict(sample) for sample in samples], "compute": compute}
 
 
 def run_local(
     world_size: int, payloads: tuple[int, ...], repeats: int, timeout_s: float
 ) -> tuple[list[Sample], dict[str, float]]:
-    """Launch world_size gloo processes on this host; kill them all if the deadline passes."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    workers = [
-        context.Process(target=_worker, args=(rank, world_size, port, payloads, repeats, queue), daemon=True)
-        for rank in range(world_size)
-    ]
-    for worker in workers:
-        worker.start()
-    try:
-        samples, compute = queue.get(timeout=timeout_s)
-        deadline = time.monotonic() + 30
-        for worker in workers:
-            worker.join(timeout=max(0.0, deadline - time.monotonic()))
-    except Exception as error:
-        raise TimeoutError(f"calibration ranks did not finish within {timeout_s:.0f} s") from error
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-    return samples, compute
+    """Measure on world_size local gloo ranks; RunError naming the rank when one fails or the deadline passes."""
+    options = {"payloads": list(payloads), "repeats": repeats}
+    report = run_function(calibrate_rank, world_size, options, timeout_s)[0]
+    return [Sample(**sample) for sample in report["samples"]], report["compute"]
 
 
 def calibrate(
@@ -213,6 +179,7 @@ __all__ = [
     "Calibration",
     "Sample",
     "calibrate",
+    "calibrate_rank",
     "calibrate_torchrun",
     "fit_op",
     "fit_samples",

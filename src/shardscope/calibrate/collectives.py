@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardscope.presets.hardware import OpCost
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 DEFAULT_PAYLOADS = tuple(2**power for power in range(12, 25, 2))  # 4 KiB .. 16 MiB
@@ -91,8 +92,8 @@ def _measure_collectives(payloads: tuple[int, ...], repeats: int, device: torch.
         shard = torch.ones(numel // world, device=device)
         calls = {
             "all_reduce": functools.partial(dist.all_reduce, full),
-            "all_gather": functools.partial(dist.all_gather_into_tensor, full, shard),
-            "reduce_scatter": functools.partial(dist.reduce_scatter_tensor, shard, full),
+            "all_gather": functools.partial(all_gather_single, full, shard),
+            "reduce_scatter": functools.partial(reduce_scatter_single, shard, full),
             "broadcast": functools.partial(dist.broadcast, full, 0),
         }
         for op in OPS:

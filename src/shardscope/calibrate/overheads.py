@@ -141,7 +141,7 @@ def measure_model_ops(
     communication ran 7-21% slower here than one in a loop of forwards (benchmarks/bench_gloo_tail.py), and every
     forward of a step follows communication."""
     from shardscope.core.compute import stage_flops
-    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+    from shardscope.reference_models import build_model, lm_loss, sample_batch
 
     built = [build_model(spec, REFERENCE_TRAINING, seed=0) for spec in models]
     batches = [sample_batch(spec, REFERENCE_TRAINING, num_sequences=2) for spec in models]
@@ -176,7 +176,7 @@ def measure_model_ops(
 
 def _reference_training() -> tuple[torch.nn.Module, Any]:
     """The gpt2-style reference model and a function that runs one forward and backward of it (micro-batch 2)."""
-    from shardscope.runtime.models import build_model, lm_loss, sample_batch
+    from shardscope.reference_models import build_model, lm_loss, sample_batch
 
     model = build_model(REFERENCE_MODEL, REFERENCE_TRAINING, seed=0)
     inputs, targets = sample_batch(REFERENCE_MODEL, REFERENCE_TRAINING, num_sequences=2)

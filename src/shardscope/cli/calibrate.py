@@ -11,6 +11,7 @@ from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import positive_int
 from shardscope.cli.tables import render_table
 from shardscope.presets.profile_toml import profile_to_toml
+from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError, check_timeout
 
 EXAMPLES = """examples:
   shardscope calibrate --out profile.toml                 # 2 local gloo ranks on this machine
@@ -29,19 +30,33 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="profile.toml", help="profile file to write (default %(default)s)")
-    parser.add_argument("--world-size", type=positive_int, default=2, help="local gloo ranks (default 2)")
+    parser.add_argument(
+        "--world-size", type=positive_int, default=2, help=f"local gloo ranks, 2 to {MAX_LOCAL_WORLD_SIZE} (default 2)"
+    )
     parser.add_argument("--repeats", type=positive_int, default=20, help="timing windows per payload (default 20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are killed")
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Bad values end here, before any rank starts (exit 2, one line naming the value)."""
+    try:
+        check_timeout(args.timeout, "--timeout")
+    except RunError as error:
+        raise CliError(str(error)) from None
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not 2 <= args.world_size <= MAX_LOCAL_WORLD_SIZE:
+        raise CliError(
+            f"--world-size {args.world_size} must be between 2 (to time collectives) and {MAX_LOCAL_WORLD_SIZE} "
+            "local ranks; for more, run calibrate under torchrun"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure, fit, print, write."""
+    _check(args)
     try:
         from shardscope import calibrate as measure  # torch is needed here only
     except ImportError as error:
         raise CliError(f"calibrate needs torch ({error}); install shardscope[torch]") from None
-    if args.world_size < 2 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        raise CliError(f"--world-size {args.world_size} must be at least 2 to time collectives")
     if "TORCHELASTIC_RUN_ID" in os.environ:
         result = measure.calibrate_torchrun(repeats=args.repeats)
         if result is None:
@@ -49,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         try:
             result = measure.calibrate(world_size=args.world_size, repeats=args.repeats, timeout_s=args.timeout)
-        except TimeoutError as error:
-            raise CliError(str(error), exit_code=1) from None
+        except RunError as error:
+            raise CliError(f"calibrate failed: {error}", exit_code=1) from None
     rows = [[s.op, str(s.payload_bytes), f"{s.seconds * 1e6:.1f}"] for s in result.samples]
     profile = result.profile
     print(render_table(["op", "payload bytes", "mean us"], rows))

@@ -86,10 +86,14 @@ def render(result: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, print; exit 0 when parity holds, 1 when it does not, 2 on bad input or a failed rank."""
+    from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, check_timeout
     from shardscope.runtime import RunConfig, RunError, run_training
-    from shardscope.runtime.config import MAX_LOCAL_WORLD_SIZE
     from shardscope.specs import SpecError
 
+    try:
+        check_timeout(args.timeout, "--timeout")
+    except RunError as error:
+        raise CliError(str(error)) from None
     if not 1 <= args.world_size <= MAX_LOCAL_WORLD_SIZE:
         raise CliError(
             f"--world-size {args.world_size} must be between 1 and {MAX_LOCAL_WORLD_SIZE} local processes; "

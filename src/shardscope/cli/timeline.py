@@ -21,9 +21,8 @@ from shardscope.cli.scenario_args import (
 )
 from shardscope.cli.tables import render_table
 from shardscope.core.chrome_trace import chrome_trace
-from shardscope.core.comm import comm_events
 from shardscope.core.memory import estimate_memory
-from shardscope.core.network import event_cost
+from shardscope.core.network import ledger_costs
 from shardscope.core.timeline import TimeEstimate, estimate_time, network_model
 from shardscope.presets.hardware import (
     HardwareProfile,
@@ -113,23 +112,17 @@ def render_summary(estimate: TimeEstimate) -> str:
     """Where the time goes, and the ledger with each row's wire bytes and time."""
     scenario = estimate.scenario
     net = network_model(estimate.hardware)
-    totals: dict[tuple[str, str, int, int], tuple[int, float, float]] = {}
-    for event in comm_events(scenario):
-        row, cost = event.row, event_cost(event, scenario, net)
-        key = (row.phase, row.op, row.group_size, row.payload_bytes)
-        count, wire, seconds = totals.get(key, (0, 0.0, 0.0))
-        totals[key] = (count + 1, wire + cost.wire_bytes, seconds + cost.time_s)
     rows = [
         [
             phase,
             op,
             str(group),
             format_bytes(payload, "MiB"),
-            str(count),
+            str(int(count)),
             format_bytes(wire, "MiB"),
             f"{seconds * 1e3:.3f}",
         ]
-        for (phase, op, group, payload), (count, wire, seconds) in totals.items()
+        for (phase, op, group, payload), (count, wire, seconds) in ledger_costs(scenario, net).items()
     ]
     header = (
         f"{scenario.model.name}, {scenario.strategy.name} ({scenario.strategy.engine}) on {scenario.cluster.world_size}"
@@ -170,4 +163,10 @@ def run(args: argparse.Namespace) -> int:
                 f"\nChrome trace written to {args.trace}: both streams, communication in flight and memory by category"
                 " (open in https://ui.perfetto.dev or chrome://tracing)"
             )
+            steps = scenario.training.grad_accum_steps
+            if estimate.simulated_micro_batches < steps:
+                print(
+                    f"the trace draws the first {estimate.simulated_micro_batches} of the {steps} micro-batches; the "
+                    "totals above cover all of them (each further micro-batch repeats the last one's work)"
+                )
     return 0

@@ -67,6 +67,8 @@ def chrome_trace(estimate: TimeEstimate, memory: MemoryEstimate | None = None, p
         "tokens_per_s": estimate.tokens_per_s,
         "mfu": estimate.mfu,
         "hardware": estimate.hardware.name,
+        "micro_batches": estimate.scenario.training.grad_accum_steps,
+        "micro_batches_drawn": estimate.simulated_micro_batches,
     }
     if memory is not None:
         summary["peak_bytes"] = memory.per_rank.peak_bytes

@@ -10,6 +10,10 @@ Trillion Parameter Models" (Rajbhandari et al.): DDP and ZeRO-1/2 move 2 x param
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
 from shardscope.core.comm_events import DDP_FIRST_BUCKET_BYTES, CommEvent, optimizer_offload_events
 from shardscope.core.engines import rules_for
 from shardscope.core.result import CollectiveRow, merge_ledger
@@ -21,6 +25,7 @@ __all__ = [
     "collective_ledger",
     "comm_events",
     "gradient_buckets",
+    "repeated_totals",
     "run_ledger",
     "setup_ledger",
 ]
@@ -47,9 +52,45 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     return tuple(events)
 
 
+Key = TypeVar("Key", bound=Hashable)
+
+
+def with_micro_batches(scenario: Scenario, count: int) -> Scenario:
+    """The scenario with `count` micro-batches per step."""
+    return dataclasses.replace(scenario, training=dataclasses.replace(scenario.training, grad_accum_steps=count))
+
+
+def repeated_totals(
+    scenario: Scenario, tally: Callable[[Scenario], dict[Key, tuple[float, ...]]]
+) -> dict[Key, tuple[float, ...]]:
+    """`tally` (totals by key of a step's calls) for k micro-batches, from the tallies of one and two: every
+    micro-batch after the first issues the same calls, the rest (the last micro-batch's reductions, the step's
+    gathers) come once, so each total grows by the same amount per micro-batch. O(1) in k."""
+    steps = scenario.training.grad_accum_steps
+    if steps <= 2:
+        return tally(scenario)
+    one, two = tally(with_micro_batches(scenario, 1)), tally(with_micro_batches(scenario, 2))
+    return {
+        key: tuple(a + (steps - 1) * (b - a) for a, b in zip(one.get(key, (0,) * len(values)), values, strict=True))
+        for key, values in two.items()
+    }
+
+
+def _call_counts(scenario: Scenario) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
+    return {
+        (row.phase, row.op, row.group_size, row.payload_bytes): (row.count,)
+        for row in merge_ledger([event.row for event in comm_events(scenario)])
+    }
+
+
 def collective_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
-    """The step's ledger in the shared row schema (phase, op, group size, payload bytes, count)."""
-    return merge_ledger([event.row for event in comm_events(scenario)])
+    """The step's ledger in the shared row schema (phase, op, group size, payload bytes, count); O(1) in the
+    number of micro-batches."""
+    rows = [
+        CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=int(count))
+        for (phase, op, group, payload), (count,) in repeated_totals(scenario, _call_counts).items()
+    ]
+    return merge_ledger(rows)
 
 
 def setup_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:

@@ -27,7 +27,7 @@ from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
 
 DEFAULT_EFFICIENCY = 0.5
 # Ops (aten ops as torch dispatches them, views included) one block runs in forward and in backward, counted with a
-# dispatch-mode counter on shardscope.runtime.models at micro-batch 2 x 32 (tiny presets, fp32; the count does not
+# dispatch-mode counter on shardscope.reference_models at micro-batch 2 x 32 (tiny presets, fp32; the count does not
 # depend on sizes): (family, attention) -> (forward, backward). Multiplied by the calibrated per-op cost they are what
 # a CPU step of a small model spends beyond its FLOPs. MoE counts are tiny-moe's (4 experts, 2 per token).
 OPS_PER_BLOCK = {

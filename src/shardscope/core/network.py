@@ -24,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from shardscope.core.comm import CommEvent
+from shardscope.core.comm import CommEvent, comm_events, repeated_totals
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, OpCost
 from shardscope.specs import Scenario, SpecError
@@ -240,3 +240,19 @@ def network_model(profile: HardwareProfile) -> NetworkModel:
         algorithm=profile.algorithm,
         op_costs=profile.op_costs,
     )
+
+
+def ledger_costs(scenario: Scenario, net: NetworkModel) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
+    """Calls, wire bytes and seconds of each ledger row (phase, op, group size, payload) of one step; O(1) in the
+    number of micro-batches."""
+
+    def tally(case: Scenario) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
+        totals: dict[tuple[str, str, int, int], tuple[float, ...]] = {}
+        for event in comm_events(case):
+            row, cost = event.row, event_cost(event, case, net)
+            key = (row.phase, row.op, row.group_size, row.payload_bytes)
+            count, wire, seconds = totals.get(key, (0, 0.0, 0.0))
+            totals[key] = (count + 1, wire + cost.wire_bytes, seconds + cost.time_s)
+        return totals
+
+    return repeated_totals(scenario, tally)

@@ -15,11 +15,12 @@ that `core.chrome_trace` turns into a Chrome trace.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
-from shardscope.core.comm import CommEvent, comm_events
+from shardscope.core.comm import CommEvent, collective_ledger, comm_events, with_micro_batches
 from shardscope.core.compute import (
     ComputeModel,
     compute_model,
@@ -37,6 +38,8 @@ from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
 STREAMS = ("compute", "comm", "host")
+EXACT_MICRO_BATCHES = 16
+"""Steps of up to this many micro-batches are simulated whole; longer ones are extended from it (`estimate_time`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +93,9 @@ class TimeEstimate:
     """Every piece of work as (name, stream, category, start_s, duration_s, payload_bytes), in start order. Plain
     tuples, because the planner simulates hundreds of steps of a thousand pieces each and reads none of them;
     `spans` gives them as Span objects."""
+    simulated_micro_batches: int
+    """Micro-batches the schedule holds: all of the step's, or EXACT_MICRO_BATCHES when the step has more and its
+    totals were extended linearly (see `estimate_time`)."""
 
     @property
     def spans(self) -> tuple[Span, ...]:
@@ -129,6 +135,7 @@ class TimeEstimate:
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "simulated_micro_batches": self.simulated_micro_batches,
             "hardware": self.hardware.name,
         }
 
@@ -323,12 +330,39 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
         model_flops=model_flops_per_step(scenario),
         peak_flops_per_s=compute.peak_flops_per_s,
         schedule=tuple(sorted(schedule, key=itemgetter(3))),
+        simulated_micro_batches=scenario.training.grad_accum_steps,
     )
 
 
 def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -> TimeEstimate:
-    """Step time, communication and throughput of a scenario; the GPU preset's datasheet profile by default."""
-    return simulate(scenario, hardware or default_profile(scenario.cluster.gpu))
+    """Step time, communication and throughput of a scenario; the GPU preset's datasheet profile by default.
+
+    A step of up to EXACT_MICRO_BATCHES micro-batches is simulated whole. Past that every further micro-batch repeats
+    the same work, so the step's totals are those of EXACT_MICRO_BATCHES micro-batches extended by the difference
+    the last one made (O(1) in the count, in time and memory), and the schedule is the simulated part."""
+    profile = hardware or default_profile(scenario.cluster.gpu)
+    steps = scenario.training.grad_accum_steps
+    if steps <= EXACT_MICRO_BATCHES:
+        return simulate(scenario, profile)
+    before = simulate(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile)
+    last = simulate(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile)
+    more = steps - EXACT_MICRO_BATCHES
+
+    def extend(earlier: float, later: float) -> float:
+        return later + more * (later - earlier)
+
+    step, compute = extend(before.step_time_s, last.step_time_s), extend(before.compute_time_s, last.compute_time_s)
+    return dataclasses.replace(
+        last,
+        scenario=scenario,
+        ledger=collective_ledger(scenario),
+        wire_bytes_per_rank=round(extend(before.wire_bytes_per_rank, last.wire_bytes_per_rank)),
+        comm_time_s=extend(before.comm_time_s, last.comm_time_s),
+        exposed_comm_s=max(0.0, step - compute),
+        compute_time_s=compute,
+        step_time_s=step,
+        model_flops=model_flops_per_step(scenario),
+    )
 
 
 # compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers

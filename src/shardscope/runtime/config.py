@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from shardscope.choices import parse_choice
 from shardscope.mesh import DATA_PARALLEL_PRESETS, canonical_strategy
 from shardscope.presets import model_preset
+from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
 from shardscope.specs import STRATEGIES, ModelSpec, SpecError, TrainingSpec
 
 RUN_ENGINES = ("teaching", "pytorch")
-MAX_LOCAL_WORLD_SIZE = 8  # gloo processes this machine can hold at once
 FAULTS = ("raise", "exit", "hang")
-
-
-class RunError(RuntimeError):
-    """A run failed: a rank raised, exited or hung. The message names the rank and its error."""
+__all__ = ["FAULTS", "MAX_LOCAL_WORLD_SIZE", "RUN_ENGINES", "RunConfig", "RunError"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,8 +76,8 @@ class RunConfig:
                 )
         elif self.shard_group:
             raise SpecError(f"RunConfig.shard_group={self.shard_group} is only used by hsdp")
-        if self.timeout_s <= 0:
-            raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be positive")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise SpecError(f"RunConfig.backend={self.backend!r} is not known; allowed: auto, gloo, nccl")
         if self.rendezvous not in ("tcp", "file"):

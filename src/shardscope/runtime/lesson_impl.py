@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.measure import storage_bytes
-from shardscope.runtime.spawn import run_on_ranks
+from shardscope.measure.storage import storage_bytes
+from shardscope.procs.functions import run_function
+from shardscope.runtime.collectives import all_gather_single
 from shardscope.runtime.trainer import broadcast_module
 
 
@@ -69,7 +70,7 @@ def fsdp_round_trip_sketch(module: nn.Module) -> bool:
     shard = padded[rank * shard_numel : (rank + 1) * shard_numel].clone()
     del padded
     gathered = torch.empty(shard_numel * world, dtype=flat.dtype)
-    dist.all_gather_into_tensor(gathered, shard)
+    all_gather_single(gathered, shard)
     ok = bool(torch.equal(gathered[: flat.numel()], flat))
     del gathered  # "free after use": only the shard stays
     return ok
@@ -172,7 +173,7 @@ def run_distributed_demo(
         "seed": seed,
         "timeout": timeout,
     }
-    reports = run_on_ranks(_demo_rank, world_size, options, timeout)
+    reports = run_function(_demo_rank, world_size, options, timeout)
     sums = [reports[rank]["param_sum"] for rank in range(world_size)]
     return {
         "world_size": world_size,

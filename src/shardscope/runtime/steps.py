@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from shardscope.measure.ledger import CollectiveLedger
+from shardscope.measure.storage import storage_bytes
+from shardscope.reference_models import build_model, lm_loss, sample_batch
 from shardscope.runtime.config import RunConfig
-from shardscope.runtime.measure import CollectiveLedger, storage_bytes
-from shardscope.runtime.models import build_model, lm_loss, sample_batch
 from shardscope.runtime.tracker import MemoryTracker
 from shardscope.runtime.trainer import Trainer, is_mixed, make_optimizer, param_dtype
 

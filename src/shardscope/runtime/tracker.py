@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardscope.runtime.measure import current_label, storages, tensors_in
+from shardscope.measure.storage import current_label, storages, tensors_in
 
 NEVER = 1 << 62  # the end tick of a storage still alive
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.models import lm_loss
+from shardscope.reference_models import lm_loss
 from shardscope.specs import TrainingSpec
 
 LEARNING_RATE = 1e-2  # large enough that a wrong update shows up in parity, small enough to stay finite

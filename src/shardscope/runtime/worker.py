@@ -11,33 +11,18 @@ and os._exit, and ask the kernel to kill them if their parent dies.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import datetime
 import json
 import os
-import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
+from shardscope.procs.rank import LAUNCHER_PID_ENV, Status, die_with_parent, report_failure
 from shardscope.runtime.config import RunConfig
 from shardscope.specs import SpecError
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel ends this process when its parent does (Linux only). If the
-    launcher that started us (SHARDSCOPE_LAUNCHER_PID) is already gone, the request came too late: exit now."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    launcher = os.environ.get("SHARDSCOPE_LAUNCHER_PID")
-    if launcher and os.getppid() != int(launcher):
-        os._exit(1)
 
 
 def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
@@ -55,23 +40,6 @@ def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
     values = {item.name: getattr(args, item.name) for item in dataclasses.fields(RunConfig)}
     values["world_size"] = int(os.environ.get("WORLD_SIZE", values["world_size"]))
     return [RunConfig(**values)], args.run_dir
-
-
-class Status:
-    """This rank's current stage in a small file the launcher reads (progress, and which rank hung where)."""
-
-    def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = run_dir / f"rank{rank}.status"
-        self.stage, self.collectives = "starting", 0
-
-    def __call__(self, stage: str) -> None:
-        self.stage = stage
-        self.path.write_text(f"{stage}|{self.collectives}")
-
-    def collective(self, _started: int) -> None:
-        """Count a collective this rank entered (a rank that hangs outside one has started fewer)."""
-        self.collectives += 1
-        self(self.stage)
 
 
 def inject_fault(config: RunConfig, rank: int) -> None:
@@ -148,7 +116,7 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
             results.append({"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff})
     if rank == 0:
         (run_dir / "result.json").write_text(json.dumps(results))
-        if "SHARDSCOPE_LAUNCHER_PID" not in os.environ:  # under torchrun nobody else turns it into the document
+        if LAUNCHER_PID_ENV not in os.environ:  # under torchrun nobody else turns it into the document
             write_run_documents(configs, results, run_dir)
     status("done")
     dist.barrier()
@@ -183,9 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_rank(configs, rank, run_dir)
     except BaseException as error:
-        (run_dir / f"rank{rank}.error").write_text(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-        print(f"shardscope worker rank {rank}: {type(error).__name__}: {error}", file=sys.stderr)
-        sys.stderr.flush()
+        report_failure(run_dir, rank, error)
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -77,7 +77,7 @@ STEP: dict[str, Schema] = {"compute_time_s": NUMBER, "step_time_s": NUMBER, "tok
 
 def estimate_schema() -> Schema:
     """`estimate --json`: one model, cluster and training setup, an entry per strategy (with `--time`, its time)."""
-    time = {"communication": closed(COMMUNICATION), **STEP, "hardware": STRING}
+    time = {"communication": closed(COMMUNICATION), **STEP, "simulated_micro_batches": COUNT, "hardware": STRING}
     entry = closed({**ESTIMATE_ENTRY, **time}, optional=time, description="One strategy (MemoryEstimate.to_json).")
     entry["dependentRequired"] = {"step_time_s": [key for key in time if key != "step_time_s"]}
     cluster = {"gpu": ref("gpu"), "world_size": DEGREE, "gpus_per_node": DEGREE, "num_nodes": DEGREE}

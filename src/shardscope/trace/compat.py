@@ -96,16 +96,6 @@ def storage_resize_hook(on_resize: Callable[[torch.UntypedStorage, int, int], No
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
-def resolve_group_size(group: Any) -> int:
-    """Ranks in a process group, given by name (functional collectives) or as the boxed object c10d ops receive."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    if isinstance(group, str):
-        return int(_resolve_process_group(group).size())
-    return int(dist.ProcessGroup.unbox(group).size())
-
-
 @contextmanager
 def ddp_on_fake_tensors() -> Iterator[None]:
     """Let DistributedDataParallel be built over fake parameters.

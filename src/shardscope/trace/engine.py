@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardscope.core.result import MemoryBreakdown
+from shardscope.measure.storage import storage_bytes
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
 from shardscope.trace.ddp import DDP_STEPS, before_forward, forward_context, materialise, uses_ddp, wrap_ddp
 from shardscope.trace.extrapolate import DepthTrace, extrapolate
@@ -25,7 +26,7 @@ from shardscope.trace.flops import attention_flops, flop_counter, module_flops
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.result import FlopCount, ModuleRow, TraceResult
 from shardscope.trace.setup import TracedModel, apply_strategy, build_traced_model, make_optimizer, model_depth
-from shardscope.trace.tracker import StepRecorder, local_tensor
+from shardscope.trace.tracker import StepRecorder
 
 Progress = Callable[[str], None]
 
@@ -80,14 +81,6 @@ class _UnitWatch:
                 tensor.register_hook(set_where)
 
         return hook
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = local_tensor(tensor).untyped_storage()
-        seen[id(storage)] = storage.nbytes()
-    return sum(seen.values())
 
 
 def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) -> TraceResult:
@@ -200,7 +193,7 @@ def _trace_depth(
         rows = tuple(
             ModuleRow(
                 name=name,
-                parameters_bytes=_storage_bytes(list(module.parameters(recurse=module in traced.blocks))),
+                parameters_bytes=storage_bytes(list(module.parameters(recurse=module in traced.blocks))),
                 activations_bytes=watch.activations.get(name, 0),
                 flops=flops_by_module.get(name, 0),
             )

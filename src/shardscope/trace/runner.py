@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from shardscope.procs.rank import LAUNCHER_PID_ENV
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.result import TraceResult, result_from_json
 from shardscope.trace.worker import PROGRESS_PREFIX
@@ -48,7 +49,7 @@ def stderr_progress(label: str) -> Callable[[str], None]:
 
 def run_in_subprocess(request: TraceRequest, on_progress: Callable[[str], None] = lambda _text: None) -> TraceResult:
     """Trace one scenario in a fresh Python process; TraceError on a time-out, a crash or a model that fails."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCHER_PID_ENV: str(os.getpid())})
     env.setdefault("HF_HUB_OFFLINE", "1")
     process = subprocess.Popen(
         [sys.executable, "-m", "shardscope.trace.worker"],

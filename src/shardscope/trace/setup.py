@@ -47,7 +47,7 @@ class TracedModel:
 
 
 def _reference_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
-    from shardscope.runtime.models import build_model, lm_loss
+    from shardscope.reference_models import build_model, lm_loss
 
     scenario = request.scenario
     spec = scenario.model if num_blocks is None else replace(scenario.model, num_layers=num_blocks)
@@ -93,7 +93,7 @@ def _hf_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
     config = _hf_config(request, num_blocks)
     from transformers import AutoModelForCausalLM
 
-    from shardscope.runtime.models import lm_loss
+    from shardscope.reference_models import lm_loss
 
     training = request.scenario.training
     with torch.device("meta"):

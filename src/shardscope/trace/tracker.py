@@ -23,8 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.trace.ledger import collective_entry, is_collective
+from shardscope.core.result import CollectiveRow
+from shardscope.measure.ledger import CollectiveLedger
+from shardscope.measure.storage import local_tensor
 
 TRACKED = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary")
 # Setup (materialising the sharded model) is not tracked op by op: fake tensors keep full-size copies of the meta
@@ -61,12 +62,6 @@ _BACKEND_COPIES: dict[str, dict[Any, int]] = {
 BACKENDS = tuple(_BACKEND_COPIES)
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    inner = getattr(tensor, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else tensor
-
-
 @dataclass(slots=True)
 class Moment:
     """The largest live total seen while rank 0 was at one place of the step (phase and unit), and each category's
@@ -98,13 +93,13 @@ class StepRecorder(TorchDispatchMode):
         self.recording = False
         self._scopes: list[bool] = []
         self.moments: dict[tuple[str, str], Moment] = {}
-        self.rows: list[CollectiveRow] = []
+        self.collectives = CollectiveLedger()  # the table only: it is never entered as a mode of its own
         self.saved_activations = 0
 
     def start_window(self) -> None:
         """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
         self.moments = {}
-        self.rows = []
+        self.collectives.rows = []
         self.saved_activations = 0
         self.recording = True
         self._note_peak()
@@ -214,14 +209,8 @@ class StepRecorder(TorchDispatchMode):
             self._scopes.append(not any(part in name for part in _NOT_BUFFERS) if fsdp else inherited)
         elif func is _RECORD_EXIT and self._scopes:
             self._scopes.pop()
-        if self.recording and is_collective(func):
-            entry = collective_entry(func, args)
-            if entry is not None:
-                phase = "setup" if self.phase == "loss" else self.phase
-                op, group_size, payload = entry
-                self.rows.append(
-                    CollectiveRow(phase=phase, op=op, group_size=group_size, payload_bytes=payload, count=1)
-                )
+        if self.recording:
+            self.collectives.record(func, args, "setup" if self.phase == "loss" else self.phase)
         out = func(*args, **kwargs)
         in_fsdp = bool(self._scopes) and self._scopes[-1]
         category = "buffers" if in_fsdp and self.phase != "setup" else _PHASE_CATEGORY[self.phase]
@@ -241,4 +230,4 @@ class StepRecorder(TorchDispatchMode):
 
     def ledger(self) -> tuple[CollectiveRow, ...]:
         """The collectives of the measuring window, merged."""
-        return merge_ledger(self.rows)
+        return self.collectives.merged()

@@ -6,21 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
+from shardscope.procs.rank import die_with_parent
+
 PROGRESS_PREFIX = "shardscope-progress\t"
-
-
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this worker when the CLI that started it dies (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _progress(text: str) -> None:
@@ -48,7 +39,7 @@ def explain(error: BaseException) -> str:
 
 def main() -> int:
     """Run one trace; the answer is on stdout either way."""
-    _die_with_parent()
+    die_with_parent()
     logging.disable(logging.CRITICAL)  # torch logs failed fake-tensor ops itself; the answer says what failed
     answer: dict[str, Any]
     code = 0

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
-from shardscope.core.comm_events import CommEvent
+from shardscope.core.comm_events import CommEvent, element_bytes
 from shardscope.core.model_states import ModelStates
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
@@ -136,6 +136,38 @@ class EngineRules(Protocol):
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight)."""
         ...
+
+
+class RulesDefaults:
+    """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
+
+    def busiest_rank(self, scenario: Scenario) -> int:
+        """Every rank holds the same: rank 0."""
+        return 0
+
+    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
+        """Every rank holds the same."""
+        return None
+
+    def param_comm_bytes(self, scenario: Scenario) -> int:
+        """Parameters move in the working dtype (16-bit under mixed precision)."""
+        return element_bytes(scenario.training.precision)
+
+    def grad_comm_bytes(self, scenario: Scenario) -> int:
+        """Gradients are reduced in the working dtype (16-bit under mixed precision)."""
+        return element_bytes(scenario.training.precision)
+
+    def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
+        """No work of the engine's own beyond what the profile's op and collective costs price."""
+        return {}
+
+    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
+        """No work of the engine's own in the optimizer step."""
+        return 0.0
+
+    def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
+        """Every collective blocks."""
+        return False
 
 
 def activations_for(scenario: Scenario, autocast: bool) -> ActivationEstimate:

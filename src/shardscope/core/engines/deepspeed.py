@@ -19,12 +19,11 @@ from shardscope.core.comm_events import (
     size_buckets,
     step_gathers,
 )
-from shardscope.core.engines.base import RankMemory, TimePlace, activations_for, shared_moments
+from shardscope.core.engines.base import RankMemory, RulesDefaults, activations_for, shared_moments
 from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments
 from shardscope.core.params import ParamTensor, model_facts, param_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import ceil_div, flat_shard_numel, largest_module_numel
-from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
 DEEPSPEED_BUFFER_FACTOR = 1.5  # additional_buffer_factor in DeepSpeed's estimators
@@ -32,8 +31,8 @@ DEEPSPEED_BUFFER_FACTOR = 1.5  # additional_buffer_factor in DeepSpeed's estimat
 DEEPSPEED_BUCKET_NUMEL = 500_000_000
 
 
-class DeepSpeedRules:
-    """DeepSpeed's estimators and ZeRO communication."""
+class DeepSpeedRules(RulesDefaults):
+    """DeepSpeed's estimators and ZeRO communication: 16-bit weights and gradients move, every collective blocks."""
 
     name: EngineName = "deepspeed"
     summary = "DeepSpeed's own estimators (largest layer gathered under ZeRO-3, 1.5x host buffers)"
@@ -44,20 +43,6 @@ class DeepSpeedRules:
         states = _states(scenario)
         acts = activations_for(scenario, states.autocast)
         return RankMemory(states=states, activations=acts, moments=tuple(shared_moments(scenario, states, acts)))
-
-    def busiest_rank(self, scenario: Scenario) -> int:
-        return 0
-
-    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
-        return None
-
-    def param_comm_bytes(self, scenario: Scenario) -> int:
-        """16-bit parameters under mixed precision."""
-        return element_bytes(scenario.training.precision)
-
-    def grad_comm_bytes(self, scenario: Scenario) -> int:
-        """16-bit gradients under mixed precision."""
-        return element_bytes(scenario.training.precision)
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """The 5e8-element reduce bucket, filled walking the parameters in reverse."""
@@ -92,20 +77,11 @@ class DeepSpeedRules:
         """DeepSpeed's `_broadcast_model`: every parameter tensor from rank 0."""
         return per_tensor_broadcasts(scenario, element_bytes(scenario.training.precision))
 
-    def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
-        return {}
-
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """Flat partitions, counted as the tensors of the rank's shard."""
         tensors = param_layout(scenario.model).tensor_count
         degree = scenario.parallelism.dp_shard
         return tensors if degree == 1 else -(-tensors // degree)
-
-    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
-        return 0.0
-
-    def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
-        return False
 
 
 def _states(scenario: Scenario) -> ModelStates:

@@ -20,7 +20,15 @@ from shardscope.core.comm_events import (
     sharded_events,
     step_gathers,
 )
-from shardscope.core.engines.base import RankMemory, TimePlace, activations_for, held, plus, shared_moments
+from shardscope.core.engines.base import (
+    RankMemory,
+    RulesDefaults,
+    TimePlace,
+    activations_for,
+    held,
+    plus,
+    shared_moments,
+)
 from shardscope.core.engines.teaching_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import ParamLayout, head_numel, model_facts, param_layout
@@ -32,8 +40,8 @@ from shardscope.specs import Scenario
 ADAM_TEMPORARIES = 3
 
 
-class PaperRules:
-    """The ZeRO paper's accounting, as the teaching strategies run it."""
+class PaperRules(RulesDefaults):
+    """The ZeRO paper's accounting, as the teaching strategies run it: 16-bit weights and gradients move."""
 
     name: EngineName = "paper"
     summary = "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)"
@@ -49,20 +57,6 @@ class PaperRules:
         if after_backward:
             moments.append(("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)))
         return RankMemory(states=states, activations=acts, moments=tuple(moments))
-
-    def busiest_rank(self, scenario: Scenario) -> int:
-        return 0
-
-    def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
-        return None
-
-    def param_comm_bytes(self, scenario: Scenario) -> int:
-        """16-bit parameters under mixed precision (the paper's fp16 weights)."""
-        return element_bytes(scenario.training.precision)
-
-    def grad_comm_bytes(self, scenario: Scenario) -> int:
-        """16-bit gradients under mixed precision."""
-        return element_bytes(scenario.training.precision)
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """One flat bucket per unit: the blocks in reverse, then the root."""
@@ -108,9 +102,6 @@ class PaperRules:
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """One flat buffer (or shard) per unit."""
         return param_layout(scenario.model).num_blocks + 1
-
-    def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
-        return 0.0
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward."""

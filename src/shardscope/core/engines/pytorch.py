@@ -21,7 +21,7 @@ from shardscope.core.comm_events import (
     sharded_events,
     size_buckets,
 )
-from shardscope.core.engines.base import RankMemory, TimePlace, activations_for, shared_moments
+from shardscope.core.engines.base import RankMemory, RulesDefaults, TimePlace, activations_for, shared_moments
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import head_numel, model_facts, param_layout
@@ -40,7 +40,7 @@ def runs_on_ddp(scenario: Scenario) -> bool:
     return scenario.strategy.stage <= 1
 
 
-class PyTorchRules:
+class PyTorchRules(RulesDefaults):
     """torch's own engines."""
 
     name: EngineName = "pytorch"

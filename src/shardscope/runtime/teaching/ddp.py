@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.measure import measured_as
+from shardscope.measure.storage import measured_as
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
 from shardscope.runtime.trainer import Trainer, broadcast_module, make_optimizer, optimizer_state_tensors
 from shardscope.specs import TrainingSpec

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.measure import measured_as
+from shardscope.measure.storage import measured_as
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
 from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
@@ -86,7 +87,7 @@ class FullyShardedTeaching(Trainer):
             return  # already gathered (the root in backward, or a block recomputed under checkpointing)
         whole.untyped_storage().resize_(whole.numel() * whole.element_size())
         with torch.no_grad():
-            dist.all_gather_into_tensor(whole, self.shards[index], group=self.shard_pg)
+            all_gather_single(whole, self.shards[index], group=self.shard_pg)
 
     def _free(self, index: int) -> None:
         self.whole[index].untyped_storage().resize_(0)
@@ -113,7 +114,7 @@ class FullyShardedTeaching(Trainer):
         for param in layout.unit.params:
             param.grad = None
         self._free(index)
-        dist.reduce_scatter_tensor(self.grad_shards[index], flat_grad, group=self.shard_pg)
+        reduce_scatter_single(self.grad_shards[index], flat_grad, group=self.shard_pg)
         if self.replica_pg is not None:
             dist.all_reduce(self.grad_shards[index], group=self.replica_pg)
         self.grad_shards[index].div_(self.world_size)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.runtime.measure import measured_as
+from shardscope.measure.storage import measured_as
+from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
 from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
@@ -33,14 +34,14 @@ class _ShardedOptimizerBase(Trainer):
         self.optimizer = ShardOptimizer(shards, training)
 
     def _reduce_scatter(self, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
-        dist.reduce_scatter_tensor(out, flat_grad)
+        reduce_scatter_single(out, flat_grad)
         out.div_(self.world_size)
 
     def _all_gather_params(self) -> None:
         for layout, flat in zip(self.layouts, self.flat_params, strict=True):
             with measured_as("buffers"):
                 mine = layout.shard(flat, self.rank).clone()  # a separate send buffer: input must not alias output
-            dist.all_gather_into_tensor(flat, mine)
+            all_gather_single(flat, mine)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())

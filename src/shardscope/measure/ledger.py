@@ -1,0 +1,102 @@
+"""The one table from c10d ops to collective ledger rows, and the dispatch mode that keeps a run's ledger.
+
+Collectives are read at the c10d ops, which is where dist.all_reduce, DDP's reducer and FSDP2 all end up, so
+torch's own engines are counted exactly like ours, on a real process group and on the fake one of a replay.
+Payload follows core.result.CollectiveRow: the full buffer for all_reduce and broadcast, the unsharded (gathered)
+size for all_gather and reduce_scatter, per rank per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.measure.storage import tensors_in
+
+# c10d op -> (ledger op, index of the argument that holds the full, unsharded buffer); the group is the boxed
+# ProcessGroup among the arguments
+_C10D_OPS = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "allgather_": ("all_gather", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+}
+# functional collective -> (ledger op, index of the group size or -1 to look the group up by name, payload index,
+# whether the payload is one rank's part of the gathered buffer)
+_FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", -1, 0, False),
+    "all_reduce_": ("all_reduce", -1, 0, False),
+    "all_gather_into_tensor": ("all_gather", 1, 0, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 2, 0, False),
+    "broadcast": ("broadcast", -1, 0, False),
+}
+
+
+def _payload(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
+
+
+def _group_size_by_name(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group  # private: this module's only one
+
+    return int(_resolve_process_group(group_name).size())
+
+
+def collective_entry(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] | None:
+    """(ledger op, group size, payload bytes) when func is a collective the ledger counts, else None."""
+    namespace = getattr(func, "namespace", "")
+    if namespace not in ("c10d", "_c10d_functional"):
+        return None
+    name = func._schema.name.split("::")[-1]
+    if namespace == "c10d" and name in _C10D_OPS:
+        op, where = _C10D_OPS[name]
+        boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
+        return op, int(torch.distributed.ProcessGroup.unbox(boxed).size()), _payload(args[where])
+    if namespace == "_c10d_functional" and name in _FUNCTIONAL_OPS:
+        op, size_index, where, gathered = _FUNCTIONAL_OPS[name]
+        group_name = args[-1] if isinstance(args[-1], str) else args[-2]
+        size = _group_size_by_name(group_name) if size_index < 0 else int(args[size_index])
+        return op, size, _payload(args[where]) * (size if gathered else 1)
+    return None
+
+
+class CollectiveLedger(TorchDispatchMode):
+    """Every collective while active, as ledger rows under the current phase."""
+
+    def __init__(self, on_call: Callable[[int], None] | None = None) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.rows: list[CollectiveRow] = []
+        self.recording = True
+        self.calls_started = 0  # every c10d op entered, recorded or not: a hung rank has started fewer
+        self.on_call = on_call
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d" and self.on_call is not None:
+            self.calls_started += 1
+            self.on_call(self.calls_started)
+        out = func(*args, **(kwargs or {}))
+        if self.recording:
+            self.record(func, args, self.phase)
+        return out
+
+    def record(self, func: Any, args: tuple[Any, ...], phase: str) -> None:
+        """Add a row when func is a collective."""
+        entry = collective_entry(func, args)
+        if entry is not None:
+            op, group_size, payload = entry
+            self.rows.append(CollectiveRow(phase=phase, op=op, group_size=group_size, payload_bytes=payload, count=1))
+
+    def merged(self) -> tuple[CollectiveRow, ...]:
+        """The rows added up by phase, op, group size and payload."""
+        return merge_ledger(self.rows)
