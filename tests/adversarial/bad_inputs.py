@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 
+from shardscope.presets import gpu_preset
+from shardscope.presets.hardware import default_profile
+from shardscope.presets.profile_toml import profile_to_toml
+
 DEEP = "[" * 100_000 + "]" * 100_000
 LLAMA = {
     "model_type": "llama",
@@ -32,6 +36,9 @@ FILES = {
         {key: value for key, value in LLAMA.items() if key != "vocab_size"} | {"hidden_size": 256}
     ),
     "profile.toml": 'name = "x"\nefficency = 0.3\n',
+    "overlap.toml": profile_to_toml(default_profile(gpu_preset("h100-80gb"))).replace(
+        "overlap = true", 'overlap = "false"'
+    ),
     "deep.toml": "a = " + "[" * 100_000 + "]" * 100_000 + "\n",
 }
 EST = ["estimate", "--model", "llama-3-8b"]
@@ -90,6 +97,8 @@ CASES: list[tuple[list[str], str]] = [
     ([*EST, "--time", "--hardware", "/nonexistent/profile.toml"], "/nonexistent/profile.toml"),
     ([*EST, "--time", "--hardware", "{profile.toml}"], "'efficency'"),
     ([*EST, "--time", "--hardware", "{deep.toml}"], "deep.toml"),
+    ([*EST, "--time", "--hardware", "{overlap.toml}"], "overlap = 'false'"),
+    ([*TL, "--hardware", "{overlap.toml}"], "overlap = 'false'"),
     ([*EST, "--time", "--efficiency", "1.5"], "--efficiency 1.5"),
     ([*EST, "--time", "--intra-node", "carrier-pigeon"], "'carrier-pigeon'"),
     ([*EST, "--time", "--inter-node-bandwidth", "0GB"], "--inter-node-bandwidth 0GB"),
