@@ -69,7 +69,7 @@ def bus_bandwidth(world: int) -> list[list[str]]:
 
 def step_times(model: str, world: int, steps: int) -> list[list[str]]:
     configs = [
-        RunConfig(
+        RunConfig.from_options(
             model=model,
             strategy=s,
             engine=e,

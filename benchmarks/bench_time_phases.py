@@ -35,7 +35,7 @@ def rank_phases(rank: int, world: int, port: int, options: dict[str, Any]) -> di
     """One rank: train STEPS steps, time each phase; medians after the first two steps."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    config = RunConfig(
+    config = RunConfig.from_options(
         model=options["model"],
         strategy=options["strategy"],
         engine=options["engine"],

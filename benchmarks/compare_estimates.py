@@ -47,13 +47,15 @@ VARIANTS = (
     ("--precision", "fp32", "--optimizer", "sgd-momentum"),
 )
 VARIANT_MODELS = ("gpt2", "llama-3-8b", "mixtral-8x7b", "tiny-gpt2", "tiny-llama", "tiny-moe")
-# Learned positions end at the table: gpt2-family cases run at their max_positions (longer is refused since the
-# seq-len check); the others at 4096 (presets) or the default (variants).
-LEARNED_POSITIONS = {"gpt2": 1024, "gpt2-medium": 1024, "gpt2-large": 1024, "gpt2-xl": 1024, "tiny-gpt2": 64}
 
 
 def _seq_len(model: str, default: list[str]) -> list[str]:
-    return ["--seq-len", str(LEARNED_POSITIONS[model])] if model in LEARNED_POSITIONS else default
+    """gpt2-family models run at their max_positions (learned positions end at the table, and a longer --seq-len is
+    refused); the others at `default`."""
+    from shardscope.presets import model_preset
+
+    spec = model_preset(model)
+    return ["--seq-len", str(spec.max_positions)] if spec.family == "gpt2" else default
 
 
 def cases() -> list[list[str]]:
@@ -142,6 +144,13 @@ def main() -> int:
     values = sum(_count_leaves(doc) for doc in old.values())
     for key, diffs in list(changed.items())[:20]:
         print(f"estimate {key}:\n  " + "\n  ".join(diffs[:5]))
+    groups: dict[str, int] = {}
+    for key in changed:
+        words = key.split()
+        group = f"{words[words.index('--strategy') + 1]} {words[words.index('--engine') + 1]}"
+        groups[group] = groups.get(group, 0) + 1
+    if groups:
+        print("cases that differ by strategy and engine: " + ", ".join(f"{g} {n}" for g, n in sorted(groups.items())))
     errors = sum(1 for doc in old.values() if "exit" in doc)
     print(
         f"{len(old)} cases ({errors} of them refused with exit 2), {values} values compared with {args.against}: "

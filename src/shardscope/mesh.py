@@ -92,8 +92,10 @@ class Parallelism:
 
     def require_world_size(self, gpus: int) -> None:
         """MeshError naming every degree above 1 when their product is not `gpus`."""
-        if self.world_size != gpus:
-            used = [(name, getattr(self, name)) for name in MESH_DIMS if getattr(self, name) > 1] or [("dp_shard", 1)]
+        if self.world_size != gpus:  # the data-parallel degrees always, the others where they split the GPUs
+            used = [
+                (name, getattr(self, name)) for name in MESH_DIMS if name.startswith("dp_") or getattr(self, name) > 1
+            ]
             product = " x ".join(f"{name} {value}" for name, value in used)
             raise MeshError(f"{product} = {self.world_size}, not the {gpus} GPUs given")
 

@@ -195,11 +195,13 @@ def test_offload_moves_optimizer_state_to_host() -> None:
 
 
 def test_deepspeed_matches_its_estimators() -> None:
-    # DeepSpeed's estimate_zero2_model_states_mem_needs: 4P + 16P/N on the GPU without offload;
-    # estimate_zero3_model_states_mem_needs: 4 x largest layer + 18P/N.
+    # DeepSpeed 0.19.6, deepspeed/runtime/zero/stage_1_and_2.py, estimate_zero2_model_states_mem_needs: 2P + 18P/N
+    # on the GPU without offload (llama-2-7b on 8 GPUs: 26.67 GiB, as issue 17 quotes it for 0.19.8);
+    # stage3.py, estimate_zero3_model_states_mem_needs: 4 x largest layer + 18P/N.
     base = scenario("llama-2-7b", "zero2", "deepspeed", world=8)
     total = count_parameters(base.model)
-    assert estimate_memory(base).per_rank.model_state_bytes == 4 * total + 16 * ceil_div(total, 8)
+    assert estimate_memory(base).per_rank.model_state_bytes == 2 * total + 18 * ceil_div(total, 8)
+    assert round(estimate_memory(base).per_rank.model_state_bytes / 2**30, 2) == 26.67
     stage3 = estimate_memory(replace(base, strategy=Strategy(name="zero3", engine="deepspeed"))).per_rank
     largest = 32000 * 4096  # the embedding (and the head) are the largest modules
     assert stage3.model_state_bytes + stage3.buffers_bytes == 18 * ceil_div(total, 8) + 4 * largest

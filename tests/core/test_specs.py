@@ -89,7 +89,7 @@ def test_strategies_are_presets_over_the_data_parallel_degrees(strategy: str, gr
 
 
 def test_mesh_errors_name_the_degrees_and_their_values() -> None:
-    with pytest.raises(MeshError, match=r"^pp 2 x dp_shard 2 x tp 4 = 16, not the 8 GPUs given$"):
+    with pytest.raises(MeshError, match=r"^pp 2 x dp_replicate 1 x dp_shard 2 x tp 4 = 16, not the 8 GPUs given$"):
         Parallelism(pp=2, dp_shard=2, tp=4).require_world_size(8)
     with pytest.raises(MeshError, match=r"tp=0 must be a whole number"):
         Parallelism(tp=0)

@@ -64,9 +64,9 @@ def test_killing_the_launcher_kills_the_workers(tmp_path: Path, leftover: Callab
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"strategy": "zero4"}, "RunConfig.strategy='zero4' is not known"),
+        ({"strategy": "zero4"}, "Strategy.name='zero4' is not known"),
         ({"world_size": 0}, "RunConfig.world_size=0 must be at least 1"),
-        ({"strategy": "hsdp", "world_size": 4, "shard_group": 3}, "shard_group=3 must divide world_size=4"),
+        ({"strategy": "hsdp", "world_size": 4, "shard_group": 3}, "dp_replicate 1 x dp_shard 3 = 3, not the 4 GPUs"),
         ({"engine": "deepspeed"}, "RunConfig.engine='deepspeed' is not known"),
         ({"model": "gpt2", "sequence_length": 2048}, "exceeds gpt2's max_positions=1024"),
     ],
@@ -75,4 +75,4 @@ def test_impossible_requests_fail_before_any_process(fields: dict[str, object], 
     from shardscope.specs import SpecError
 
     with pytest.raises(SpecError, match=message):
-        RunConfig(**fields)  # type: ignore[arg-type]
+        RunConfig.from_options(**fields)  # type: ignore[arg-type]

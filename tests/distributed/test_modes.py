@@ -14,16 +14,18 @@ from shardscope.runtime import RunConfig, RunResult, run_suite
 pytestmark = pytest.mark.distributed
 
 CONFIGS = {
-    "mixed-zero1": RunConfig(strategy="zero1", precision="bf16-mixed", steps=2, timeout_s=60),
-    "mixed-zero3": RunConfig(strategy="zero3", precision="bf16-mixed", steps=2, timeout_s=60),
-    "moe-full-eager": RunConfig(
+    "mixed-zero1": RunConfig.from_options(strategy="zero1", precision="bf16-mixed", steps=2, timeout_s=60),
+    "mixed-zero3": RunConfig.from_options(strategy="zero3", precision="bf16-mixed", steps=2, timeout_s=60),
+    "moe-full-eager": RunConfig.from_options(
         model="tiny-moe", strategy="zero3", checkpointing="full", attention="eager", steps=2, timeout_s=60
     ),
-    "moe-eager": RunConfig(model="tiny-moe", strategy="zero3", attention="eager", steps=2, timeout_s=60),
-    "llama-selective": RunConfig(
+    "moe-eager": RunConfig.from_options(model="tiny-moe", strategy="zero3", attention="eager", steps=2, timeout_s=60),
+    "llama-selective": RunConfig.from_options(
         model="tiny-llama", strategy="zero2", checkpointing="selective", steps=2, timeout_s=60
     ),
-    "torch-mixed-fsdp": RunConfig(strategy="zero3", engine="pytorch", precision="bf16-mixed", steps=2, timeout_s=60),
+    "torch-mixed-fsdp": RunConfig.from_options(
+        strategy="zero3", engine="pytorch", precision="bf16-mixed", steps=2, timeout_s=60
+    ),
 }
 
 

@@ -56,7 +56,7 @@ def results() -> dict[tuple[str, str], RunResult]:
     for world in sorted({case[3] for case in CASES}):
         cases = [case for case in CASES if case[3] == world]
         configs = [
-            RunConfig(engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60)
+            RunConfig.from_options(engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60)
             for e, s, m, w, g in cases
         ]
         for case, result in zip(cases, run_suite(configs), strict=True):
@@ -67,7 +67,7 @@ def results() -> dict[tuple[str, str], RunResult]:
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp"])
 def test_teaching_parity_and_stage_promises(results: dict[tuple[str, str], RunResult], strategy: str) -> None:
     result = results["teaching", strategy]
-    model, world, group = result.config.model, result.config.world_size, result.config.shard_group
+    model, world, group = result.config.model, result.config.world_size, result.config.strategy.shard_group
     assert result.parity.max_abs_diff <= 1e-10, result.parity
     degree = {"ddp": 1, "hsdp": group}.get(strategy, world)
     full, mine = padded(model, degree) * FP64, shard(model, degree) * FP64
@@ -100,7 +100,7 @@ def test_teaching_parity_and_stage_promises(results: dict[tuple[str, str], RunRe
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp"])
 def test_pytorch_parity_and_sharding(results: dict[tuple[str, str], RunResult], strategy: str) -> None:
     result = results["pytorch", strategy]
-    model, world, group = result.config.model, result.config.world_size, result.config.shard_group
+    model, world, group = result.config.model, result.config.world_size, result.config.strategy.shard_group
     assert result.parity.max_abs_diff <= 1e-10, result.parity
     total = sum(unit_numels(model)) * FP64
     rank0 = result.per_rank[0]

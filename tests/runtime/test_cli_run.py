@@ -15,11 +15,14 @@ from shardscope.core.result import MemoryBreakdown
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--strategy", "zero4"], "strategy='zero4' is not known"),
+        (["--strategy", "zero4"], "name='zero4' is not known"),
         (["--world-size", "9"], "--world-size 9 must be between 1 and 8"),
-        (["--engine", "deepspeed"], "engine='deepspeed' is not known"),
+        (["--engine", "deepspeed"], "engine='deepspeed' is not known; allowed: paper, pytorch"),
         (["--dtype", "float16"], "--dtype 'float16' is not known"),
-        (["--strategy", "hsdp", "--world-size", "4", "--shard-group", "3"], "must divide world_size=4"),
+        (
+            ["--strategy", "hsdp", "--world-size", "4", "--shard-group", "3"],
+            "dp_replicate 1 x dp_shard 3 = 3, not the 4",
+        ),
         (["--model", "nope"], "unknown model preset 'nope'"),
         (["--timeout", "nan"], "--timeout nan must be a positive, finite number of seconds"),
         (["--timeout", "inf"], "--timeout inf must be a positive, finite number of seconds"),

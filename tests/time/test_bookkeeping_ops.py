@@ -58,7 +58,7 @@ def _counted_step(strategy: str, precision: str) -> tuple[int, int]:
     from shardscope.runtime.config import RunConfig
     from shardscope.runtime.steps import make_trainer, model_dtype, rank_batch
 
-    config = RunConfig(
+    config = RunConfig.from_options(
         model="tiny-gpt2", strategy=strategy, engine="teaching", world_size=1, steps=3, precision=precision,
         micro_batch_size=2, sequence_length=32,
     )  # fmt: skip

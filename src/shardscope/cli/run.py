@@ -1,6 +1,6 @@
 """`shardscope run`: train for real on N local processes and print what every rank measured.
 
-shardscope run --model tiny-gpt2 --strategy zero3 --engine teaching --world-size 4 --steps 3 --dtype float64
+shardscope run --model tiny-gpt2 --strategy zero3 --engine paper --world-size 4 --steps 3 --dtype float64
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--model", default="tiny-gpt2", help="model preset (default tiny-gpt2)")
     parser.add_argument("--strategy", default="zero3", help="ddp, zero1, zero2, zero3, fsdp or hsdp")
-    parser.add_argument("--engine", default="teaching", help="teaching (ours, from collectives) or pytorch")
+    parser.add_argument(
+        "--engine",
+        default="paper",
+        help="paper: shardscope's teaching strategies, written from collectives ('teaching' is another word for it); "
+        "pytorch: DDP, ZeroRedundancyOptimizer, FSDP2 (default paper)",
+    )
     parser.add_argument("--world-size", type=int, default=2, help="processes (1 to 8 here)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps; the last is measured")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (sets --precision)")
@@ -70,7 +75,8 @@ def render(result: Any) -> str:
     config = result.config
     return "\n".join(
         [
-            f"{config.model} {config.strategy} ({config.engine}) on {config.world_size} ranks, {config.precision}, "
+            f"{config.model} {config.strategy.name} ({config.strategy.engine}) on {config.world_size} ranks, "
+            f"{config.training.precision}, "
             f"measured step {config.steps} (KiB = 1024 bytes)",
             memory,
             "",
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "for more ranks run the worker under torchrun (docs/cluster.md)"
         )
     try:
-        config = RunConfig(
+        config = RunConfig.from_options(
             model=args.model,
             strategy=args.strategy,
             engine=args.engine,

@@ -60,7 +60,7 @@ class RunResult:
     def parallelism(self) -> Parallelism:
         """The mesh the run's strategy made of its ranks."""
         config = self.config
-        return data_parallel_mesh(config.strategy, config.world_size, config.shard_group)
+        return data_parallel_mesh(config.strategy.name, config.world_size, config.strategy.shard_group)
 
     def to_json(self) -> dict[str, Any]:
         """The `shardscope.run/v1` document."""
@@ -68,8 +68,8 @@ class RunResult:
         return {
             "schema": SCHEMA,
             "model": {"name": model.name, "parameters": count_parameters(model)},
-            "strategy": self.config.strategy,
-            "engine": self.config.engine,
+            "strategy": self.config.strategy.name,
+            "engine": self.config.strategy.engine,
             "world_size": self.config.world_size,
             "parallelism": self.parallelism.to_json(),
             "per_rank": [breakdown.to_json() for breakdown in self.per_rank],
@@ -84,15 +84,14 @@ def result_from_launch(config: RunConfig, raw: dict[str, Any]) -> RunResult:
     ranks = sorted(raw["ranks"], key=lambda item: item["rank"])
     fields = set(MemoryBreakdown.__dataclass_fields__)
     per_rank = tuple(MemoryBreakdown(**{k: v for k, v in r["memory"].items() if k in fields}) for r in ranks)
-    reference = "single process, float64" if config.precision == "fp64" else "single process, float32"
+    precision = config.training.precision
+    reference = "single process, float64" if precision == "fp64" else "single process, float32"
     return RunResult(
         config=config,
         per_rank=per_rank,
         peak_composition=tuple(r["memory"]["peak_composition"] for r in ranks),
         ledger=tuple(CollectiveRow(**row) for row in ranks[0]["ledger"]),
-        parity=Parity(
-            reference=reference, max_abs_diff=raw["max_abs_diff"], tolerance=PARITY_TOLERANCE[config.precision]
-        ),
+        parity=Parity(reference=reference, max_abs_diff=raw["max_abs_diff"], tolerance=PARITY_TOLERANCE[precision]),
         step_time_s=max(r["step_time_s"] for r in ranks),
     )
 
@@ -108,7 +107,7 @@ def run_training(
     run_training(model="tiny-gpt2", strategy="zero3", world_size=4). Raises RunError when a rank fails."""
     from shardscope.runtime.launch import launch
 
-    config = config or RunConfig(**fields)
+    config = config or RunConfig.from_options(**fields)
     return result_from_launch(config, launch([config], progress=progress, run_dir=run_dir)[0])
 
 

@@ -2,50 +2,59 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from shardscope.choices import parse_choice
-from shardscope.mesh import DATA_PARALLEL_PRESETS, canonical_strategy
+from shardscope.choices import ENGINE_ALIASES, EngineName, engine_name, parse_choice
+from shardscope.mesh import data_parallel_mesh
 from shardscope.presets import model_preset
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
-from shardscope.specs import STRATEGIES, ModelSpec, SpecError, TrainingSpec
+from shardscope.specs import ModelSpec, SpecError, Strategy, TrainingSpec
 
-RUN_ENGINES = ("teaching", "pytorch")
+RUN_ENGINES: tuple[EngineName, ...] = ("paper", "pytorch")
+"""Engines with an implementation to run: 'paper' (the teaching strategies, written from collectives) and 'pytorch'
+(DDP, ZeroRedundancyOptimizer, FSDP2)."""
+RUN_PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 FAULTS = ("raise", "exit", "hang")
 __all__ = ["FAULTS", "MAX_LOCAL_WORLD_SIZE", "RUN_ENGINES", "RunConfig", "RunError"]
+# The option names of a run as flags, keywords and JSON use them, and where each lives in a RunConfig.
+TRAINING_OPTIONS = {
+    "precision": "precision",
+    "micro_batch_size": "micro_batch_size",
+    "sequence_length": "sequence_length",
+    "checkpointing": "checkpointing",
+    "attention": "attention",
+    "optimizer": "optimizer",
+}
+STRATEGY_OPTIONS = {"strategy": "name", "engine": "engine", "shard_group": "shard_group"}
+OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
+OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
+
+
+def _default_training() -> TrainingSpec:
+    return TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp64")
+
+
+def _default_strategy() -> Strategy:
+    return Strategy(name="zero3", engine="paper")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunConfig:
-    """One real training run: which model, strategy and engine, on how many ranks, for how many steps."""
+    """One real training run: which model, trained how, under which strategy, on how many ranks, for how long."""
 
     model: str = "tiny-gpt2"
     """Model preset id (a shaped family: gpt2, llama or moe)."""
-    strategy: str = "zero3"
-    """'ddp', 'zero1', 'zero2', 'zero3', 'fsdp' (= zero3) or 'hsdp'."""
-    engine: str = "teaching"
-    """'teaching' (shardscope's strategies written from collectives) or 'pytorch' (DDP, ZeroRedundancyOptimizer,
-    FSDP2)."""
+    training: TrainingSpec = field(default_factory=_default_training)
+    """One rank's step: precision fp64, fp32 or bf16-mixed (16-bit parameters and gradients, fp32 master and
+    moments), one micro-batch per step."""
+    strategy: Strategy = field(default_factory=_default_strategy)
+    """The strategy and its engine: 'paper' runs the teaching strategies, 'pytorch' torch's own engines."""
     world_size: int = 2
     """Ranks (processes)."""
     steps: int = 3
     """Optimizer steps; the last one is measured, the others timed."""
-    precision: str = "fp64"
-    """'fp64', 'fp32' or 'bf16-mixed' (16-bit parameters and gradients, fp32 master and moments)."""
-    micro_batch_size: int = 2
-    """Sequences per rank per step."""
-    sequence_length: int = 32
-    """Tokens per sequence."""
-    checkpointing: str = "none"
-    """'none', 'full' or 'selective'."""
-    attention: str = "sdpa"
-    """'eager' or 'sdpa'."""
-    optimizer: str = "adamw"
-    """'adamw', 'adam', 'sgd' or 'sgd-momentum'."""
-    shard_group: int = 0
-    """hsdp: ranks per shard group (must divide world_size)."""
     timeout_s: float = 120.0
     """The whole run ends within this many seconds, whatever fails."""
     seed: int = 0
@@ -61,21 +70,20 @@ class RunConfig:
         model_spec = model_preset(self.model)
         if not model_spec.has_shape:
             raise SpecError(f"RunConfig.model={self.model!r} has no shape to build; choose a gpt2, llama or moe preset")
-        strategy = parse_choice("RunConfig.strategy", self.strategy, STRATEGIES)
-        parse_choice("RunConfig.engine", self.engine, RUN_ENGINES)
-        if self.precision not in ("fp64", "fp32", "bf16-mixed"):
-            raise SpecError(f"RunConfig.precision={self.precision!r} is not runnable; allowed: fp64, fp32, bf16-mixed")
+        parse_choice("RunConfig.strategy.engine", self.strategy.engine, RUN_ENGINES)
+        parse_choice("RunConfig.training.precision", self.training.precision, RUN_PRECISIONS)
+        if self.training.grad_accum_steps != 1:
+            raise SpecError(
+                f"RunConfig.training.grad_accum_steps={self.training.grad_accum_steps}: runs take one "
+                "micro-batch per step"
+            )
+        if self.strategy.offload != "none":
+            raise SpecError(f"RunConfig.strategy.offload={self.strategy.offload!r}: runs do not offload")
         if self.world_size < 1:  # the local launcher caps it further (MAX_LOCAL_WORLD_SIZE); torchrun does not
             raise SpecError(f"RunConfig.world_size={self.world_size} must be at least 1")
         if self.steps < 1:
             raise SpecError(f"RunConfig.steps={self.steps} must be at least 1")
-        if DATA_PARALLEL_PRESETS[strategy].groups_replicate:
-            if self.shard_group < 1 or self.world_size % self.shard_group:
-                raise SpecError(
-                    f"RunConfig.shard_group={self.shard_group} must divide world_size={self.world_size} for hsdp"
-                )
-        elif self.shard_group:
-            raise SpecError(f"RunConfig.shard_group={self.shard_group} is only used by hsdp")
+        data_parallel_mesh(self.strategy.name, self.world_size, self.strategy.shard_group)
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -84,38 +92,49 @@ class RunConfig:
             raise SpecError(f"RunConfig.rendezvous={self.rendezvous!r} is not known; allowed: tcp, file")
         if self.fault and (self.fault.split(":")[0] not in FAULTS or not self.fault.partition(":")[2].isdigit()):
             raise SpecError(f"RunConfig.fault={self.fault!r} must be KIND:RANK with KIND one of {', '.join(FAULTS)}")
-        self.training  # validates micro batch, sequence length, checkpointing and attention  # noqa: B018
-        if model_spec.family == "gpt2" and self.sequence_length > model_spec.max_positions:
+        if model_spec.family == "gpt2" and self.training.sequence_length > model_spec.max_positions:
             raise SpecError(
-                f"RunConfig.sequence_length={self.sequence_length} exceeds {self.model}'s max_positions="
-                f"{model_spec.max_positions}"
+                f"RunConfig.training.sequence_length={self.training.sequence_length} exceeds {self.model}'s "
+                f"max_positions={model_spec.max_positions}"
             )
+
+    @classmethod
+    def from_options(cls, **options: Any) -> RunConfig:
+        """A config from flat options, as `shardscope run`'s flags, the worker's flags and `run_training`'s keywords
+        name them: model, strategy, engine ('teaching' is another word for 'paper'), shard_group, precision,
+        micro_batch_size, sequence_length, checkpointing, attention, optimizer, and the run's own fields."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise SpecError(f"RunConfig: unknown option {unknown[0]!r}; allowed: {', '.join(OPTIONS)}")
+        if "engine" in options:
+            word = str(options["engine"])
+            if word not in (*RUN_ENGINES, *ENGINE_ALIASES):
+                raise SpecError(
+                    f"RunConfig.engine={word!r} is not known; allowed: {', '.join(RUN_ENGINES)} (teaching "
+                    "is another word for paper)"
+                )
+            options["engine"] = engine_name(word)
+        training = replace(
+            _default_training(), **{TRAINING_OPTIONS[k]: v for k, v in options.items() if k in TRAINING_OPTIONS}
+        )
+        strategy = Strategy(
+            **{
+                STRATEGY_OPTIONS[k]: v
+                for k, v in {"strategy": "zero3", "engine": "paper", **options}.items()
+                if k in STRATEGY_OPTIONS
+            }
+        )
+        own = {k: v for k, v in options.items() if k not in TRAINING_OPTIONS and k not in STRATEGY_OPTIONS}
+        return cls(training=training, strategy=strategy, **own)
+
+    def options(self) -> dict[str, Any]:
+        """The flat options that rebuild this config with `from_options` (for the worker's flags and JSON)."""
+        own = {name: getattr(self, name) for name in OWN_OPTIONS}
+        training = {option: getattr(self.training, name) for option, name in TRAINING_OPTIONS.items()}
+        strategy = {option: getattr(self.strategy, name) for option, name in STRATEGY_OPTIONS.items()}
+        return {**own, **strategy, **training}
 
     @property
     def model_spec(self) -> ModelSpec:
         """The preset's ModelSpec."""
         return model_preset(self.model)
-
-    @property
-    def training(self) -> TrainingSpec:
-        """The TrainingSpec of one rank's step."""
-        return TrainingSpec(
-            micro_batch_size=self.micro_batch_size,
-            sequence_length=self.sequence_length,
-            precision=self.precision,
-            optimizer=self.optimizer,
-            checkpointing=self.checkpointing,
-            attention=self.attention,
-        )
-
-    @property
-    def canonical_strategy(self) -> str:
-        """'fsdp' runs as 'zero3'."""
-        return canonical_strategy(parse_choice("RunConfig.strategy", self.strategy, STRATEGIES))
-
-    def to_args(self) -> list[str]:
-        """Command-line flags for `python -m shardscope.runtime.worker` that rebuild this config."""
-        args = []
-        for item in dataclasses.fields(self):
-            args += [f"--{item.name.replace('_', '-')}", str(getattr(self, item.name))]
-        return args

@@ -4,7 +4,6 @@ the launching, supervision and reaping) and read rank 0's results."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +25,7 @@ def launch(
     with run_directory() if run_dir is None else contextlib.nullcontext(run_dir) as base:
         base.mkdir(parents=True, exist_ok=True)
         suite = base / "suite.json"
-        suite.write_text(json.dumps([dataclasses.asdict(c) for c in configs]))
+        suite.write_text(json.dumps([config.options() for config in configs]))
         done = run_ranks(
             "shardscope.runtime.worker",
             lambda attempt: ["--suite", str(suite), "--run-dir", str(attempt)],

@@ -29,31 +29,31 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
     from shardscope.runtime.teaching.zero import Zero1, Zero2
 
-    training, strategy = config.training, config.canonical_strategy
-    if config.engine == "pytorch":
+    training, strategy, shard_group = config.training, config.strategy.canonical_name, config.strategy.shard_group
+    if config.strategy.engine == "pytorch":
         if strategy in ("ddp", "zero1"):
             return TorchDDP(module, training, zero1=strategy == "zero1")
-        return TorchFSDP2(module, training, reshard_after_forward=strategy != "zero2", shard_group=config.shard_group)
+        return TorchFSDP2(module, training, reshard_after_forward=strategy != "zero2", shard_group=shard_group)
     teaching: dict[str, Callable[[], Trainer]] = {
         "ddp": lambda: DataParallelBucket(module, training),
         "zero1": lambda: Zero1(module, training),
         "zero2": lambda: Zero2(module, training),
         "zero3": lambda: FullyShardedTeaching(module, training),
-        "hsdp": lambda: FullyShardedTeaching(module, training, shard_group=config.shard_group),
+        "hsdp": lambda: FullyShardedTeaching(module, training, shard_group=shard_group),
     }
     return teaching[strategy]()
 
 
 def model_dtype(config: RunConfig) -> torch.dtype:
     """Teaching strategies store 16-bit weights under mixed precision; torch's engines keep fp32 and cast."""
-    if is_mixed(config.training) and config.engine == "pytorch":
+    if is_mixed(config.training) and config.strategy.engine == "pytorch":
         return torch.float32
     return param_dtype(config.training)
 
 
 def rank_batch(config: RunConfig, step: int, rank: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of the step's global batch."""
-    size = config.micro_batch_size
+    size = config.training.micro_batch_size
     inputs, targets = sample_batch(
         config.model_spec, config.training, num_sequences=size * config.world_size, step=step
     )
@@ -167,12 +167,15 @@ def train_and_measure(
 def reference_parameters(config: RunConfig, device: str) -> dict[str, torch.Tensor]:
     """Single-process training on each step's whole global batch from rank 0's weights: what every strategy must
     end with. Mixed precision is compared against fp32 training (its difference is reported, not expected ~0)."""
-    dtype = torch.float64 if config.precision == "fp64" else torch.float32
+    dtype = torch.float64 if config.training.precision == "fp64" else torch.float32
     module = build_model(config.model_spec, config.training, device=device, dtype=dtype, seed=config.seed)
     optimizer = make_optimizer(list(module.parameters()), config.training)
     for step in range(config.steps):
         inputs, targets = sample_batch(
-            config.model_spec, config.training, num_sequences=config.micro_batch_size * config.world_size, step=step
+            config.model_spec,
+            config.training,
+            num_sequences=config.training.micro_batch_size * config.world_size,
+            step=step,
         )
         lm_loss(module(inputs.to(device)), targets.to(device)).backward()
         optimizer.step()

@@ -11,7 +11,6 @@ and os._exit, and ask the kernel to kill them if their parent dies.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -29,17 +28,17 @@ def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
     """RunConfig fields as flags (--world-size is taken from the environment under torchrun) and --run-dir; or
     --suite FILE, a JSON list of RunConfig objects run one after another in the same process group."""
     parser = argparse.ArgumentParser(prog="python -m shardscope.runtime.worker")
-    for item in dataclasses.fields(RunConfig):
-        kind = type(item.default)
-        parser.add_argument(f"--{item.name.replace('_', '-')}", type=kind, default=item.default)
+    defaults = RunConfig().options()
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--run-dir", type=Path, default=Path("shardscope-run"))
     parser.add_argument("--suite", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.suite:
-        return [RunConfig(**values) for values in json.loads(args.suite.read_text())], args.run_dir
-    values = {item.name: getattr(args, item.name) for item in dataclasses.fields(RunConfig)}
+        return [RunConfig.from_options(**values) for values in json.loads(args.suite.read_text())], args.run_dir
+    values = {name: getattr(args, name) for name in defaults}
     values["world_size"] = int(os.environ.get("WORLD_SIZE", values["world_size"]))
-    return [RunConfig(**values)], args.run_dir
+    return [RunConfig.from_options(**values)], args.run_dir
 
 
 def inject_fault(config: RunConfig, rank: int) -> None:
@@ -113,7 +112,7 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
                 float((full[name].detach().double().cpu() - value.detach().double().cpu()).abs().max())
                 for name, value in reference.items()
             )
-            results.append({"config": dataclasses.asdict(config), "ranks": gathered, "max_abs_diff": diff})
+            results.append({"config": config.options(), "ranks": gathered, "max_abs_diff": diff})
     if rank == 0:
         (run_dir / "result.json").write_text(json.dumps(results))
         if LAUNCHER_PID_ENV not in os.environ:  # under torchrun nobody else turns it into the document

@@ -5,15 +5,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from shardscope.choices import STRATEGIES, parse_choice
+from shardscope.choices import STRATEGIES, engine_name, parse_choice
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies, data_parallel_mesh
 from shardscope.presets import custom_gpu, model_preset
+from shardscope.runtime.config import RUN_ENGINES
 from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
 from shardscope.units import GIB
 
-# The teaching strategies are the ZeRO paper's accounting made real, so the paper engine predicts them; torch's own
-# engines are predicted by the pytorch engine (DESIGN.md).
-CORE_ENGINE = {"teaching": "paper", "pytorch": "pytorch"}
 CASE_STRATEGIES = comparable_strategies(grouped=True)
 # A CPU "GPU" big enough that fitting never matters here; measurements have no framework context or allocator.
 VALIDATION_GPU = custom_gpu(1024 * GIB)
@@ -35,7 +33,8 @@ class ValidationCase:
     strategy: str
     """ddp, zero1, zero2, zero3 or hsdp."""
     engine: str
-    """'teaching' (predicted by the paper engine) or 'pytorch'."""
+    """'paper' (the teaching strategies run, the paper engine predicts; 'teaching' is another word for it) or
+    'pytorch' (torch's own engines run and the pytorch engine predicts them)."""
     world_size: int
     """Ranks."""
     precision: str = "fp32"
@@ -50,7 +49,7 @@ class ValidationCase:
     """'cpu' (gloo processes) or 'cuda' (nccl, one GPU per rank, torch.cuda.max_memory_allocated as the peak)."""
 
     def __post_init__(self) -> None:
-        parse_choice("ValidationCase.engine", self.engine, tuple(CORE_ENGINE))
+        object.__setattr__(self, "engine", parse_choice("ValidationCase.engine", engine_name(self.engine), RUN_ENGINES))
         if self.device not in DEVICE_BACKEND:
             raise SpecError(f"ValidationCase.device={self.device!r} is not known; allowed: cpu, cuda")
         if _grouped(self.strategy) and self.world_size < 4:
@@ -88,7 +87,7 @@ class ValidationCase:
                 precision=self.precision,
                 checkpointing=self.checkpointing,
             ),
-            strategy=Strategy(name=self.strategy, engine=CORE_ENGINE[self.engine], shard_group=self.shard_group),
+            strategy=Strategy(name=self.strategy, engine=engine_name(self.engine), shard_group=self.shard_group),
             overheads=NO_OVERHEAD,
         )
 
@@ -113,7 +112,7 @@ def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     for model, strategy, engine, world, precision, checkpointing in itertools.product(
         ("tiny-gpt2", "tiny-llama", "tiny-moe"),
         CASE_STRATEGIES,
-        ("teaching", "pytorch"),
+        RUN_ENGINES,
         (2, 4),
         ("fp32", "bf16-mixed"),
         ("none", "full"),
@@ -138,12 +137,12 @@ def quick_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     """A few cases that cover every strategy and both engines, small enough for CI."""
     return (
         ValidationCase(model="tiny-gpt2", strategy="ddp", engine="pytorch", world_size=2, device=device),
-        ValidationCase(model="tiny-gpt2", strategy="zero1", engine="teaching", world_size=2, device=device),
+        ValidationCase(model="tiny-gpt2", strategy="zero1", engine="paper", world_size=2, device=device),
         ValidationCase(
-            model="tiny-llama", strategy="zero2", engine="teaching", world_size=2, precision="bf16-mixed", device=device
+            model="tiny-llama", strategy="zero2", engine="paper", world_size=2, precision="bf16-mixed", device=device
         ),
         ValidationCase(model="tiny-llama", strategy="zero3", engine="pytorch", world_size=2, device=device),
         ValidationCase(
-            model="tiny-gpt2", strategy="zero3", engine="teaching", world_size=2, checkpointing="full", device=device
+            model="tiny-gpt2", strategy="zero3", engine="paper", world_size=2, checkpointing="full", device=device
         ),
     )

@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shardscope.choices import engine_name
 from shardscope.core.comm import collective_ledger
 from shardscope.core.engines import ENGINE_RULES
 from shardscope.core.memory import estimate_memory
@@ -53,7 +52,7 @@ def _trace(
     case: ValidationCase, progress: Progress
 ) -> tuple[MemoryBreakdown | None, tuple[CollectiveRow, ...] | None, int | None, str]:
     """The trace of rank 0 and its comparable peak, or None and the reason where the trace does not cover a case."""
-    if not ENGINE_RULES[engine_name(case.engine)].torch_engines:
+    if not ENGINE_RULES[case.scenario().strategy.engine].torch_engines:
         return (
             None,
             None,
@@ -86,7 +85,7 @@ def validate_cases(
     from shardscope.runtime.config import RunConfig
 
     configs = {
-        case: RunConfig(
+        case: RunConfig.from_options(
             model=case.model,
             strategy=case.strategy,
             engine=case.engine,

@@ -1,9 +1,12 @@
-"""The 'deepspeed' engine: DeepSpeed's own estimators, estimate_zero2_model_states_mem_needs and
-estimate_zero3_model_states_mem_needs (deepspeed.runtime.zero), and what its ZeRO stages send.
+"""The 'deepspeed' engine: DeepSpeed's own estimators as of DeepSpeed 0.19.6 (the release whose source was read),
+estimate_zero2_model_states_mem_needs (deepspeed/runtime/zero/stage_1_and_2.py) and
+estimate_zero3_model_states_mem_needs (deepspeed/runtime/zero/stage3.py), and what its ZeRO stages send.
 
-4 bytes per parameter for 16-bit weights and gradients plus 16 per sharded parameter (fp32 master, momentum,
-variance and an fp32 gradient partition), the largest layer gathered at 4 bytes per parameter under ZeRO-3, and host
-memory times an additional buffer factor of 1.5 under offload. DeepSpeed's estimator treats stage 1 like stage 2.
+ZeRO-1/2 without offload: 2 bytes per parameter for the 16-bit weights plus 18 per sharded parameter (16-bit and
+fp32 gradient partitions, fp32 master, momentum and variance), 2P + 18P/N; ZeRO-3: 18 per sharded parameter and the
+largest layer gathered at 4 bytes per parameter; host memory times an additional buffer factor of 1.5 under offload.
+DeepSpeed's estimator treats stage 1 like stage 2 (releases before 0.19 counted the 16-bit gradients whole: 4P +
+16P/N).
 ZeRO-1/2 reduce and gather in buckets of 5e8 elements; ZeRO-3 partitions each parameter flat, padded to the degree.
 """
 
@@ -97,8 +100,8 @@ def _states(scenario: Scenario) -> ModelStates:
     largest = largest_module_numel(layout) if layout else 0
     optimizer_state = shard * (master + optimizer_moments(training.optimizer) * moment)
     if stage < 3:
-        # The estimator counts full 16-bit weights and gradients for stages 1 and 2 (4 bytes per parameter).
-        parameters, gradients, gathered = total * weight, total * weight + shard * fp32_grads, 0
+        # The estimator counts whole 16-bit weights and partitioned gradients (16-bit and fp32) for stages 1 and 2.
+        parameters, gradients, gathered = total * weight, shard * (weight + fp32_grads), 0
     else:
         parameters, gradients, gathered = shard * weight, shard * fp32_grads, 2 * largest * weight
     host = 0
