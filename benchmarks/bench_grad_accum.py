@@ -14,10 +14,10 @@ import sys
 import time
 
 COMMANDS = (
-    ("estimate", "--model", "gpt2", "--gpus", "1", "--json", "--time", "--grad-accum", "1000000"),
+    ("estimate", "--model", "gpt2", "--seq-len", "1024", "--gpus", "1", "--json", "--time", "--grad-accum", "1000000"),
     ("estimate", "--model", "llama-3-70b", "--gpus", "64", "--time", "--grad-accum", "1000000"),
     ("timeline", "--model", "llama-3-8b", "--gpus", "16", "--strategy", "zero3", "--grad-accum", "1000000"),
-    ("estimate", "--model", "gpt2", "--gpus", "1", "--json", "--time", "--grad-accum", "1"),
+    ("estimate", "--model", "gpt2", "--seq-len", "1024", "--gpus", "1", "--json", "--time", "--grad-accum", "1"),
 )
 
 

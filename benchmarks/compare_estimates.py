@@ -49,6 +49,15 @@ VARIANTS = (
 VARIANT_MODELS = ("gpt2", "llama-3-8b", "mixtral-8x7b", "tiny-gpt2", "tiny-llama", "tiny-moe")
 
 
+def _seq_len(model: str, default: list[str]) -> list[str]:
+    """gpt2-family models run at their max_positions (learned positions end at the table, and a longer --seq-len is
+    refused); the others at `default`."""
+    from shardscope.presets import model_preset
+
+    spec = model_preset(model)
+    return ["--seq-len", str(spec.max_positions)] if spec.family == "gpt2" else default
+
+
 def cases() -> list[list[str]]:
     """The argument lists of every compared `estimate` call."""
     out: list[list[str]] = []
@@ -58,8 +67,14 @@ def cases() -> list[list[str]]:
             shard = ["--shard-group", group] if strategy == "hsdp" else []
             for engine in ENGINES:
                 base = ["--gpus", gpus, "--strategy", strategy, *shard, "--engine", engine]
-                out += [["--model", model, "--seq-len", "4096", *base, "--time"] for model in PRESETS]
-                out += [["--model", model, *base, *v, "--time"] for model in VARIANT_MODELS for v in VARIANTS]
+                out += [
+                    ["--model", model, *_seq_len(model, ["--seq-len", "4096"]), *base, "--time"] for model in PRESETS
+                ]
+                out += [
+                    ["--model", model, *_seq_len(model, []), *base, *v, "--time"]
+                    for model in VARIANT_MODELS
+                    for v in VARIANTS
+                ]
                 out.append(["--params", "7B", *base])  # no shape: memory only
     return out
 

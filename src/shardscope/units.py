@@ -30,7 +30,7 @@ _BYTE_SUFFIXES = {
     "gib": GIB,
     "tib": TIB,
 }
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_NUMBER = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class UnitError(ValueError):
@@ -44,6 +44,8 @@ def _split(text: str, what: str, allowed: str) -> tuple[float, str]:
     value = float(match.group(1))
     if not math.isfinite(value):
         raise UnitError(f"{what} {text!r} is not finite")
+    if value < 0:
+        raise UnitError(f"{what} {text!r} must be positive")
     return value, match.group(2).lower()
 
 

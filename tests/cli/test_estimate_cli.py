@@ -78,24 +78,24 @@ def test_gpu_memory_and_fit(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 BAD = [
-    (["--model", "gpt2", "--gpus", "0"], "--gpus"),
-    (["--model", "gpt2", "--gpus", "-2"], "--gpus"),
-    (["--model", "gpt2", "--gpus", "2.5"], "--gpus"),
-    (["--model", "gpt2", "--gpus", "12", "--gpus-per-node", "8"], "multiple of gpus_per_node"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpus", "0"], "--gpus"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpus", "-2"], "--gpus"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpus", "2.5"], "--gpus"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpus", "12", "--gpus-per-node", "8"], "multiple of gpus_per_node"),
     (
-        ["--model", "gpt2", "--strategy", "hsdp", "--shard-group", "3"],
+        ["--model", "gpt2", "--seq-len", "1024", "--strategy", "hsdp", "--shard-group", "3"],
         "dp_replicate 2 x dp_shard 3 = 6, not the 8 GPUs given",
     ),
     (["--model", "nope"], "unknown model preset"),
-    (["--model", "gpt2", "--gpu", "nope"], "unknown GPU preset"),
-    (["--model", "gpt2", "--engine", "megatron"], "--engine"),
-    (["--model", "gpt2", "--strategy", "zero4"], "Strategy.name='zero4'"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpu", "nope"], "unknown GPU preset"),
+    (["--model", "gpt2", "--seq-len", "1024", "--engine", "megatron"], "--engine"),
+    (["--model", "gpt2", "--seq-len", "1024", "--strategy", "zero4"], "Strategy.name='zero4'"),
     (["--params", "1e30"], "outside"),
     (["--params", "lots"], "not a number"),
-    (["--model", "gpt2", "--seq-len", "0"], "--seq-len"),
+    (["--model", "gpt2", "--seq-len", "1024", "--seq-len", "0"], "--seq-len"),
     (["--config", "/no/such/config.json"], "does not exist"),
-    (["--model", "gpt2", "--gpu-memory", "0GiB"], "more than 0"),
-    (["--model", "gpt2", "--allocator-headroom", "3"], "allocator_headroom"),
+    (["--model", "gpt2", "--seq-len", "1024", "--gpu-memory", "0GiB"], "more than 0"),
+    (["--model", "gpt2", "--seq-len", "1024", "--allocator-headroom", "3"], "allocator_headroom"),
 ]
 
 

@@ -11,7 +11,9 @@ from shardscope.cli import main
     ("argv", "message"),
     [
         (["--device", "cuda", "--world-sizes", "2"], "--device cuda needs 2 GPUs (one per rank)"),
-        (["--models", "nope"], "no validation case is left after the filters"),
+        (["--models", "nope"], "--models 'nope' is not in the matrix; allowed: tiny-gpt2, tiny-llama, tiny-moe"),
+        (["--models", ""], "--models '' is empty"),
+        (["--quick", "--world-sizes", "4"], "--world-sizes '4' is not in the matrix; allowed: 2"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
     ],
 )

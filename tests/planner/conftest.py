@@ -6,7 +6,7 @@ import pytest
 
 from shardscope.planner import PlanRequest
 from shardscope.presets import gpu_preset, model_preset
-from shardscope.specs import GpuSpec
+from shardscope.specs import GpuSpec, TrainingSpec
 from shardscope.units import GIB
 
 
@@ -16,7 +16,7 @@ def big_request() -> PlanRequest:
     return PlanRequest(
         model=model_preset("llama-3-70b"),
         gpu=gpu_preset("h100-80gb"),
-        sequence_length=4096,
+        training=TrainingSpec(sequence_length=4096),
         global_batch_tokens=4_000_000,
     )
 
@@ -28,7 +28,7 @@ def small_request() -> PlanRequest:
     return PlanRequest(
         model=model_preset("llama-3-8b"),
         gpu=gpu,
-        sequence_length=2048,
+        training=TrainingSpec(sequence_length=2048),
         global_batch_tokens=128 * 2048,
         max_gpus=16,
         max_micro_batch=4,

@@ -33,7 +33,18 @@ def test_json_follows_plan_v1(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_rejected_in_json(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--model", "llama-3-70b", "--global-batch-tokens", "4M", "--strategy", "ddp,zero3", "--json"]
+    args = [
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--seq-len",
+        "4096",
+        "--global-batch-tokens",
+        "4M",
+        "--strategy",
+        "ddp,zero3",
+    ]
+    args.append("--json")
     assert main(args) == 0
     document = json.loads(capsys.readouterr().out)
     (rejected,) = document["rejected"]
@@ -50,7 +61,9 @@ def test_human_output_has_bars_and_failure_modes(capsys: pytest.CaptureFixture[s
 
 
 def test_min_gpus(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--min-gpus", "--json"]) == 0
+    assert (
+        main(["plan", "--model", "llama-3-70b", "--gpu", "h100-80gb", "--seq-len", "4096", "--min-gpus", "--json"]) == 0
+    )
     document = json.loads(capsys.readouterr().out)
     assert document["fewest_gpus"] == min(entry["gpus"] for entry in document["plans"])
 
@@ -84,7 +97,8 @@ class BlockTorch:
 sys.meta_path.insert(0, BlockTorch())
 import shardscope.planner
 from shardscope.cli import main
-assert main(["plan", "--model", "tiny-llama", "--global-batch-tokens", "64K", "--max-gpus", "16", "--json"]) == 0
+argv = ["plan", "--model", "tiny-llama", "--seq-len", "64", "--global-batch-tokens", "64K", "--max-gpus", "16"]
+assert main([*argv, "--json"]) == 0
 assert "torch" not in sys.modules and "matplotlib" not in sys.modules
 """
 
@@ -92,3 +106,26 @@ assert "torch" not in sys.modules and "matplotlib" not in sys.modules
 def test_planner_starts_without_torch_or_matplotlib() -> None:
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_nothing_fits_is_an_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 0 with the rejections: no plan fitting is what the user asked to know, not a failure of the command."""
+    args = ["plan", "--model", "llama-3-70b", "--gpu-memory", "1GiB", "--global-batch-tokens", "1M", "--max-gpus", "16"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "families that do not fit anywhere in the space:" in out
+    assert main([*args, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["plans"] == [] and {entry["family"] for entry in document["rejected"]} >= {"ddp", "zero3"}
+
+
+def test_plan_and_estimate_share_their_defaults() -> None:
+    """plan's shared flags come from estimate's helpers, so their defaults cannot drift apart (--seq-len was 4096)."""
+    from shardscope.cli import build_parser
+
+    plan_args = build_parser("plan").parse_args(["plan", "--model", "gpt2"])
+    estimate_args = build_parser("estimate").parse_args(["estimate", "--model", "gpt2"])
+    shared = ("seq_len", "precision", "optimizer", "attention", "engine", "context_memory", "allocator_headroom")
+    for name in (*shared, "gpu", "gpu_memory", "gpus_per_node"):
+        assert getattr(plan_args, name) == getattr(estimate_args, name), name
+    assert plan_args.seq_len == 2048

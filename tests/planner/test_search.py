@@ -108,7 +108,7 @@ def test_hsdp_shard_groups_divide_the_world_and_align_with_nodes(big_request: Pl
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"sequence_length": 0}, "sequence_length"),
+        ({"max_micro_batch": 0}, "max_micro_batch"),
         ({"global_batch_tokens": 100}, "less than one sequence"),
         ({"headroom": 1.5}, "headroom"),
         ({"families": ("ddp", "zero4")}, "zero4"),

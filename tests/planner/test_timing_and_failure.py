@@ -51,7 +51,10 @@ def test_extended_step_time_matches_the_full_simulation(strategy: str) -> None:
 def _kinds(scenario: Scenario, request_changes: dict[str, object] | None = None) -> list[str]:
     hardware = default_profile(scenario.cluster.gpu)
     request = PlanRequest(
-        model=scenario.model, gpu=scenario.cluster.gpu, sequence_length=4096, global_batch_tokens=4096 * 64
+        model=scenario.model,
+        gpu=scenario.cluster.gpu,
+        training=TrainingSpec(sequence_length=4096),
+        global_batch_tokens=4096 * 64,
     )
     if request_changes:
         request = dataclasses.replace(request, **request_changes)  # type: ignore[arg-type]
@@ -78,7 +81,12 @@ def test_zero3_across_nodes_on_a_slow_network_points_to_hsdp() -> None:
         scenario,
         estimate_memory(scenario),
         plan_timing(scenario, slow),
-        PlanRequest(model=scenario.model, gpu=scenario.cluster.gpu, sequence_length=1024, global_batch_tokens=65536),
+        PlanRequest(
+            model=scenario.model,
+            gpu=scenario.cluster.gpu,
+            training=TrainingSpec(sequence_length=1024),
+            global_batch_tokens=65536,
+        ),
         estimate_memory,
         lambda other: plan_timing(other, slow),
     )

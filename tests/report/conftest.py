@@ -41,7 +41,7 @@ def planned() -> PlanResult:
     request = PlanRequest(
         model=model_preset("llama-3-70b"),
         gpu=gpu_preset("h100-80gb"),
-        sequence_length=4096,
+        training=TrainingSpec(sequence_length=4096),
         global_batch_tokens=4_000_000,
         max_gpus=256,
     )

@@ -27,14 +27,37 @@ RejectsRenamed = Callable[[dict[str, Any]], int]  # the rejects_renamed_keys fix
 
 ESTIMATES = [
     ["--model", "llama-3-70b", "--gpus", "64", "--strategy", "all"],
-    ["--model", "tiny-gpt2", "--gpus", "16", "--strategy", "ddp,hsdp", "--shard-group", "4", "--time"],
+    [
+        "--model",
+        "tiny-gpt2",
+        "--seq-len",
+        "64",
+        "--gpus",
+        "16",
+        "--strategy",
+        "ddp,hsdp",
+        "--shard-group",
+        "4",
+        "--time",
+    ],
     ["--model", "mixtral-8x7b", "--gpus", "8", "--strategy", "zero3", "--offload", "optimizer+params", "--time"],
     ["--model", "llama-3-8b", "--gpus", "8", "--engine", "deepspeed", "--checkpointing", "full", "--strategy", "zero2"],
     ["--params", "7B", "--gpus", "8", "--strategy", "zero1"],
 ]
 PLANS = [
-    ["--model", "tiny-llama", "--global-batch-tokens", "64K", "--max-gpus", "16", "--price-per-gpu-hour", "2.5"],
-    ["--model", "llama-3-70b", "--global-batch-tokens", "4M", "--strategy", "ddp,zero3"],
+    [
+        "--model",
+        "tiny-llama",
+        "--seq-len",
+        "4096",
+        "--global-batch-tokens",
+        "64K",
+        "--max-gpus",
+        "16",
+        "--price-per-gpu-hour",
+        "2.5",
+    ],
+    ["--model", "llama-3-70b", "--seq-len", "4096", "--global-batch-tokens", "4M", "--strategy", "ddp,zero3"],
     ["--model", "llama-3-8b", "--gpu", "a100-40gb", "--seq-len", "8192", "--min-gpus", "--max-gpus", "64"],
 ]
 

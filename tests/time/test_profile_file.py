@@ -86,11 +86,11 @@ def test_a_bad_profile_reaches_the_user_as_one_line_and_exit_2(
 ) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(GOOD.replace("efficiency = 0.4", "efficency = 0.3"))
-    assert main(["estimate", "--model", "gpt2", "--time", "--hardware", str(bad)]) == 2
+    assert main(["estimate", "--model", "gpt2", "--seq-len", "1024", "--time", "--hardware", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "unknown key 'efficency'" in err and str(bad) in err
     bad.write_bytes(b'schema = "\xff"')
-    assert main(["estimate", "--model", "gpt2", "--time", "--hardware", str(bad)]) == 2
+    assert main(["estimate", "--model", "gpt2", "--seq-len", "1024", "--time", "--hardware", str(bad)]) == 2
     assert "is not UTF-8 text" in capsys.readouterr().err
 
 

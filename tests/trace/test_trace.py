@@ -78,7 +78,7 @@ def test_data_dependent_model_names_the_op(capsys: pytest.CaptureFixture[str]) -
 def test_missing_factory_and_time_limit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["trace", "--module", "no_such_package.models:make", "--gpus", "2"]) == 2
     assert "cannot import module 'no_such_package.models'" in capsys.readouterr().err
-    assert main(["trace", "--model", "tiny-gpt2", "--gpus", "2", "--time-limit", "0.2"]) == 2
+    assert main(["trace", "--model", "tiny-gpt2", "--seq-len", "64", "--gpus", "2", "--time-limit", "0.2"]) == 2
     assert "time limit of 0.2 s" in capsys.readouterr().err
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from shardscope.cli.estimate import render_estimates
@@ -94,6 +93,9 @@ def real_run_beside_prediction() -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Predict, run, report."""
+    from shardscope.cli.report import check_report_path, write_report_or_fail
+
+    check_report_path(args.report)
     scenarios = default_scenarios()
     estimates = [estimate_memory(scenario) for scenario in scenarios]
     print("1. Predicted per-rank memory (shardscope estimate; torch is not imported)\n")
@@ -104,8 +106,6 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(real_run_beside_prediction())
-    from shardscope.report import write_report
-
-    path = write_report(scenarios, Path(args.report))
+    path = write_report_or_fail(scenarios, args.report)
     print(f"\n3. Report written: {path.resolve()} (open it in a browser; it needs no network)")
     return 0

@@ -10,15 +10,25 @@ from typing import Any
 
 from shardscope.choices import Word, parse_choice
 from shardscope.cli.errors import CliError
-from shardscope.cli.scenario_args import add_model_arguments, gpu_from_args, model_from_args, positive_int
+from shardscope.cli.scenario_args import (
+    add_gpu_arguments,
+    add_model_arguments,
+    add_rules_arguments,
+    add_step_arguments,
+    check_sequence_length,
+    gpu_from_args,
+    model_from_args,
+    overheads_from_args,
+    positive_int,
+    step_from_args,
+)
 from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.core.params import count_parameters
 from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
 from shardscope.planner.result import PLAN_SCHEMA
-from shardscope.presets import gpu_preset_names
-from shardscope.specs import ATTENTION, CHECKPOINTING, ENGINES, OFFLOADS, OPTIMIZERS, PRECISIONS, Overheads, SpecError
+from shardscope.specs import CHECKPOINTING, OFFLOADS, SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
 EXAMPLES = """examples:
@@ -26,6 +36,9 @@ EXAMPLES = """examples:
   shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M \\
       --price-per-gpu-hour 2.5 --max-gpus 512 --json
   shardscope plan --model llama-3-8b --gpu a100-40gb --seq-len 8192 --min-gpus
+
+exit status: 0 when the search ran, also when nothing fits (that is an answer: the families that do not fit are
+listed with what breaks the budget and by how much); 2 on bad input.
 """
 
 
@@ -51,14 +64,10 @@ def _choices(text: str, allowed: tuple[Word, ...], option: str) -> tuple[Word, .
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The planning question and the space to search (shared with `report --plan`)."""
     add_model_arguments(parser)
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--gpu", metavar="PRESET", default="h100-80gb", help=f"GPU preset: {', '.join(gpu_preset_names())}"
-    )
-    group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB")
-    parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    add_gpu_arguments(parser)
+    add_step_arguments(parser)
+    add_rules_arguments(parser)
     parser.add_argument("--max-gpus", type=positive_int, default=1024, help="most GPUs a plan may use (default 1024)")
-    parser.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch-tokens", metavar="N", help="tokens per optimizer step, e.g. 4M")
     parser.add_argument("--batch-tolerance", type=float, default=0.05, help="allowed batch error (default 0.05)")
     parser.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")
@@ -70,12 +79,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING)}, or all")
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
-    parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed", help="default %(default)s")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default %(default)s")
-    parser.add_argument("--attention", choices=ATTENTION, default="sdpa", help="default %(default)s")
-    parser.add_argument("--engine", choices=ENGINES, default="pytorch", help="whose memory rules (default pytorch)")
-    parser.add_argument("--context-memory", metavar="SIZE", default="512MiB", help="framework context per GPU")
-    parser.add_argument("--allocator-headroom", type=float, default=0.05, metavar="FRACTION", help="of the peak")
     parser.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
     add_hardware_arguments(parser)
 
@@ -106,10 +109,14 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         raise CliError("--rank-by cost needs --price-per-gpu-hour (no prices are built in)")
     if args.global_batch_tokens is None and not args.min_gpus:
         raise CliError("--global-batch-tokens is needed to rank plans (e.g. 4M); only --min-gpus works without it")
+    model = model_from_args(args)
+    training = step_from_args(args)
+    check_sequence_length(model, training.sequence_length, "plan")
     return PlanRequest(
-        model=model_from_args(args),
+        model=model,
         gpu=gpu,
-        sequence_length=args.seq_len,
+        training=training,
+        strategy=Strategy(name="ddp", engine=args.engine),
         global_batch_tokens=parse_count(args.global_batch_tokens) if args.global_batch_tokens else None,
         batch_tolerance=args.batch_tolerance,
         gpus_per_node=args.gpus_per_node,
@@ -120,11 +127,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         offloads=_choices(args.offload, OFFLOADS, "--offload"),
         checkpointing=_choices(args.checkpointing, CHECKPOINTING, "--checkpointing"),
         max_micro_batch=args.max_micro_batch,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        attention=args.attention,
-        engine=args.engine,
-        overheads=Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom),
+        overheads=overheads_from_args(args),
         rank_by=rank_by,
         price_per_gpu_hour=price,
         top=args.top,
@@ -223,4 +226,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(render_plan(result, args.units, elapsed))
-    return 0 if result.plans else 1
+    return 0  # "nothing fits" is an answer, printed with the rejections

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from shardscope.cli.errors import CliError
@@ -11,14 +12,17 @@ from shardscope.cli.scenario_args import (
     add_model_arguments,
     add_strategy_arguments,
     add_training_arguments,
+    check_sequence_length,
     gpu_from_args,
     model_from_args,
+    overheads_from_args,
     scenarios_from_args,
+    step_from_args,
 )
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.planner import PlanRequest, plan
-from shardscope.specs import Overheads
-from shardscope.units import parse_bytes, parse_count
+from shardscope.specs import Strategy
+from shardscope.units import parse_count
 
 EXAMPLES = """examples:
   shardscope report --model llama-3-8b --gpus 8 --seq-len 4096 -o report.html
@@ -47,33 +51,54 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--price-per-gpu-hour", type=float, metavar="X", help="with a plan: rank by cost")
 
 
+def check_report_path(output: str) -> None:
+    """Refuse an empty path or a directory as the page's path before any work is done."""
+    if not output.strip():
+        raise CliError(f"the report's path {output!r} is empty; give a file name such as report.html")
+    if Path(output).is_dir():
+        raise CliError(f"cannot write the report to {output!r}: it is a directory; give a file name such as r.html")
+
+
+def write_report_or_fail(subject: Any, output: str, **options: Any) -> Path:
+    """Write the page; a path that cannot be written (a directory, /proc, a full disk) is one line naming it."""
+    from shardscope.report import write_report
+
+    check_report_path(output)
+    try:
+        return write_report(subject, output, **options)
+    except OSError as error:
+        where = error.filename if error.filename is not None else output
+        raise CliError(f"cannot write the report to {str(where)!r}: {error.strerror or error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the page and say where it is."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise CliError("the report needs matplotlib: pip install 'shardscope[report]'") from None
-    from shardscope.report import write_report
-
+    check_report_path(args.output)
+    if args.price_per_gpu_hour is not None and not args.global_batch_tokens:
+        raise CliError(
+            f"--price-per-gpu-hour {args.price_per_gpu_hour} ranks plans by cost; give --global-batch-tokens to plan"
+        )
     if args.global_batch_tokens:
         if args.params:
             raise CliError("--params gives only a parameter count; planning needs the model's shape")
         gpu = gpu_from_args(args)
         price = args.price_per_gpu_hour
+        model = model_from_args(args)
+        training = step_from_args(args)
+        check_sequence_length(model, training.sequence_length, "report")
         request = PlanRequest(
-            model=model_from_args(args),
+            model=model,
             gpu=gpu,
-            sequence_length=args.seq_len,
+            training=training,
+            strategy=Strategy(name="ddp", engine=args.engine),
             global_batch_tokens=parse_count(args.global_batch_tokens),
             gpus_per_node=args.gpus_per_node,
             max_gpus=args.gpus,
-            precision=args.precision,
-            optimizer=args.optimizer,
-            attention=args.attention,
-            engine=args.engine,
-            overheads=Overheads(
-                context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom
-            ),
+            overheads=overheads_from_args(args),
             rank_by="cost" if price is not None else "step-time",
             price_per_gpu_hour=price,
             hardware=hardware_from_args(args, gpu),
@@ -86,10 +111,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         subject = scenarios_from_args(args)
         hardware = hardware_from_args(args, subject[0].cluster.gpu) if subject[0].model.has_shape else None
-    try:
-        path = write_report(subject, args.output, png_dir=args.png, hardware=hardware)
-    except OSError as error:
-        raise CliError(f"cannot write the report: {error.strerror}: {error.filename}") from None
+    path = write_report_or_fail(subject, args.output, png_dir=args.png, hardware=hardware)
     print(f"shardscope report: wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
     if args.png:
         print(f"shardscope report: charts as PNG in {args.png}")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from shardscope.choices import StrategyName, parse_choice
 from shardscope.cli.errors import CliError
@@ -28,6 +30,9 @@ from shardscope.specs import (
     TrainingSpec,
 )
 from shardscope.units import parse_bytes, parse_count
+
+DEFAULT_SEQUENCE_LENGTH = TrainingSpec().sequence_length
+"""--seq-len when not given, the same for every command (the TrainingSpec default)."""
 
 
 def positive_int(text: str) -> int:
@@ -57,15 +62,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) 
     )
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
-    """--gpus, --gpus-per-node, --backend, --gpu | --gpu-memory."""
-    parser.add_argument("--gpus", type=positive_int, default=default_gpus, help="world size (default %(default)s)")
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """--gpus-per-node, --gpu | --gpu-memory: the GPU type, shared by the commands with and without a world size."""
     parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default %(default)s)")
-    parser.add_argument(
-        "--backend",
-        default="nccl",
-        help="collectives library: nccl, or gloo for CPU processes (gloo's reduce-scatter clones its input)",
-    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--gpu",
@@ -76,19 +75,64 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8
     group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB or 80GB")
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """Precision, optimizer, batch shape, checkpointing and attention."""
+def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
+    """--gpus, --backend and the GPU type."""
+    parser.add_argument("--gpus", type=positive_int, default=default_gpus, help="world size (default %(default)s)")
+    parser.add_argument(
+        "--backend",
+        default="nccl",
+        help="collectives library: nccl, or gloo for CPU processes (gloo's reduce-scatter clones its input)",
+    )
+    add_gpu_arguments(parser)
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """Precision, optimizer, sequence length and attention: fixed in `plan`, shared by every scenario command."""
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed", help="default %(default)s")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default %(default)s")
-    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank (default 1)")
-    parser.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per sequence (default 2048)")
-    parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
-    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="default %(default)s")
+    parser.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=DEFAULT_SEQUENCE_LENGTH,
+        help="tokens per sequence (default %(default)s)",
+    )
     parser.add_argument(
         "--attention",
         choices=ATTENTION,
         default="sdpa",
         help="eager materialises the score matrix; sdpa is the fused flash kernel (default sdpa)",
+    )
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step's settings and the batch shape and checkpointing that `plan` searches instead."""
+    add_step_arguments(parser)
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank (default 1)")
+    parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="default %(default)s")
+
+
+def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
+    """--engine and the overhead assumptions: whose rules apply, shared by every scenario command and `plan`."""
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="pytorch",
+        help="whose memory rules: paper (ZeRO paper), pytorch (DDP/ZeroRedundancyOptimizer/FSDP2), "
+        "deepspeed (default pytorch)",
+    )
+    parser.add_argument(
+        "--context-memory",
+        metavar="SIZE",
+        default="512MiB",
+        help="assumed framework context per GPU (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allocator-headroom",
+        type=float,
+        default=0.05,
+        metavar="FRACTION",
+        help="assumed allocator headroom as a fraction of the tensor peak (default %(default)s)",
     )
 
 
@@ -105,39 +149,41 @@ def add_strategy_arguments(parser: argparse.ArgumentParser, many: bool = True) -
     else:
         parser.add_argument("--strategy", default="zero3", help="ddp, zero1, zero2, zero3, fsdp or hsdp")
     parser.add_argument("--shard-group", type=positive_int, help="hsdp: ranks per shard group")
-    parser.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="pytorch",
-        help="whose memory rules: paper (ZeRO paper), pytorch (DDP/ZeroRedundancyOptimizer/FSDP2), "
-        "deepspeed (default pytorch)",
-    )
     parser.add_argument("--offload", choices=OFFLOADS, default="none", help="default %(default)s")
-    parser.add_argument(
-        "--context-memory",
-        metavar="SIZE",
-        default="512MiB",
-        help="assumed framework context per GPU (default %(default)s)",
-    )
-    parser.add_argument(
-        "--allocator-headroom",
-        type=float,
-        default=0.05,
-        metavar="FRACTION",
-        help="assumed allocator headroom as a fraction of the tensor peak (default %(default)s)",
-    )
+    add_rules_arguments(parser)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The ModelSpec named by --model, --config or --params."""
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) is not None:
+        if not args.config:
+            raise CliError("--config '' is empty; give the path of a Hugging Face config.json")
         return read_hf_config(args.config)
-    if getattr(args, "params", None):
+    if getattr(args, "params", None) is not None:
+        if not args.params.strip():
+            raise CliError(f"--params {args.params!r} is empty; give a parameter count such as 7.5B or 70e9")
         count = parse_count(args.params)
         if not 1 <= count <= MAX_PARAMETERS:
             raise CliError(f"--params {args.params} is outside 1 to {MAX_PARAMETERS:.0e} parameters")
         return ModelSpec(name=f"{args.params} parameters", family="count", declared_parameters=count, source="--params")
     return model_preset(args.model)
+
+
+def check_sequence_length(model: ModelSpec, sequence_length: int, command: str) -> None:
+    """--seq-len against the model's positions: an error where they are learned (gpt2 has no position past its
+    table), a warning on stderr where rotary positions extend past the context the model was trained at."""
+    if not model.max_positions or sequence_length <= model.max_positions:
+        return
+    if model.family == "gpt2":
+        raise CliError(
+            f"--seq-len {sequence_length} is more than {model.name}'s {model.max_positions} learned positions "
+            f"(max_positions); give --seq-len {model.max_positions} or less"
+        )
+    print(
+        f"shardscope {command}: warning: --seq-len {sequence_length} is more than {model.name}'s max_positions "
+        f"{model.max_positions}; rotary positions extend, but the model was not trained at this length",
+        file=sys.stderr,
+    )
 
 
 def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
@@ -161,26 +207,43 @@ def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[Strat
     return [parse_choice("Strategy.name", word, STRATEGIES) for word in words]
 
 
+def step_from_args(args: argparse.Namespace) -> TrainingSpec:
+    """The step settings `plan` keeps fixed (sequence length, precision, optimizer, attention), the rest at their
+    defaults."""
+    return TrainingSpec(
+        sequence_length=args.seq_len, precision=args.precision, optimizer=args.optimizer, attention=args.attention
+    )
+
+
+def training_from_args(args: argparse.Namespace) -> TrainingSpec:
+    """The whole step: the shared settings, the batch shape and checkpointing."""
+    return replace(
+        step_from_args(args),
+        micro_batch_size=args.micro_batch,
+        grad_accum_steps=args.grad_accum,
+        checkpointing=args.checkpointing,
+    )
+
+
+def overheads_from_args(args: argparse.Namespace) -> Overheads:
+    """--context-memory and --allocator-headroom."""
+    return Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom)
+
+
 def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] | None = None) -> list[Scenario]:
     """One Scenario per strategy named on the command line."""
     model = model_from_args(args)
     cluster = ClusterSpec(
         gpu=gpu_from_args(args), world_size=args.gpus, gpus_per_node=args.gpus_per_node, backend=args.backend
     )
-    training = TrainingSpec(
-        micro_batch_size=args.micro_batch,
-        sequence_length=args.seq_len,
-        grad_accum_steps=args.grad_accum,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        checkpointing=args.checkpointing,
-        attention=args.attention,
-    )
-    overheads = Overheads(context_bytes=parse_bytes(args.context_memory), allocator_headroom=args.allocator_headroom)
+    training = training_from_args(args)
+    check_sequence_length(model, training.sequence_length, args.command)
+    overheads = overheads_from_args(args)
     scenarios = []
     group = args.shard_group or cluster.ranks_per_node
     compared = Strategy(name="zero3", engine=args.engine, offload=args.offload)
-    for name in names or strategy_names(args, cluster):
+    for word in names or strategy_names(args, cluster):
+        name = parse_choice("Strategy.name", word, STRATEGIES)
         if args.strategy == "all":  # a comparison: parameters are only offloaded where they are sharded
             strategy = compared.sibling(name, group)
         else:
@@ -190,5 +253,9 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
             )
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
+        )
+    if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):
+        raise CliError(
+            f"--shard-group {args.shard_group} is used only by hsdp, and --strategy {args.strategy} does not include it"
         )
     return scenarios

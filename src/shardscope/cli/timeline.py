@@ -37,8 +37,8 @@ from shardscope.units import format_bytes, parse_bytes
 
 EXAMPLES = """examples:
   shardscope timeline --model llama-3-8b --gpus 16 --strategy zero3 --trace step.json
-  shardscope timeline --model gpt2-xl --gpus 64 --strategy ddp --inter-node ethernet-100g
-  shardscope timeline --model tiny-gpt2 --gpus 2 --gpus-per-node 2 --strategy ddp --hardware profile.toml
+  shardscope timeline --model gpt2-xl --seq-len 1024 --gpus 64 --strategy ddp --inter-node ethernet-100g
+  shardscope timeline --model tiny-gpt2 --seq-len 64 --gpus 2 --gpus-per-node 2 --strategy ddp --hardware profile.toml
 """
 
 

@@ -41,8 +41,17 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help=f"print JSON ({VALIDATE_SCHEMA})")
 
 
-def _keep(values: str | None) -> set[str] | None:
-    return None if not values else {value.strip() for value in values.split(",") if value.strip()}
+def _keep(values: str | None, option: str, allowed: list[str]) -> set[str] | None:
+    """A filter's values; an empty list or a value no case has is an error naming it and the allowed ones."""
+    if values is None:
+        return None
+    words = {value.strip() for value in values.split(",") if value.strip()}
+    if not words:
+        raise CliError(f"{option} {values!r} is empty; give a comma list of {', '.join(allowed)}")
+    unknown = sorted(words - set(allowed))
+    if unknown:
+        raise CliError(f"{option} {', '.join(map(repr, unknown))} is not in the matrix; allowed: {', '.join(allowed)}")
+    return words
 
 
 def _require_gpus(world_size: int) -> None:
@@ -64,11 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from shardscope.validate.cases import full_matrix, quick_matrix
 
     cases = quick_matrix(args.device) if args.quick else full_matrix(args.device)
+    options = {"model": "--models", "strategy": "--strategies", "engine": "--engines", "world_size": "--world-sizes"}
     filters = {
-        "model": _keep(args.models),
-        "strategy": _keep(args.strategies),
-        "engine": _keep(args.engines),
-        "world_size": _keep(args.world_sizes),
+        name: _keep(
+            getattr(args, option[2:].replace("-", "_")),
+            option,
+            list(dict.fromkeys(str(getattr(case, name)) for case in cases)),
+        )
+        for name, option in options.items()
     }
     cases = tuple(
         case

@@ -5,21 +5,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardscope.choices import Attention, Checkpointing, EngineName, Offload, OptimizerName, Precision, StrategyName
+from shardscope.choices import Checkpointing, Offload, StrategyName
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import (
-    ATTENTION,
     CHECKPOINTING,
-    ENGINES,
-    MAX_SEQUENCE_LENGTH,
     MAX_WORLD_SIZE,
     OFFLOADS,
-    OPTIMIZERS,
-    PRECISIONS,
     GpuSpec,
     ModelSpec,
     Overheads,
     SpecError,
+    Strategy,
+    TrainingSpec,
 )
 
 FAMILIES: tuple[StrategyName, ...] = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -45,8 +42,12 @@ class PlanRequest:
     """The model to train; it needs a shape (activations and the time model need one)."""
     gpu: GpuSpec
     """The accelerator every rank runs on."""
-    sequence_length: int
-    """Tokens per sequence."""
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    """The step's fixed settings (sequence length, precision, optimizer, attention); its micro-batch, accumulation
+    and checkpointing are what the search varies, so the template's are not read."""
+    strategy: Strategy = field(default_factory=lambda: Strategy(name="ddp"))
+    """The strategy's fixed settings (engine, buckets); its name, shard group and offload are searched, so the
+    template's are not read."""
     global_batch_tokens: int | None = None
     """Tokens per optimizer step across the job; None: one micro-batch per rank, no accumulation (--min-gpus)."""
     batch_tolerance: float = 0.05
@@ -67,14 +68,6 @@ class PlanRequest:
     """Checkpointing settings to search."""
     max_micro_batch: int = 32
     """The largest micro-batch (sequences per rank per forward) to try."""
-    precision: Precision = "bf16-mixed"
-    """Training precision, as in TrainingSpec."""
-    optimizer: OptimizerName = "adamw"
-    """Optimizer, as in TrainingSpec."""
-    attention: Attention = "sdpa"
-    """Attention kernel, as in TrainingSpec."""
-    engine: EngineName = "pytorch"
-    """Whose memory rules apply, as in Strategy."""
     overheads: Overheads = field(default_factory=Overheads)
     """Framework context and allocator headroom assumptions."""
     rank_by: str = "step-time"
@@ -93,7 +86,6 @@ class PlanRequest:
         if not self.model.has_shape:
             raise SpecError(f"{owner}.model {self.model.name!r} has only a parameter count; planning needs its shape")
         for name, value, high in (
-            ("sequence_length", self.sequence_length, MAX_SEQUENCE_LENGTH),
             ("gpus_per_node", self.gpus_per_node, 1024),
             ("max_gpus", self.max_gpus, MAX_WORLD_SIZE),
             ("max_micro_batch", self.max_micro_batch, 4096),
@@ -115,15 +107,7 @@ class PlanRequest:
         _require_subset("families", self.families, FAMILIES)
         _require_subset("offloads", self.offloads, OFFLOADS)
         _require_subset("checkpointing", self.checkpointing, CHECKPOINTING)
-        choices: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-            ("precision", self.precision, PRECISIONS),
-            ("optimizer", self.optimizer, OPTIMIZERS),
-            ("attention", self.attention, ATTENTION),
-            ("engine", self.engine, ENGINES),
-            ("rank_by", self.rank_by, RANKINGS),
-        )
-        for choice, text, allowed in choices:
-            _require_subset(choice, (text,), allowed)
+        _require_subset("rank_by", (self.rank_by,), RANKINGS)
         price = self.price_per_gpu_hour
         if price is not None and not (price > 0 and math.isfinite(price)):
             raise SpecError(f"{owner}.price_per_gpu_hour={price} must be a positive number")
@@ -131,6 +115,11 @@ class PlanRequest:
             raise SpecError(f"{owner}.rank_by='cost' needs price_per_gpu_hour (no prices are built in)")
         if self.global_batch_tokens is None and not self.min_gpus:
             raise SpecError(f"{owner}.global_batch_tokens is needed to rank plans (only --min-gpus works without)")
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per sequence, the training template's."""
+        return self.training.sequence_length
 
     @property
     def budget_bytes(self) -> int:

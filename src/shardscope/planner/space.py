@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardscope.choices import Checkpointing, Offload, StrategyName
 from shardscope.mesh import DATA_PARALLEL_PRESETS
 from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
-from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.specs import ClusterSpec, Scenario
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,16 +123,10 @@ def make_scenario(
     return Scenario(
         model=request.model,
         cluster=ClusterSpec(gpu=request.gpu, world_size=gpus, gpus_per_node=request.gpus_per_node),
-        training=TrainingSpec(
-            micro_batch_size=micro_batch,
-            sequence_length=request.sequence_length,
-            grad_accum_steps=grad_accum,
-            precision=request.precision,
-            optimizer=request.optimizer,
-            checkpointing=checkpointing,
-            attention=request.attention,
+        training=replace(
+            request.training, micro_batch_size=micro_batch, grad_accum_steps=grad_accum, checkpointing=checkpointing
         ),
-        strategy=Strategy(name=variant.family, engine=request.engine, shard_group=variant.shard_group, offload=offload),
+        strategy=replace(request.strategy, name=variant.family, shard_group=variant.shard_group, offload=offload),
         overheads=request.overheads,
     )
 

@@ -32,6 +32,21 @@ def _int_field(config: dict[str, Any], path: Path, *names: str, default: int | N
     return value
 
 
+def _head_dim(config: dict[str, Any], path: Path, hidden: int, heads: int, hidden_name: str, heads_name: str) -> int:
+    """head_dim as stated, else hidden / heads, which must then divide exactly. A stated head_dim may differ from
+    hidden / heads (Mistral NeMo: 5120 / 32 heads with head_dim 128), so only the derived one is checked."""
+    if heads < 1:
+        raise ConfigError(f"{path}: field {heads_name!r} is {heads}, not a positive number of heads")
+    if config.get("head_dim") is not None:
+        return _int_field(config, path, "head_dim")
+    if hidden % heads:
+        raise ConfigError(
+            f"{path}: {hidden_name} {hidden} is not divisible by {heads_name} {heads} "
+            f"(head_dim would be {hidden / heads:g}); give head_dim or fix the sizes"
+        )
+    return hidden // heads
+
+
 def read_hf_config(path: str | Path) -> ModelSpec:
     """Parse a config.json of model type gpt2, llama, mistral, mixtral or qwen2; other fields are ignored."""
     path = Path(path)
@@ -43,6 +58,8 @@ def read_hf_config(path: str | Path) -> ModelSpec:
         raise ConfigError(f"config file {path} cannot be read: {error}") from None
     except json.JSONDecodeError as error:
         raise ConfigError(f"config file {path} is not valid JSON ({error.msg} at line {error.lineno})") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ConfigError(f"config file {path} is nested too deeply to be a model config") from None
     if not isinstance(config, dict):
         raise ConfigError(f"config file {path} holds a {type(config).__name__}, not a JSON object")
     model_type = config.get("model_type")
@@ -61,7 +78,7 @@ def read_hf_config(path: str | Path) -> ModelSpec:
             num_layers=_int_field(config, path, "n_layer"),
             num_heads=heads,
             num_kv_heads=heads,
-            head_dim=hidden // heads if heads else 0,
+            head_dim=_head_dim({}, path, hidden, heads, "n_embd", "n_head"),
             ffn_hidden_size=_int_field(config, path, "n_inner", default=4 * hidden),
             vocab_size=_int_field(config, path, "vocab_size"),
             max_positions=_int_field(config, path, "n_positions", "max_position_embeddings"),
@@ -78,10 +95,10 @@ def read_hf_config(path: str | Path) -> ModelSpec:
         num_layers=_int_field(config, path, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=_int_field(config, path, "num_key_value_heads", default=heads),
-        head_dim=_int_field(config, path, "head_dim", default=hidden // heads if heads else 1),
+        head_dim=_head_dim(config, path, hidden, heads, "hidden_size", "num_attention_heads"),
         ffn_hidden_size=_int_field(config, path, "intermediate_size"),
         vocab_size=_int_field(config, path, "vocab_size"),
-        max_positions=_int_field(config, path, "max_position_embeddings", default=1),
+        max_positions=_int_field(config, path, "max_position_embeddings", default=0),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         num_experts=_int_field(config, path, "num_local_experts") if is_moe else 0,

@@ -132,6 +132,8 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
         data = _table(tomllib.loads(text), TOP_KEYS, origin)
     except tomllib.TOMLDecodeError as error:
         raise HardwareError(f"{origin} is not valid TOML: {error}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise HardwareError(f"{origin} is nested too deeply to be a hardware profile") from None
     if data.get("schema") != PROFILE_SCHEMA:
         raise HardwareError(f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r}")
     compute = _table(data.get("compute", {}), COMPUTE_KEYS, f"{origin}: [compute]")

@@ -1,0 +1,107 @@
+"""README.md's example outputs, regenerated from the commands they show.
+
+An example is a ``` block whose paragraph just above starts with a command in backticks, `shardscope ...`; the
+block is that command's standard output. Run: .venv/bin/python benchmarks/readme_examples.py [--check] [--only CMD]
+rewrites every example in place (each command runs in a fresh process, torch-using ones included), or with --check
+prints which ones differ and exits 1. tests/cli/test_readme_examples.py holds the torch-free ones equal to what the
+commands print now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+FENCE = "```"
+# The one field of a human output that is a wall-clock reading: plan's "searched ... in 0.19 s".
+ELAPSED = re.compile(r"(?<=, in )\d+\.\d+(?= s; ranked by)")
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One example: the command, and where its output block's lines are in the README (start inclusive, end not)."""
+
+    command: str
+    """The command line as shown, starting with `shardscope`."""
+    start: int
+    """Index of the block's first output line (the line after the opening fence)."""
+    end: int
+    """Index of the closing fence."""
+
+    @property
+    def argv(self) -> list[str]:
+        """The arguments after `shardscope`."""
+        return shlex.split(self.command)[1:]
+
+
+def find_examples(lines: list[str]) -> list[Example]:
+    """Every ``` block (without a language) whose preceding paragraph starts with `shardscope ...` in backticks."""
+    examples = []
+    index = 0
+    while index < len(lines):
+        if not lines[index].startswith(FENCE):  # an opening fence may name a language (```python)
+            index += 1
+            continue
+        end = next(i for i in range(index + 1, len(lines)) if lines[i].strip() == FENCE)
+        above = index - 1
+        while above >= 0 and not lines[above].strip():
+            above -= 1
+        while above > 0 and lines[above - 1].strip():
+            above -= 1  # to the first line of the paragraph
+        match = re.match(r"`(shardscope [^`]+)`", lines[above]) if above >= 0 else None
+        if match and lines[index].strip() == FENCE:
+            examples.append(Example(command=match.group(1), start=index + 1, end=end))
+        index = end + 1
+    return examples
+
+
+def printed(example: Example) -> str:
+    """What the command prints on standard output now, in a fresh process."""
+    result = subprocess.run(
+        [sys.executable, "-m", "shardscope", *example.argv], capture_output=True, text=True, check=False, timeout=600
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{example.command} exited {result.returncode}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def block(lines: list[str], example: Example) -> str:
+    """The README's output block of an example, as the command would print it."""
+    return "".join(line + "\n" for line in lines[example.start : example.end])
+
+
+def without_elapsed(text: str) -> str:
+    """The output with its wall-clock reading masked, for comparing two runs."""
+    return ELAPSED.sub("N", text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only say which examples differ; exit 1 if any")
+    parser.add_argument("--only", metavar="COMMAND", help="only the examples of this subcommand, e.g. estimate")
+    args = parser.parse_args()
+    lines = README.read_text(encoding="utf-8").splitlines()
+    changed = 0
+    for example in reversed(find_examples(lines)):  # from the end, so earlier indices stay valid
+        if args.only and example.argv[0] != args.only:
+            continue
+        now = printed(example)
+        if without_elapsed(now) == without_elapsed(block(lines, example)):
+            continue
+        changed += 1
+        print(f"{'differs' if args.check else 'updated'}: {example.command}")
+        lines[example.start : example.end] = now.rstrip("\n").split("\n")
+    if not args.check:
+        README.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"{changed} example(s) {'differ' if args.check else 'rewritten'}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""The catalogue of bad inputs: each row is a command line that must be refused with exit 2 and one line naming
+the offending value, before any work (and, for run and calibrate, before any process) starts.
+
+`{name}` in an argument is replaced by the path of the bad file `name` (see FILES) in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+from shardscope.presets import gpu_preset
+from shardscope.presets.hardware import default_profile
+from shardscope.presets.profile_toml import profile_to_toml
+
+DEEP = "[" * 100_000 + "]" * 100_000
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 250,
+    "num_attention_heads": 8,
+    "num_hidden_layers": 2,
+    "intermediate_size": 512,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+}
+GPT2 = {"model_type": "gpt2", "n_embd": 250, "n_head": 8, "n_layer": 2, "vocab_size": 1000, "n_positions": 1024}
+FILES = {
+    "deep.json": DEEP,
+    "head_dim.json": json.dumps(LLAMA),
+    "gpt2_head_dim.json": json.dumps(GPT2),
+    "zero_heads.json": json.dumps({**LLAMA, "num_attention_heads": 0}),
+    "not_json.json": "{model_type: llama",
+    "list.json": "[1, 2]",
+    "bert.json": json.dumps({"model_type": "bert"}),
+    "layers_text.json": json.dumps({**LLAMA, "hidden_size": 256, "num_hidden_layers": "two"}),
+    "missing_vocab.json": json.dumps(
+        {key: value for key, value in LLAMA.items() if key != "vocab_size"} | {"hidden_size": 256}
+    ),
+    "profile.toml": 'name = "x"\nefficency = 0.3\n',
+    "overlap.toml": profile_to_toml(default_profile(gpu_preset("h100-80gb"))).replace(
+        "overlap = true", 'overlap = "false"'
+    ),
+    "deep.toml": "a = " + "[" * 100_000 + "]" * 100_000 + "\n",
+}
+EST = ["estimate", "--model", "llama-3-8b"]
+PLAN = ["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M"]
+TL = ["timeline", "--model", "llama-3-8b", "--strategy", "zero3"]
+REP = ["report", "--model", "llama-3-8b"]
+
+# (command line, the text the one line must contain: the offending value)
+CASES: list[tuple[list[str], str]] = [
+    # estimate
+    (["estimate", "--model", "llama-9"], "'llama-9'"),
+    (["estimate", "--model", ""], "''"),
+    (["estimate", "--params", ""], "--params ''"),
+    (["estimate", "--params", "lots"], "'lots'"),
+    (["estimate", "--params=-7B"], "'-7B' must be positive"),
+    (["estimate", "--params", "7Q"], "'7Q'"),
+    (["estimate", "--params", "1e20"], "1e20"),
+    (["estimate", "--params", "inf"], "'inf'"),
+    (["estimate", "--config", "{deep.json}"], "deep.json is nested too deeply"),
+    (["estimate", "--config", "{head_dim.json}"], "hidden_size 250 is not divisible by num_attention_heads 8"),
+    (["estimate", "--config", "{gpt2_head_dim.json}", "--seq-len", "1024"], "n_embd 250 is not divisible by n_head 8"),
+    (["estimate", "--config", "{zero_heads.json}"], "'num_attention_heads' is 0"),
+    (["estimate", "--config", "{not_json.json}"], "not_json.json is not valid JSON"),
+    (["estimate", "--config", "{list.json}"], "list.json holds a list"),
+    (["estimate", "--config", "{bert.json}"], "'bert'"),
+    (["estimate", "--config", "{layers_text.json}"], "'two'"),
+    (["estimate", "--config", "{missing_vocab.json}"], "'vocab_size'"),
+    (["estimate", "--config", "/nonexistent/config.json"], "/nonexistent/config.json"),
+    (["estimate", "--config", ""], "--config ''"),
+    ([*EST, "--gpus", "0"], "'0'"),
+    ([*EST, "--gpus", "2.5"], "'2.5'"),
+    ([*EST, "--gpus", "12"], "world_size=12"),
+    ([*EST, "--gpus-per-node", "-8"], "'-8'"),
+    ([*EST, "--gpu", "h1000"], "'h1000'"),
+    ([*EST, "--gpu-memory=-80GiB"], "'-80GiB' must be positive"),
+    ([*EST, "--gpu-memory", "80 potatoes"], "'80 potatoes'"),
+    ([*EST, "--gpu-memory", "0GiB"], "--gpu-memory 0GiB"),
+    ([*EST, "--context-memory=-1GiB"], "'-1GiB' must be positive"),
+    ([*EST, "--allocator-headroom", "3"], "allocator_headroom=3.0"),
+    ([*EST, "--allocator-headroom", "nan"], "nan"),
+    ([*EST, "--strategy", "zero4"], "'zero4'"),
+    ([*EST, "--strategy", ","], "--strategy is empty"),
+    ([*EST, "--strategy", "zero3", "--shard-group", "4"], "--shard-group 4"),
+    ([*EST, "--strategy", "hsdp", "--shard-group", "3"], "dp_shard 3"),
+    ([*EST, "--engine", "megatron"], "'megatron'"),
+    ([*EST, "--offload", "disk"], "'disk'"),
+    ([*EST, "--strategy", "ddp", "--offload", "optimizer+params"], "'optimizer+params'"),
+    ([*EST, "--precision", "fp8"], "'fp8'"),
+    ([*EST, "--seq-len", "0"], "'0'"),
+    ([*EST, "--seq-len", "1e9"], "'1e9'"),
+    ([*EST, "--micro-batch", "-1"], "'-1'"),
+    ([*EST, "--grad-accum", "x"], "'x'"),
+    ([*EST, "--backend", "mpi"], "'mpi'"),
+    (["estimate", "--model", "gpt2", "--seq-len", "2048"], "--seq-len 2048"),
+    ([*EST, "--units", "KB"], "'KB'"),
+    ([*EST, "--time", "--hardware", "/nonexistent/profile.toml"], "/nonexistent/profile.toml"),
+    ([*EST, "--time", "--hardware", "{profile.toml}"], "'efficency'"),
+    ([*EST, "--time", "--hardware", "{deep.toml}"], "deep.toml"),
+    ([*EST, "--time", "--hardware", "{overlap.toml}"], "overlap = 'false'"),
+    ([*TL, "--hardware", "{overlap.toml}"], "overlap = 'false'"),
+    ([*EST, "--time", "--efficiency", "1.5"], "--efficiency 1.5"),
+    ([*EST, "--time", "--intra-node", "carrier-pigeon"], "'carrier-pigeon'"),
+    ([*EST, "--time", "--inter-node-bandwidth", "0GB"], "--inter-node-bandwidth 0GB"),
+    ([*EST, "--time", "--algorithm", "magic"], "'magic'"),
+    # plan
+    (["plan", "--model", "llama-3-8b"], "--global-batch-tokens"),
+    ([*PLAN, "--strategy", "zero4"], "'zero4'"),
+    ([*PLAN, "--offload", "disk"], "'disk'"),
+    ([*PLAN, "--checkpointing", "sometimes"], "'sometimes'"),
+    ([*PLAN, "--headroom", "1.5"], "headroom=1.5"),
+    ([*PLAN, "--batch-tolerance", "-0.1"], "batch_tolerance=-0.1"),
+    ([*PLAN, "--price-per-gpu-hour", "-2"], "price_per_gpu_hour=-2.0"),
+    ([*PLAN, "--price-per-gpu-hour", "nan"], "nan"),
+    ([*PLAN, "--rank-by", "cost"], "--price-per-gpu-hour"),
+    ([*PLAN, "--host-memory=-1TiB"], "'-1TiB' must be positive"),
+    ([*PLAN, "--max-gpus", "0"], "'0'"),
+    ([*PLAN, "--top", "5000"], "top=5000"),
+    (["plan", "--model", "gpt2", "--seq-len", "4096", "--global-batch-tokens", "4M"], "--seq-len 4096"),
+    (["plan", "--params", "7B", "--global-batch-tokens", "4M"], "--params"),
+    (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "100"], "global_batch_tokens=100"),
+    (["plan", "--config", "{deep.json}", "--global-batch-tokens", "4M"], "deep.json is nested too deeply"),
+    # timeline
+    ([*TL[:3], "--strategy", "zero4"], "'zero4'"),
+    ([*TL[:3], "--strategy", "all"], "'all'"),
+    ([*TL, "--shard-group", "4"], "--shard-group 4"),
+    ([*TL, "--trace", "/nonexistent/dir/step.json"], "/nonexistent/dir/step.json"),
+    (["timeline", "--config", "{deep.json}"], "deep.json is nested too deeply"),
+    ([*TL, "--params", "7B"], "--params"),
+    # report
+    ([*REP, "--price-per-gpu-hour", "2.5"], "--price-per-gpu-hour 2.5"),
+    ([*REP, "-o", "/dev/full"], "/dev/full"),
+    ([*REP, "-o", "{dir}"], "is a directory"),
+    ([*REP, "-o", ""], "''"),
+    (["report", "--config", "{deep.json}"], "deep.json is nested too deeply"),
+    ([*REP, "--global-batch-tokens", "4M", "--params", "7B"], "--params"),
+    # demo
+    (["demo", "--no-run", "--report", "/proc/r.html"], "/proc/r.html"),
+    (["demo", "--no-run", "--report", "{dir}"], "is a directory"),
+    # trace (refused before the replay's subprocess starts)
+    (["trace", "--model", "llama-3-8b", "--engine", "paper"], "--engine paper"),
+    (["trace", "--model", "llama-3-8b", "--offload", "optimizer"], "--offload optimizer"),
+    (["trace", "--model", "llama-3-8b", "--time-limit", "-1"], "--time-limit -1"),
+    (["trace", "--model", "llama-3-8b", "--traced-blocks", "3"], "--traced-blocks 3"),
+    (["trace", "--params", "7B"], "--params"),
+    (["trace", "--config", "{deep.json}"], "deep.json is nested too deeply"),
+    (["trace", "--model", "tiny-gpt2", "--seq-len", "65"], "--seq-len 65"),
+    # validate (refused before any case runs)
+    (["validate", "--models", ""], "--models ''"),
+    (["validate", "--models", "nope"], "'nope'"),
+    (["validate", "--strategies", "zero4"], "'zero4'"),
+    (["validate", "--engines", ","], "--engines ','"),
+    (["validate", "--world-sizes", "3"], "'3'"),
+    (["validate", "--hardware", "/nonexistent/profile.toml"], "/nonexistent/profile.toml"),
+    # run (refused before any process starts)
+    (["run", "--world-size", "0"], "--world-size 0"),
+    (["run", "--world-size", "1000"], "--world-size 1000"),
+    (["run", "--model", "llama-9"], "'llama-9'"),
+    (["run", "--strategy", "zero4"], "'zero4'"),
+    (["run", "--engine", "megatron"], "'megatron'"),
+    (["run", "--dtype", "float16"], "'float16'"),
+    (["run", "--dtype", "float64", "--precision", "fp32"], "--dtype float64 and --precision fp32"),
+    (["run", "--steps", "0"], "steps=0"),
+    (["run", "--timeout", "nan"], "nan"),
+    (["run", "--timeout", "inf"], "inf"),
+    (["run", "--timeout", "-1"], "-1"),
+    (["run", "--model", "tiny-gpt2", "--seq-len", "65"], "65"),
+    # calibrate (refused before any process starts)
+    (["calibrate", "--world-size", "1"], "--world-size 1"),
+    (["calibrate", "--world-size", "1000"], "1000"),
+    (["calibrate", "--timeout", "-1"], "-1"),
+    (["calibrate", "--timeout", "nan"], "nan"),
+    (["calibrate", "--repeats", "0"], "'0'"),
+]
