@@ -15,7 +15,6 @@ from shardscope.cli.scenario_args import (
     add_model_arguments,
     add_rules_arguments,
     add_step_arguments,
-    check_sequence_length,
     gpu_from_args,
     model_from_args,
     overheads_from_args,
@@ -110,8 +109,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     if args.global_batch_tokens is None and not args.min_gpus:
         raise CliError("--global-batch-tokens is needed to rank plans (e.g. 4M); only --min-gpus works without it")
     model = model_from_args(args)
-    training = step_from_args(args)
-    check_sequence_length(model, training.sequence_length, "plan")
+    training = step_from_args(args, model)
     return PlanRequest(
         model=model,
         gpu=gpu,

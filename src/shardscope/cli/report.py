@@ -12,7 +12,6 @@ from shardscope.cli.scenario_args import (
     add_model_arguments,
     add_strategy_arguments,
     add_training_arguments,
-    check_sequence_length,
     gpu_from_args,
     model_from_args,
     overheads_from_args,
@@ -88,8 +87,7 @@ def run(args: argparse.Namespace) -> int:
         gpu = gpu_from_args(args)
         price = args.price_per_gpu_hour
         model = model_from_args(args)
-        training = step_from_args(args)
-        check_sequence_length(model, training.sequence_length, "report")
+        training = step_from_args(args, model)
         request = PlanRequest(
             model=model,
             gpu=gpu,

@@ -32,7 +32,8 @@ from shardscope.specs import (
 from shardscope.units import parse_bytes, parse_count
 
 DEFAULT_SEQUENCE_LENGTH = TrainingSpec().sequence_length
-"""--seq-len when not given, the same for every command (the TrainingSpec default)."""
+"""--seq-len when not given, the same for every command (the TrainingSpec default), or a model's learned positions
+when it has fewer (gpt2: 1024)."""
 
 
 def positive_int(text: str) -> int:
@@ -93,8 +94,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq-len",
         type=positive_int,
-        default=DEFAULT_SEQUENCE_LENGTH,
-        help="tokens per sequence (default %(default)s)",
+        default=None,
+        help=f"tokens per sequence (default {DEFAULT_SEQUENCE_LENGTH}, or the model's learned positions when fewer)",
     )
     parser.add_argument(
         "--attention",
@@ -169,11 +170,16 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return model_preset(args.model)
 
 
-def check_sequence_length(model: ModelSpec, sequence_length: int, command: str) -> None:
-    """--seq-len against the model's positions: an error where they are learned (gpt2 has no position past its
-    table), a warning on stderr where rotary positions extend past the context the model was trained at."""
+def sequence_length_from_args(args: argparse.Namespace, model: ModelSpec, command: str) -> int:
+    """--seq-len, checked against the model's positions: an error where they are learned (gpt2 has no position past
+    its table), a warning on stderr where rotary positions extend past the context the model was trained at. Not
+    given: DEFAULT_SEQUENCE_LENGTH, or the learned positions when fewer."""
+    learned = model.max_positions if model.family == "gpt2" else 0
+    if args.seq_len is None:
+        return min(DEFAULT_SEQUENCE_LENGTH, learned) if learned else DEFAULT_SEQUENCE_LENGTH
+    sequence_length: int = args.seq_len
     if not model.max_positions or sequence_length <= model.max_positions:
-        return
+        return sequence_length
     if model.family == "gpt2":
         raise CliError(
             f"--seq-len {sequence_length} is more than {model.name}'s {model.max_positions} learned positions "
@@ -184,6 +190,7 @@ def check_sequence_length(model: ModelSpec, sequence_length: int, command: str) 
         f"{model.max_positions}; rotary positions extend, but the model was not trained at this length",
         file=sys.stderr,
     )
+    return sequence_length
 
 
 def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
@@ -207,18 +214,21 @@ def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[Strat
     return [parse_choice("Strategy.name", word, STRATEGIES) for word in words]
 
 
-def step_from_args(args: argparse.Namespace) -> TrainingSpec:
+def step_from_args(args: argparse.Namespace, model: ModelSpec) -> TrainingSpec:
     """The step settings `plan` keeps fixed (sequence length, precision, optimizer, attention), the rest at their
     defaults."""
     return TrainingSpec(
-        sequence_length=args.seq_len, precision=args.precision, optimizer=args.optimizer, attention=args.attention
+        sequence_length=sequence_length_from_args(args, model, args.command),
+        precision=args.precision,
+        optimizer=args.optimizer,
+        attention=args.attention,
     )
 
 
-def training_from_args(args: argparse.Namespace) -> TrainingSpec:
+def training_from_args(args: argparse.Namespace, model: ModelSpec) -> TrainingSpec:
     """The whole step: the shared settings, the batch shape and checkpointing."""
     return replace(
-        step_from_args(args),
+        step_from_args(args, model),
         micro_batch_size=args.micro_batch,
         grad_accum_steps=args.grad_accum,
         checkpointing=args.checkpointing,
@@ -236,8 +246,7 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
     cluster = ClusterSpec(
         gpu=gpu_from_args(args), world_size=args.gpus, gpus_per_node=args.gpus_per_node, backend=args.backend
     )
-    training = training_from_args(args)
-    check_sequence_length(model, training.sequence_length, args.command)
+    training = training_from_args(args, model)
     overheads = overheads_from_args(args)
     scenarios = []
     group = args.shard_group or cluster.ranks_per_node
