@@ -40,15 +40,6 @@ from shardscope.mesh import (
 )
 
 __all__ = [
-    "ATTENTION",
-    "BACKENDS",
-    "CHECKPOINTING",
-    "ENGINES",
-    "FAMILIES",
-    "OFFLOADS",
-    "OPTIMIZERS",
-    "PRECISIONS",
-    "STRATEGIES",
     "ClusterSpec",
     "GpuSpec",
     "ModelSpec",

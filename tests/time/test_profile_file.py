@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardscope.choices import FAMILIES
 from shardscope.cli import main
 from shardscope.presets import gpu_preset
 from shardscope.presets.hardware import (
@@ -24,7 +25,6 @@ from shardscope.presets.hardware import (
     default_profile,
 )
 from shardscope.presets.profile_toml import load_profile, parse_profile, profile_to_toml
-from shardscope.specs import FAMILIES
 
 GOOD = 'schema = "shardscope.hardware/v1"\n[compute]\nefficiency = 0.4\n[network]\nintra_node = "nvlink4"\n'
 

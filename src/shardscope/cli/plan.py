@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.choices import Word, parse_choice
+from shardscope.choices import CHECKPOINTING, OFFLOADS, Word, parse_choice
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
     add_gpu_arguments,
@@ -27,7 +27,7 @@ from shardscope.core.params import count_parameters
 from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
 from shardscope.planner.result import PLAN_SCHEMA
-from shardscope.specs import CHECKPOINTING, OFFLOADS, SpecError, Strategy
+from shardscope.specs import SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
 EXAMPLES = """examples:

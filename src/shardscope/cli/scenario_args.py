@@ -7,20 +7,23 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from shardscope.choices import StrategyName, parse_choice
+from shardscope.choices import (
+    ATTENTION,
+    CHECKPOINTING,
+    ENGINES,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    StrategyName,
+    parse_choice,
+)
 from shardscope.cli.errors import CliError
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
 from shardscope.presets.hf_config import read_hf_config
 from shardscope.specs import (
-    ATTENTION,
-    CHECKPOINTING,
-    ENGINES,
     MAX_PARAMETERS,
-    OFFLOADS,
-    OPTIMIZERS,
-    PRECISIONS,
-    STRATEGIES,
     ClusterSpec,
     GpuSpec,
     ModelSpec,

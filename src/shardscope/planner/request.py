@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardscope.choices import Checkpointing, Offload, StrategyName
+from shardscope.choices import CHECKPOINTING, OFFLOADS, Checkpointing, Offload, StrategyName
+from shardscope.mesh import comparable_strategies
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import (
-    CHECKPOINTING,
     MAX_WORLD_SIZE,
-    OFFLOADS,
     GpuSpec,
     ModelSpec,
     Overheads,
@@ -19,7 +18,7 @@ from shardscope.specs import (
     TrainingSpec,
 )
 
-FAMILIES: tuple[StrategyName, ...] = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+FAMILIES: tuple[StrategyName, ...] = comparable_strategies(grouped=True)
 RANKINGS = ("step-time", "tokens-per-s", "cost")
 # Cheapest first: the search treats an option later in these tuples as never faster than an earlier one.
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")

@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shardscope.choices import FAMILIES
 from shardscope.presets import LINK_ROLES, gpu_preset_names, gpu_record, gpus_file
-from shardscope.specs import FAMILIES, GpuSpec, SpecError
+from shardscope.specs import GpuSpec, SpecError
 
 PROFILE_SCHEMA = "shardscope.hardware/v1"
 DEFAULT_EFFICIENCY = 0.5  # see core.compute: Megatron-LM's reported fraction of peak
