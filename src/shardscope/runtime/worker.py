@@ -79,7 +79,7 @@ def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
     return device
 
 
-def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
+def run_rank(configs: list[RunConfig], rank: int, run_dir: Path, status: Status) -> None:
     """Join once, then for each config: train, measure, check parity on rank 0. Rank 0 writes result.json, a list
     with one entry per config (several configs share one launch, so tests pay the start-up once)."""
     import torch
@@ -88,7 +88,6 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
     from shardscope.runtime.steps import reference_parameters, train_and_measure
 
     torch.set_num_threads(1)  # N ranks share a few cores; more threads only fight
-    status = Status(run_dir, rank)
     status("rendezvous")
     device = init_distributed(configs[0], rank, run_dir)
     results = []
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run_rank(configs, rank, run_dir)
+        run_rank(configs, rank, run_dir, Status(run_dir, rank))  # reporting (and its heartbeat) before torch loads
     except BaseException as error:
         report_failure(run_dir, rank, error)
         os._exit(1)
