@@ -58,9 +58,7 @@ def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
     import torch
     import torch.distributed as dist
 
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = config.resolved_backend()
     if backend == "gloo" and not dist.is_gloo_available():
         raise RuntimeError("this torch build has no gloo backend")
     device = "cpu"
