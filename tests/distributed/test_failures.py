@@ -138,3 +138,17 @@ def _read_or_empty(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_a_hang_in_a_later_run_of_a_suite_is_named_not_a_collective_timeout(
+    tmp_path: Path, leftover: Callable[[str], list[int]]
+) -> None:
+    from shardscope.runtime import run_suite
+
+    configs = [
+        RunConfig.from_options(model="tiny-gpt2", world_size=2, steps=1, timeout_s=20, fault=fault)
+        for fault in ("", "hang:1")
+    ]
+    with pytest.raises(RunError, match=r"did not finish within 40s: rank 1 hung at 'run 2/2 step 1/1"):
+        run_suite(configs, run_dir=tmp_path)  # the ranks' collective timeout must not end it first, blaming rank 0
+    assert leftover(str(tmp_path)) == []

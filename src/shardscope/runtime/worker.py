@@ -53,8 +53,8 @@ def inject_fault(config: RunConfig, rank: int) -> None:
     time.sleep(10**6)
 
 
-def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
-    """Join the process group; returns the device type the run uses."""
+def init_distributed(config: RunConfig, rank: int, run_dir: Path, timeout_s: float) -> str:
+    """Join the process group, whose collectives give up after timeout_s; returns the device type the run uses."""
     import torch
     import torch.distributed as dist
 
@@ -72,7 +72,7 @@ def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
         init_method=init,
         rank=rank,
         world_size=config.world_size,
-        timeout=datetime.timedelta(seconds=config.timeout_s),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     return device
 
@@ -87,7 +87,9 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path, status: Status)
 
     torch.set_num_threads(1)  # N ranks share a few cores; more threads only fight
     status("rendezvous")
-    device = init_distributed(configs[0], rank, run_dir)
+    # The launcher's deadline for the suite is the sum of the timeouts; a collective that gave up sooner would end the
+    # launch blaming a healthy rank that waited for a hung one (the launcher names the hung one at its deadline).
+    device = init_distributed(configs[0], rank, run_dir, sum(config.timeout_s for config in configs))
     results = []
     for index, config in enumerate(configs):
         prefix = f"run {index + 1}/{len(configs)} " if len(configs) > 1 else ""
