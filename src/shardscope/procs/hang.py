@@ -17,7 +17,7 @@ from shardscope.procs.rank import HEARTBEAT_S
 STAGES = ("starting", "rendezvous", "setup", "step", "parity", "done")
 STALE_MARGIN_S = 6 * HEARTBEAT_S
 """A rank's last report is clearly older than the others' when it is older than the newest by more than this: a live
-rank would have had to miss six heartbeats in a row (on two loaded cores they arrive within a few milliseconds)."""
+rank would have to miss six heartbeats in a row; one blocked in a collective does not (the wait releases the GIL)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
