@@ -108,7 +108,8 @@ def test_a_failing_rank_is_named_and_a_hang_ends_at_the_deadline() -> None:
         run_function(_demo_rank, 2, {}, timeout_s=60)
     options = dict(backend="gloo", in_dim=4, hidden=4, out_dim=2, batch_size=2, lr=0.1, seed=0, timeout=60)
     started = time.monotonic()
-    with pytest.raises(RunError, match=r"did not finish within 4s: rank [01] hung at 'running"):
+    both_running = r"did not finish within 4s: the hung rank cannot be told apart: ranks 0, 1 got equally far"
+    with pytest.raises(RunError, match=both_running):  # both busy and reporting: naming one would be a guess
         run_function(_demo_rank, 2, {**options, "num_steps": 10**7}, timeout_s=4)
     assert time.monotonic() - started < 4 + 10
 

@@ -35,6 +35,24 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_a_run_that_cannot_fit_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardscope.runtime import launch
+    from shardscope.runtime.config import RunConfig
+
+    def no_launch(*_: object, **__: object) -> None:
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr(launch, "run_ranks", no_launch)
+    monkeypatch.setattr(RunConfig, "resolved_backend", lambda _: "gloo")  # host memory, even where CUDA is present
+    assert main(["run", "--model", "llama-3.1-405b", "--world-size", "2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "llama-3.1-405b zero3 (fp64) on 2 ranks needs about 12,373." in err
+    assert "GiB available; refused before starting any rank" in err
+
+
 @pytest.mark.distributed
 def test_json_run(capsys: pytest.CaptureFixture[str], rejects_renamed_keys: Callable[[dict[str, Any]], int]) -> None:
     code = main(

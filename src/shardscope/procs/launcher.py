@@ -3,7 +3,8 @@
 Each rank runs `python -m MODULE ARGS` in its own session (so its whole process group can be killed), with the
 environment torchrun gives (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and the launcher's pid, so it can die
 with the launcher (rank.die_with_parent). The first rank that raises or exits ends the launch at once, with a
-message naming it and its error; a launch past its deadline ends naming the rank that got least far. Whatever
+message naming it and its error; a launch past its deadline ends naming the rank that hung (procs.hang: the one
+that stopped reporting, or got least far) or saying it cannot be told apart. Whatever
 happens, every rank is killed and reaped before this returns. A taken rendezvous port is retried with a fresh one.
 """
 
@@ -19,12 +20,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from shardscope.procs.hang import RankReport, blame
 from shardscope.procs.rank import LAUNCHER_PID_ENV, error_path, log_path, status_path
 
 MAX_LOCAL_WORLD_SIZE = 8  # gloo processes this machine can hold at once
 PORT_ATTEMPTS = 3
 POLL_S = 0.05
-STAGES = ("starting", "rendezvous", "setup", "step", "parity", "done")
 
 
 class RunError(RuntimeError):
@@ -124,29 +125,18 @@ def _failure(rank: int, code: int, run_dir: Path) -> str:
     return f"exited with code {code} without an error report{tail}"
 
 
-def _stage_order(status: str) -> tuple[int, int]:
-    """How far a rank got: collectives entered (ranks waiting inside one have entered one more than a rank that
-    hangs outside), then its stage."""
-    stage, _, calls = status.partition("|")
-    words = [word for word in stage.split() if word in STAGES]
-    return (int(calls or 0), STAGES.index(words[-1]) if words else 0)
-
-
-def _describe(status: str) -> str:
-    stage, _, calls = status.partition("|")
-    return f"{stage}, after {calls or 0} collectives"
+def _report(run_dir: Path, rank: int) -> RankReport:
+    path = status_path(run_dir, rank)
+    try:
+        reported_at: float | None = path.stat().st_mtime
+    except OSError:
+        reported_at = None
+    return RankReport(status=_read(path) or "starting|0", reported_at=reported_at)
 
 
 def _timed_out(timeout_s: float, run_dir: Path, codes: list[int | None]) -> RunError:
-    stages = {
-        rank: _read(status_path(run_dir, rank)) or "starting|0" for rank, code in enumerate(codes) if code is None
-    }
-    stuck = min(stages, key=lambda rank: _stage_order(stages[rank]))
-    others = ", ".join(f"rank {r} at '{_describe(s)}'" for r, s in stages.items() if r != stuck)
-    return RunError(
-        f"did not finish within {timeout_s:g}s: rank {stuck} hung at '{_describe(stages[stuck])}'"
-        + (f" ({others} waiting)" if others else "")
-    )
+    reports = {rank: _report(run_dir, rank) for rank, code in enumerate(codes) if code is None}
+    return RunError(f"did not finish within {timeout_s:g}s: {blame(reports)}")
 
 
 def supervise(

@@ -11,11 +11,15 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
 LAUNCHER_PID_ENV = "SHARDSCOPE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
+HEARTBEAT_S = 0.5
+"""How often a live rank touches its status file, even while blocked in a collective (its mtime is the last report)."""
 
 
 def die_with_parent() -> None:
@@ -44,15 +48,27 @@ def log_path(run_dir: Path, rank: int) -> Path:
 
 
 class Status:
-    """This rank's current stage in a small file the launcher reads (progress, and which rank hung where)."""
+    """This rank's current stage in a small file the launcher reads (progress, and which rank hung where), and a
+    heartbeat thread that touches it every HEARTBEAT_S: a rank stopped or frozen stops beating, one blocked in a
+    collective (which releases the GIL) keeps beating, so the launcher can tell them apart (procs.hang)."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
         self.path = status_path(run_dir, rank)
         self.stage, self.collectives = "starting", 0
+        self("starting")
+        threading.Thread(target=self._beat, name="shardscope-heartbeat", daemon=True).start()
 
     def __call__(self, stage: str) -> None:
         self.stage = stage
-        self.path.write_text(f"{stage}|{self.collectives}")
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(f"{stage}|{self.collectives}")
+        partial.replace(self.path)  # the launcher never reads a half-written status
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
 
     def collective(self, _started: int) -> None:
         """Count a collective this rank entered (a rank that hangs outside one has started fewer)."""

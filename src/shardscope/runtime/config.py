@@ -8,16 +8,20 @@ from typing import Any
 
 from shardscope.choices import ENGINE_ALIASES, EngineName, engine_name, parse_choice
 from shardscope.mesh import data_parallel_mesh
-from shardscope.presets import model_preset
+from shardscope.presets import custom_gpu, model_preset
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
-from shardscope.specs import ModelSpec, SpecError, Strategy, TrainingSpec
+from shardscope.specs import ClusterSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
+from shardscope.units import GIB
 
 RUN_ENGINES: tuple[EngineName, ...] = ("paper", "pytorch")
 """Engines with an implementation to run: 'paper' (the teaching strategies, written from collectives) and 'pytorch'
 (DDP, ZeroRedundancyOptimizer, FSDP2)."""
 RUN_PRECISIONS = ("fp64", "fp32", "bf16-mixed")
 FAULTS = ("raise", "exit", "hang")
-__all__ = ["FAULTS", "MAX_LOCAL_WORLD_SIZE", "RUN_ENGINES", "RunConfig", "RunError"]
+# A CPU "GPU" big enough that fitting never matters; measurements have no framework context or allocator.
+RUN_GPU = custom_gpu(1024 * GIB)
+NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
+__all__ = ["FAULTS", "MAX_LOCAL_WORLD_SIZE", "NO_OVERHEAD", "RUN_ENGINES", "RUN_GPU", "RunConfig", "RunError"]
 # The option names of a run as flags, keywords and JSON use them, and where each lives in a RunConfig.
 TRAINING_OPTIONS = {
     "precision": "precision",
@@ -138,3 +142,21 @@ class RunConfig:
     def model_spec(self) -> ModelSpec:
         """The preset's ModelSpec."""
         return model_preset(self.model)
+
+    def resolved_backend(self) -> str:
+        """The backend the ranks use: 'auto' is nccl where CUDA is available, else gloo (asks torch: slow to import)."""
+        if self.backend != "auto":
+            return self.backend
+        import torch
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
+
+    def scenario(self) -> Scenario:
+        """The run as the core predicts it: its model, training and strategy on world_size gloo ranks of RUN_GPU."""
+        return Scenario(
+            model=self.model_spec,
+            cluster=ClusterSpec(gpu=RUN_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend="gloo"),
+            training=self.training,
+            strategy=self.strategy,
+            overheads=NO_OVERHEAD,
+        )

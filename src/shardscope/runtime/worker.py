@@ -53,14 +53,12 @@ def inject_fault(config: RunConfig, rank: int) -> None:
     time.sleep(10**6)
 
 
-def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
-    """Join the process group; returns the device type the run uses."""
+def init_distributed(config: RunConfig, rank: int, run_dir: Path, timeout_s: float) -> str:
+    """Join the process group, whose collectives give up after timeout_s; returns the device type the run uses."""
     import torch
     import torch.distributed as dist
 
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = config.resolved_backend()
     if backend == "gloo" and not dist.is_gloo_available():
         raise RuntimeError("this torch build has no gloo backend")
     device = "cpu"
@@ -74,12 +72,12 @@ def init_distributed(config: RunConfig, rank: int, run_dir: Path) -> str:
         init_method=init,
         rank=rank,
         world_size=config.world_size,
-        timeout=datetime.timedelta(seconds=config.timeout_s),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     return device
 
 
-def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
+def run_rank(configs: list[RunConfig], rank: int, run_dir: Path, status: Status) -> None:
     """Join once, then for each config: train, measure, check parity on rank 0. Rank 0 writes result.json, a list
     with one entry per config (several configs share one launch, so tests pay the start-up once)."""
     import torch
@@ -88,9 +86,10 @@ def run_rank(configs: list[RunConfig], rank: int, run_dir: Path) -> None:
     from shardscope.runtime.steps import reference_parameters, train_and_measure
 
     torch.set_num_threads(1)  # N ranks share a few cores; more threads only fight
-    status = Status(run_dir, rank)
     status("rendezvous")
-    device = init_distributed(configs[0], rank, run_dir)
+    # The launcher's deadline for the suite is the sum of the timeouts; a collective that gave up sooner would end the
+    # launch blaming a healthy rank that waited for a hung one (the launcher names the hung one at its deadline).
+    device = init_distributed(configs[0], rank, run_dir, sum(config.timeout_s for config in configs))
     results = []
     for index, config in enumerate(configs):
         prefix = f"run {index + 1}/{len(configs)} " if len(configs) > 1 else ""
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         os._exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run_rank(configs, rank, run_dir)
+        run_rank(configs, rank, run_dir, Status(run_dir, rank))  # reporting (and its heartbeat) before torch loads
     except BaseException as error:
         report_failure(run_dir, rank, error)
         os._exit(1)

@@ -7,15 +7,11 @@ from dataclasses import dataclass
 
 from shardscope.choices import STRATEGIES, engine_name, parse_choice
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies, data_parallel_mesh
-from shardscope.presets import custom_gpu, model_preset
-from shardscope.runtime.config import RUN_ENGINES
-from shardscope.specs import ClusterSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
-from shardscope.units import GIB
+from shardscope.presets import model_preset
+from shardscope.runtime.config import NO_OVERHEAD, RUN_ENGINES, RUN_GPU
+from shardscope.specs import ClusterSpec, Scenario, SpecError, Strategy, TrainingSpec
 
 CASE_STRATEGIES = comparable_strategies(grouped=True)
-# A CPU "GPU" big enough that fitting never matters here; measurements have no framework context or allocator.
-VALIDATION_GPU = custom_gpu(1024 * GIB)
-NO_OVERHEAD = Overheads(context_bytes=0, allocator_headroom=0.0)
 DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 
 
@@ -79,7 +75,7 @@ class ValidationCase:
         return Scenario(
             model=model_preset(self.model),
             cluster=ClusterSpec(
-                gpu=VALIDATION_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend=self.backend
+                gpu=RUN_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend=self.backend
             ),
             training=TrainingSpec(
                 micro_batch_size=self.micro_batch_size,
