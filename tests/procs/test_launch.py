@@ -1,6 +1,6 @@
 """Ranks are launched by module entry point: the lesson works from a script without a main guard and from standard
-input, and a launcher killed with SIGKILL (run, lesson, calibrate) leaves no process behind, and its run directory
-goes at the next start. Every launch here has a hard timeout."""
+input, and a launcher killed with SIGKILL (run, lesson, calibrate, validate) leaves no process behind, and its run
+directory goes at the next start. Every launch here has a hard timeout."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ LAUNCHERS = {
     "lesson": "from shardscope.lesson import run_distributed_demo\n"
     "run_distributed_demo(world_size=2, num_steps=10**7, timeout=60)\n",
     "calibrate": "from shardscope.calibrate import calibrate\ncalibrate(world_size=2, repeats=10**6, timeout_s=60)\n",
+    "validate": "from shardscope.validate.cases import ValidationCase\n"
+    "from shardscope.validate.runner import validate_cases\n"
+    "case = ValidationCase(model='tiny-gpt2', strategy='zero3', engine='paper', world_size=2)\n"
+    "validate_cases([case], with_trace=False, steps=10**6)\n",
 }
 
 

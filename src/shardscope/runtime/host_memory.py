@@ -18,7 +18,7 @@ from shardscope.units import MIB, format_bytes
 
 RANK_PROCESS_BYTES = 300 * MIB
 """What a rank process holds beyond its tensors. A rank's peak RSS less its measured tensor peak was 320 MiB
-(tiny-gpt2 zero3 paper fp64) and 324 MiB (tiny-llama ddp pytorch fp64), world size 2, torch 2 on CPU, measured with
+(tiny-gpt2 zero3 paper fp64) and 324 MiB (tiny-llama ddp pytorch fp64), world size 2, torch 2.13.0 on CPU, measured with
     python -c "import resource; from shardscope.runtime import run_training; r = run_training(model='tiny-gpt2',
     world_size=2); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     - max(b.peak_bytes for b in r.per_rank))"
