@@ -61,7 +61,7 @@ class LiveBytes(NamedTuple):
         return sum(self)
 
 
-_LIVE = partial(tuple.__new__, LiveBytes)  # a LiveBytes from a tuple of six, without NamedTuple's checks
+as_live_bytes = partial(tuple.__new__, LiveBytes)  # a LiveBytes from a tuple of six, without NamedTuple's checks
 Moment = tuple[str, LiveBytes]
 """A named moment of the step and what is live then."""
 
@@ -187,7 +187,7 @@ def held(states: ModelStates, with_gradients: bool) -> LiveBytes:
     """What lives through the whole step: weights, optimizer state, persistent buffers, and the gradients when they
     persist."""
     gradients = states.gradients_bytes if with_gradients else 0
-    return _LIVE(
+    return as_live_bytes(
         (states.parameters_bytes, gradients, states.optimizer_state_bytes, 0, states.persistent_buffers_bytes, 0)
     )
 
@@ -204,7 +204,9 @@ def plus(
 ) -> LiveBytes:
     """`live` with bytes added to the named categories (spelt out: a planner sweep builds millions of these)."""
     p, g, o, a, b, t = live
-    return _LIVE((p + parameters, g + gradients, o + optimizer_state, a + activations, b + buffers, t + temporary))
+    return as_live_bytes(
+        (p + parameters, g + gradients, o + optimizer_state, a + activations, b + buffers, t + temporary)
+    )
 
 
 def shared_moments(
@@ -223,7 +225,7 @@ def shared_moments(
     after_head = acts.saved_bytes - acts.head_bytes
     recomputed_block_grads = states.recompute_grads_bytes if acts.recompute_bytes else 0
     forward_buffers = persistent + states.forward_buffers_bytes
-    forward_end = _LIVE(
+    forward_end = as_live_bytes(
         (
             params,
             grads,
@@ -233,10 +235,10 @@ def shared_moments(
             states.forward_temporary_bytes + acts.loss_forward_spike_bytes,
         )
     )
-    backward_start = _LIVE(
+    backward_start = as_live_bytes(
         (params, grads, optimizer, acts.saved_bytes, forward_buffers, acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES)
     )
-    coarse_top = _LIVE(
+    coarse_top = as_live_bytes(
         (
             params,
             grads + states.backward_grads_bytes + recomputed_block_grads,
@@ -246,7 +248,7 @@ def shared_moments(
             acts.head_gradient_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
         )
     )
-    boundary = _LIVE(
+    boundary = as_live_bytes(
         (
             params,
             grads + states.boundary_grads_bytes,
@@ -256,7 +258,7 @@ def shared_moments(
             0,
         )
     )
-    step = _LIVE((params, states.gradients_bytes, optimizer, 0, persistent, states.optimizer_temporary_bytes))
+    step = as_live_bytes((params, states.gradients_bytes, optimizer, 0, persistent, states.optimizer_temporary_bytes))
     return [
         ("end of forward", forward_end),
         ("start of backward", backward_start),

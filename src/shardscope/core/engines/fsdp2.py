@@ -13,7 +13,7 @@ depends on the library, so the backend is the cluster's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines.base import (
@@ -21,9 +21,8 @@ from shardscope.core.engines.base import (
     Moment,
     RankMemory,
     activations_for,
+    as_live_bytes,
     gradients_in_base,
-    held,
-    plus,
     shared_moments,
 )
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
@@ -39,9 +38,9 @@ def single_tensor_step_bytes(optimizer: str, largest_tensor_bytes: int) -> int:
     return 2 * largest_tensor_bytes if optimizer in ("adam", "adamw") else 0
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _UnitMoments:
-    """What FSDP2's per-unit moments hold beyond the shared ones (bytes; see `_states` for each term's source)."""
+class _UnitMoments(NamedTuple):
+    """What FSDP2's per-unit moments hold beyond the shared ones (bytes; see `_states` for each term's source). A
+    named tuple, not a frozen dataclass: a planner sweep builds one per scenario, and it is several times cheaper."""
 
     shaped: bool
     """The model has a shape (units to follow); without one only the shared moments apply."""
@@ -67,93 +66,87 @@ def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
 
 
 def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts: ActivationEstimate) -> list[Moment]:
-    base = held(states, gradients_in_base(scenario, states))
+    # Moments as (parameters, gradients, optimizer state, activations, buffers, temporary), built as plain tuples
+    # because a planner sweep builds millions of them.
     landed = not gradients_in_base(scenario, states)
+    params, optimizer, persistent = (
+        states.parameters_bytes,
+        states.optimizer_state_bytes,
+        states.persistent_buffers_bytes,
+    )
+    grads = 0 if landed else states.gradients_bytes
     blocks = scenario.model.num_layers
     after_head = acts.saved_bytes - acts.head_bytes
     # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
     # gradients), and at its reduce-scatter (its saved tensors freed; the collective's buffers, per backend).
-    top = plus(
-        base,
-        activations=after_head,
-        buffers=states.backward_buffers_bytes,
-        temporary=acts.hidden_bytes + LOSS_GRAD_BYTES,
-        gradients=states.backward_grads_bytes,
+    top_grads, top_buffers = grads + states.backward_grads_bytes, persistent + states.backward_buffers_bytes
+    top_temporary = acts.hidden_bytes + LOSS_GRAD_BYTES
+    top = as_live_bytes(
+        (params, top_grads, optimizer, after_head, top_buffers, top_temporary + acts.block_backward_bytes)
     )
-    moments = shared_moments(
-        scenario, states, acts, plus(top, temporary=acts.block_backward_bytes) if units.shaped else None
-    )
+    moments = shared_moments(scenario, states, acts, top if units.shaped else None)
     if units.forward_staging:
         # The output head's forward: the loss has not yet made its log-softmax, and the last all-gather's output is
         # still held (traced: zero2 peaks at 'forward: lm_head').
+        buffers = persistent + states.forward_buffers_bytes + units.forward_staging
+        saved = acts.saved_bytes - acts.log_softmax_bytes
         moments.append(
-            (
-                "output head's forward",
-                plus(
-                    base,
-                    activations=acts.saved_bytes - acts.log_softmax_bytes,
-                    temporary=acts.logits_bytes,
-                    buffers=states.forward_buffers_bytes + units.forward_staging,
-                ),
-            )
+            ("output head's forward", as_live_bytes((params, grads, optimizer, saved, buffers, acts.logits_bytes)))
         )
     if units.first_block_buffers:
         # The first block's forward: what the embeddings and the block saved (or, checkpointed, its stored input)
         # and the block's output being made, with the next block prefetched (validated on tiny-moe zero2).
-        first_block_saved = acts.saved_bytes - acts.head_bytes - (blocks - 1) * acts.stored_block_bytes
+        saved = acts.saved_bytes - acts.head_bytes - (blocks - 1) * acts.stored_block_bytes
+        buffers = persistent + units.first_block_buffers
         moments.append(
-            (
-                "first block's forward",
-                plus(
-                    base, activations=first_block_saved, temporary=acts.hidden_bytes, buffers=units.first_block_buffers
-                ),
-            )
+            ("first block's forward", as_live_bytes((params, grads, optimizer, saved, buffers, acts.hidden_bytes)))
         )
     if not units.shaped:
         return moments
-    moments.append(
-        (
-            "top block's reduce-scatter",
-            plus(top, activations=-acts.stored_block_bytes, buffers=units.top_reduce_scatter),
-        )
+    scatter = (
+        params,
+        top_grads,
+        optimizer,
+        after_head - acts.stored_block_bytes,
+        top_buffers + units.top_reduce_scatter,
+        top_temporary,
     )
+    moments.append(("top block's reduce-scatter", as_live_bytes(scatter)))
     # The blocks above have freed what they stored and landed their gradient shards; the bottom block holds its own
     # stored tensors, what its backward makes, and the gradient flowing in from above.
-    moments.append(
-        (
-            "bottom block's backward",
-            plus(
-                base,
-                activations=after_head - max(blocks - 1, 0) * acts.stored_block_bytes,
-                temporary=acts.block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
-                buffers=units.bottom_buffers,
-                gradients=units.bottom_grads + (units.bottom_landed_grads if landed else 0),
-            ),
-        )
+    bottom_grads = grads + units.bottom_grads + (units.bottom_landed_grads if landed else 0)
+    bottom = (
+        params,
+        bottom_grads,
+        optimizer,
+        after_head - max(blocks - 1, 0) * acts.stored_block_bytes,
+        persistent + units.bottom_buffers,
+        acts.block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
     )
+    moments.append(("bottom block's backward", as_live_bytes(bottom)))
     if units.gloo:
         # gloo's reduce-scatter holds a clone of its input: the bottom block's, with its backward's tensors freed,
         # and the root's, with every block's stored tensors freed and their gradient shards landed.
-        after_blocks = plus(base, activations=after_head - blocks * acts.stored_block_bytes, temporary=LOSS_GRAD_BYTES)
-        moments.append(
-            (
-                "bottom block's reduce-scatter",
-                plus(
-                    after_blocks,
-                    temporary=acts.hidden_bytes,
-                    gradients=units.bottom_grads + (units.bottom_landed_grads if landed else 0),
-                    buffers=units.bottom_reduce_scatter,
-                ),
-            )
+        after_blocks = after_head - blocks * acts.stored_block_bytes
+        bottom_scatter = (
+            params,
+            bottom_grads,
+            optimizer,
+            after_blocks,
+            persistent + units.bottom_reduce_scatter,
+            LOSS_GRAD_BYTES + acts.hidden_bytes,
         )
-        moments.append(
-            (
-                "root's reduce-scatter",
-                plus(
-                    after_blocks, gradients=units.root_landed_grads if landed else 0, buffers=units.root_reduce_scatter
-                ),
-            )
+        root_grads = grads + (units.root_landed_grads if landed else 0)
+        root_scatter = (
+            params,
+            root_grads,
+            optimizer,
+            after_blocks,
+            persistent + units.root_reduce_scatter,
+            LOSS_GRAD_BYTES,
         )
+        moments.append(("bottom block's reduce-scatter", as_live_bytes(bottom_scatter)))
+        moments.append(("root's reduce-scatter", as_live_bytes(root_scatter)))
     return moments
 
 
