@@ -268,6 +268,12 @@ def shared_moments(
     ]
 
 
+def shared_memory(scenario: Scenario, states: ModelStates, *extra: Moment) -> RankMemory:
+    """A rank's memory for an engine whose moments are the shared ones, with `extra` after them."""
+    acts = activations_for(scenario, states.autocast)
+    return RankMemory(states=states, activations=acts, moments=(*shared_moments(scenario, states, acts), *extra))
+
+
 def peak_of(moments: Sequence[Moment]) -> Moment:
     """The first of the largest moments."""
     return max(moments, key=_moment_total)

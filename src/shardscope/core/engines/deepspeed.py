@@ -22,7 +22,7 @@ from shardscope.core.comm_events import (
     size_buckets,
     step_gathers,
 )
-from shardscope.core.engines.base import RankMemory, RulesDefaults, activations_for, shared_moments
+from shardscope.core.engines.base import RankMemory, RulesDefaults, shared_memory
 from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments
 from shardscope.core.params import ParamTensor, model_facts, param_layout
 from shardscope.core.result import CollectiveRow
@@ -43,9 +43,7 @@ class DeepSpeedRules(RulesDefaults):
     torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        states = _states(scenario)
-        acts = activations_for(scenario, states.autocast)
-        return RankMemory(states=states, activations=acts, moments=tuple(shared_moments(scenario, states, acts)))
+        return shared_memory(scenario, _states(scenario))
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """The 5e8-element reduce bucket, filled walking the parameters in reverse."""

@@ -24,10 +24,9 @@ from shardscope.core.engines.base import (
     RankMemory,
     RulesDefaults,
     TimePlace,
-    activations_for,
     held,
     plus,
-    shared_moments,
+    shared_memory,
 )
 from shardscope.core.engines.teaching_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
@@ -52,11 +51,11 @@ class PaperRules(RulesDefaults):
         """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward."""
         states, after_backward = _states(scenario)
         states = offload(scenario, states)
-        acts = activations_for(scenario, states.autocast)
-        moments = shared_moments(scenario, states, acts)
-        if after_backward:
-            moments.append(("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)))
-        return RankMemory(states=states, activations=acts, moments=tuple(moments))
+        if not after_backward:
+            return shared_memory(scenario, states)
+        return shared_memory(
+            scenario, states, ("reduce-scatter after backward", plus(held(states, True), buffers=after_backward))
+        )
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """One flat bucket per unit: the blocks in reverse, then the root."""

@@ -21,7 +21,12 @@ from shardscope.core.comm_events import (
     sharded_events,
     size_buckets,
 )
-from shardscope.core.engines.base import RankMemory, RulesDefaults, TimePlace, activations_for, shared_moments
+from shardscope.core.engines.base import (
+    RankMemory,
+    RulesDefaults,
+    TimePlace,
+    shared_memory,
+)
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import head_numel, model_facts, param_layout
@@ -51,9 +56,7 @@ class PyTorchRules(RulesDefaults):
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         if not runs_on_ddp(scenario):
             return fsdp2_memory(scenario, rank)
-        states = offload(scenario, _replicated(scenario, rank))
-        acts = activations_for(scenario, states.autocast)
-        return RankMemory(states=states, activations=acts, moments=tuple(shared_moments(scenario, states, acts)))
+        return shared_memory(scenario, offload(scenario, _replicated(scenario, rank)))
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
