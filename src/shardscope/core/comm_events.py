@@ -65,11 +65,6 @@ Place = tuple[int, int, Trigger]
 """(micro-batch, stage, trigger) of an event."""
 
 
-def element_bytes(precision: str) -> int:
-    """Bytes of one element in the precision's working dtype."""
-    return {"fp32": 4, "fp64": 8}.get(precision, 2)
-
-
 def stage_of(tensor_name: str, num_blocks: int) -> int:
     """The compute stage whose forward uses a parameter tensor."""
     if tensor_name.startswith("layers."):

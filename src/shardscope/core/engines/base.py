@@ -21,14 +21,13 @@ from typing import NamedTuple, Protocol
 
 from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
-from shardscope.core.comm_events import CommEvent, element_bytes
-from shardscope.core.model_states import ModelStates
+from shardscope.core.comm_events import CommEvent
+from shardscope.core.model_states import ModelStates, dtype_bytes
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
 LOSS_GRAD_BYTES = 4  # the scalar gradient of the loss
-TOP_BLOCK = "top block's backward"
 
 NO_ACTIVATIONS = ActivationEstimate(
     saved_bytes=0,
@@ -116,7 +115,8 @@ class EngineRules(Protocol):
         ...
 
     def step_events(self, scenario: Scenario) -> list[CommEvent]:
-        """The collectives of one step (host copies of offload included), in the order rank 0 issues them."""
+        """The collectives of one step in the order rank 0 issues them, with parameter offload's host copies
+        (optimizer offload's are the same for every engine: `core.comm` adds them)."""
         ...
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
@@ -153,11 +153,11 @@ class RulesDefaults:
 
     def param_comm_bytes(self, scenario: Scenario) -> int:
         """Parameters move in the working dtype (16-bit under mixed precision)."""
-        return element_bytes(scenario.training.precision)
+        return dtype_bytes(scenario.training.precision)
 
     def grad_comm_bytes(self, scenario: Scenario) -> int:
         """Gradients are reduced in the working dtype (16-bit under mixed precision)."""
-        return element_bytes(scenario.training.precision)
+        return dtype_bytes(scenario.training.precision)
 
     def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
         """No work of the engine's own beyond what the profile's op and collective costs price."""
@@ -262,7 +262,7 @@ def shared_moments(
     return [
         ("end of forward", forward_end),
         ("start of backward", backward_start),
-        (TOP_BLOCK, coarse_top if top_block is None else top_block),
+        ("top block's backward", coarse_top if top_block is None else top_block),
         ("between blocks in backward", boundary),
         ("optimizer step", step),
     ]

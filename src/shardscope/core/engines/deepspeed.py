@@ -15,7 +15,6 @@ from __future__ import annotations
 from shardscope.choices import EngineName
 from shardscope.core.comm_events import (
     CommEvent,
-    element_bytes,
     gradient_reductions,
     per_tensor_broadcasts,
     sharded_events,
@@ -76,7 +75,7 @@ class DeepSpeedRules(RulesDefaults):
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
         """DeepSpeed's `_broadcast_model`: every parameter tensor from rank 0."""
-        return per_tensor_broadcasts(scenario, element_bytes(scenario.training.precision))
+        return per_tensor_broadcasts(scenario, dtype_bytes(scenario.training.precision))
 
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """Flat partitions, counted as the tensors of the rank's shard."""

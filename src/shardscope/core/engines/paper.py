@@ -14,7 +14,6 @@ from __future__ import annotations
 from shardscope.choices import EngineName
 from shardscope.core.comm_events import (
     CommEvent,
-    element_bytes,
     gradient_reductions,
     per_tensor_broadcasts,
     sharded_events,
@@ -85,7 +84,7 @@ class PaperRules(RulesDefaults):
         return events + step_gathers(scenario, pieces, param)
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
-        return per_tensor_broadcasts(scenario, element_bytes(scenario.training.precision))
+        return per_tensor_broadcasts(scenario, dtype_bytes(scenario.training.precision))
 
     def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
         """The teaching strategies' Python hook calls where they fire and their bookkeeping ops."""

@@ -14,7 +14,6 @@ from shardscope.core.comm_events import (
     DDP_FIRST_BUCKET_BYTES,
     CommEvent,
     Place,
-    element_bytes,
     event,
     gradient_reductions,
     per_tensor_broadcasts,
@@ -75,11 +74,11 @@ class PyTorchRules(RulesDefaults):
         training = scenario.training
         if training.is_mixed and runs_on_ddp(scenario):
             return 4
-        return element_bytes(training.precision)
+        return dtype_bytes(training.precision)
 
     def grad_comm_bytes(self, scenario: Scenario) -> int:
         """DDP reduces the fp32 gradients of fp32 parameters; FSDP2 reduces in fp32 (reduce_dtype)."""
-        return 4 if scenario.training.is_mixed else element_bytes(scenario.training.precision)
+        return 4 if scenario.training.is_mixed else dtype_bytes(scenario.training.precision)
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """torch DDP's Reducer (`_compute_bucket_assignment_by_size`): parameters in reverse, a bucket closed once it
@@ -114,7 +113,7 @@ class PyTorchRules(RulesDefaults):
         its module states coalesced into 250 MiB buckets (`_sync_module_states`; torch/csrc/utils/tensor_flatten.cpp
         `take_tensors` closes a bucket once it reaches the limit). FSDP2 does not broadcast: the runs broadcast each
         parameter tensor from rank 0 before sharding."""
-        stored = 4 if scenario.training.is_mixed else element_bytes(scenario.training.precision)
+        stored = 4 if scenario.training.is_mixed else dtype_bytes(scenario.training.precision)
         if not runs_on_ddp(scenario):
             return per_tensor_broadcasts(scenario, stored)
         world = scenario.cluster.world_size
