@@ -10,12 +10,14 @@ from dataclasses import replace
 from shardscope.choices import (
     ATTENTION,
     CHECKPOINTING,
-    ENGINES,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
     STRATEGIES,
+    EngineName,
+    SpecError,
     StrategyName,
+    engine_name,
     parse_choice,
 )
 from shardscope.cli.errors import CliError
@@ -37,6 +39,14 @@ from shardscope.units import parse_bytes, parse_count
 DEFAULT_SEQUENCE_LENGTH = TrainingSpec().sequence_length
 """--seq-len when not given, the same for every command (the TrainingSpec default), or a model's learned positions
 when it has fewer (gpt2: 1024)."""
+
+
+def engine_word(text: str) -> EngineName:
+    """argparse type: an engine, or another word for one ('teaching' is 'paper')."""
+    try:
+        return engine_name(text)
+    except SpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def positive_int(text: str) -> int:
@@ -120,10 +130,11 @@ def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
     """--engine and the overhead assumptions: whose rules apply, shared by every scenario command and `plan`."""
     parser.add_argument(
         "--engine",
-        choices=ENGINES,
+        type=engine_word,
         default="pytorch",
-        help="whose memory rules: paper (ZeRO paper), pytorch (DDP/ZeroRedundancyOptimizer/FSDP2), "
-        "deepspeed (default pytorch)",
+        help="whose memory rules: paper (the ZeRO paper, as the teaching strategies run it; 'teaching' is another "
+        "word for it), pytorch (DDP/ZeroRedundancyOptimizer/FSDP2), deepspeed (DeepSpeed 0.19.6's estimators); "
+        "default pytorch",
     )
     parser.add_argument(
         "--context-memory",
