@@ -1,10 +1,11 @@
-"""README.md's example outputs, regenerated from the commands they show.
+"""The example outputs of README.md and docs/guide.md, regenerated from the commands they show.
 
-An example is a ``` block whose paragraph just above starts with a command in backticks, `shardscope ...`; the
-block is that command's standard output. Run: .venv/bin/python benchmarks/readme_examples.py [--check] [--only CMD]
-rewrites every example in place (each command runs in a fresh process, torch-using ones included), or with --check
-prints which ones differ and exits 1. tests/cli/test_readme_examples.py holds the torch-free ones equal to what the
-commands print now.
+An example is a ``` block whose paragraph just above starts with a command in backticks, `shardscope ...` (the
+block is that command's standard output), or a ``` block whose first line is `$ shardscope ...` (the lines after it
+are). Run: .venv/bin/python benchmarks/readme_examples.py [--check] [--only CMD] rewrites every example in place
+(each command runs in a fresh process in a temporary folder, so files it writes go nowhere; torch-using ones
+included), or with --check prints which ones differ and exits 1. tests/cli/test_readme_examples.py holds the
+torch-free ones equal to what the commands print now.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+DOCUMENTS = (README, REPO / "docs" / "guide.md")
 FENCE = "```"
 # The one field of a human output that is a wall-clock reading: plan's "searched ... in 0.19 s".
 ELAPSED = re.compile(r"(?<=, in )\d+\.\d+(?= s; ranked by)")
@@ -41,7 +45,8 @@ class Example:
 
 
 def find_examples(lines: list[str]) -> list[Example]:
-    """Every ``` block (without a language) whose preceding paragraph starts with `shardscope ...` in backticks."""
+    """Every ``` block (without a language) whose preceding paragraph starts with `shardscope ...` in backticks, or
+    whose first line is `$ shardscope ...`."""
     examples = []
     index = 0
     while index < len(lines):
@@ -55,7 +60,10 @@ def find_examples(lines: list[str]) -> list[Example]:
         while above > 0 and lines[above - 1].strip():
             above -= 1  # to the first line of the paragraph
         match = re.match(r"`(shardscope [^`]+)`", lines[above]) if above >= 0 else None
-        if match and lines[index].strip() == FENCE:
+        prompt = lines[index + 1].startswith("$ shardscope ") if index + 1 < end else False
+        if prompt and lines[index].strip() == FENCE:
+            examples.append(Example(command=lines[index + 1][2:], start=index + 2, end=end))
+        elif match and lines[index].strip() == FENCE:
             examples.append(Example(command=match.group(1), start=index + 1, end=end))
         index = end + 1
     return examples
@@ -63,9 +71,15 @@ def find_examples(lines: list[str]) -> list[Example]:
 
 def printed(example: Example) -> str:
     """What the command prints on standard output now, in a fresh process."""
-    result = subprocess.run(
-        [sys.executable, "-m", "shardscope", *example.argv], capture_output=True, text=True, check=False, timeout=600
-    )
+    with tempfile.TemporaryDirectory(prefix="shardscope-examples-") as folder:
+        result = subprocess.run(
+            [sys.executable, "-m", "shardscope", *example.argv],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+            cwd=folder,
+        )
     if result.returncode != 0:
         raise SystemExit(f"{example.command} exited {result.returncode}: {result.stderr.strip()}")
     return result.stdout
@@ -86,19 +100,20 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="only say which examples differ; exit 1 if any")
     parser.add_argument("--only", metavar="COMMAND", help="only the examples of this subcommand, e.g. estimate")
     args = parser.parse_args()
-    lines = README.read_text(encoding="utf-8").splitlines()
     changed = 0
-    for example in reversed(find_examples(lines)):  # from the end, so earlier indices stay valid
-        if args.only and example.argv[0] != args.only:
-            continue
-        now = printed(example)
-        if without_elapsed(now) == without_elapsed(block(lines, example)):
-            continue
-        changed += 1
-        print(f"{'differs' if args.check else 'updated'}: {example.command}")
-        lines[example.start : example.end] = now.rstrip("\n").split("\n")
-    if not args.check:
-        README.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for document in DOCUMENTS:
+        lines = document.read_text(encoding="utf-8").splitlines()
+        for example in reversed(find_examples(lines)):  # from the end, so earlier indices stay valid
+            if args.only and example.argv[0] != args.only:
+                continue
+            now = printed(example)
+            if without_elapsed(now) == without_elapsed(block(lines, example)):
+                continue
+            changed += 1
+            print(f"{'differs' if args.check else 'updated'}: {document.name}: {example.command}")
+            lines[example.start : example.end] = now.rstrip("\n").split("\n")
+        if not args.check:
+            document.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"{changed} example(s) {'differ' if args.check else 'rewritten'}")
     return 1 if args.check and changed else 0
 

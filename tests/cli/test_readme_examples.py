@@ -1,8 +1,9 @@
-"""README.md's torch-free examples (estimate, plan) are what those commands print now.
+"""The torch-free examples (estimate, plan) of README.md and docs/guide.md are what those commands print now.
 
 `benchmarks/readme_examples.py` rewrites every example from its command; this test runs the torch-free ones
 in-process and compares. The `run` and `trace` examples are left out here: they need torch and take seconds to
-minutes, and their step time and elapsed seconds differ from run to run (the script regenerates them).
+minutes, and their step time and elapsed seconds differ from run to run (the script regenerates them); so is the
+guide's `report`, which writes files.
 """
 
 from __future__ import annotations
@@ -32,21 +33,35 @@ def _script() -> ModuleType:
 SCRIPT = _script()
 LINES = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
 EXAMPLES = SCRIPT.find_examples(LINES)
+DOCUMENT_LINES = {path.name: path.read_text(encoding="utf-8").splitlines() for path in SCRIPT.DOCUMENTS}
+TORCH_FREE_EXAMPLES = [
+    (name, example)
+    for name, lines in DOCUMENT_LINES.items()
+    for example in SCRIPT.find_examples(lines)
+    if example.argv[0] in TORCH_FREE
+]
 
 
 def test_the_readme_shows_each_command_it_explains() -> None:
     assert {example.argv[0] for example in EXAMPLES} == {"estimate", "plan", "run", "trace"}
 
 
+def test_the_guide_shows_its_examples() -> None:
+    guide = [example.argv[0] for example in SCRIPT.find_examples(DOCUMENT_LINES["guide.md"])]
+    assert guide.count("estimate") == 4 and guide.count("plan") == 2
+
+
 @pytest.mark.parametrize(
-    "example",
-    [example for example in EXAMPLES if example.argv[0] in TORCH_FREE],
-    ids=lambda example: example.command,
+    ("document", "example"),
+    TORCH_FREE_EXAMPLES,
+    ids=[f"{name}: {example.command}" for name, example in TORCH_FREE_EXAMPLES],
 )
-def test_torch_free_example_is_what_the_command_prints(example: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_torch_free_example_is_what_the_command_prints(
+    document: str, example: object, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(example.argv) == 0  # type: ignore[attr-defined]
     printed = capsys.readouterr().out
-    shown = SCRIPT.block(LINES, example)
+    shown = SCRIPT.block(DOCUMENT_LINES[document], example)
     assert SCRIPT.without_elapsed(printed) == SCRIPT.without_elapsed(shown), (
-        "README.md is out of date: run .venv/bin/python benchmarks/readme_examples.py"
+        f"{document} is out of date: run .venv/bin/python benchmarks/readme_examples.py"
     )
