@@ -59,6 +59,8 @@ def test_gpu_presets_store_bytes() -> None:
         "rtx-a6000",
         "mi250x-gcd",
         "mi325x",
+        "gh200-96gb",
+        "gh200-144gb",
     }
     assert gpu_preset("h100-80gb").memory_bytes == 80 * GIB
     assert gpu_preset("rtx4090").memory_bytes == 24 * GIB
