@@ -36,7 +36,7 @@ class ValidationCase:
     precision: str = "fp32"
     """'fp32' or 'bf16-mixed'."""
     checkpointing: str = "none"
-    """'none' or 'full'."""
+    """A checkpointing mode: 'none', 'full', 'selective', 'op' or 'every:N'."""
     micro_batch_size: int = 2
     """Sequences per rank."""
     sequence_length: int = 32
