@@ -274,9 +274,9 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     # under full checkpointing that tensor is the one stored, not recomputed.
     input_reused = sizes.hidden if model.family == "gpt2" or sizes.element == sizes.stat else 0
     # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
-    # policy keeps its input and what it saves, and recomputes the rest. In its backward the cached output of the
-    # block's last projection (tokens x hidden) is still held beside the recomputed tensors (traced on tiny-gpt2 and
-    # tiny-llama: the recomputation stops at the last saved tensor, the projection's input, before taking it back).
+    # policy keeps its input and what it saves, and recomputes the rest; at the peak of its backward it holds one
+    # tokens x hidden tensor beyond the recomputed ones and what it cached (traced on tiny-gpt2 and tiny-llama, fp32
+    # and bf16-mixed, sdpa and eager: the size of the block's last projection's output, which it cached).
     whole = _BlockTerms(sizes.hidden + input_extra, block, block - input_reused)
     cached = _op_cached_bytes(model, training, sizes) if training.checkpointing == "op" else 0
     terms = {
