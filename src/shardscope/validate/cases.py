@@ -66,7 +66,7 @@ class ValidationCase:
         """A short name for tables."""
         return (
             f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}"
-            + (" ckpt" if self.checkpointing != "none" else "")
+            + {"none": "", "full": " ckpt"}.get(self.checkpointing, f" ckpt {self.checkpointing}")
             + (" cuda" if self.device == "cuda" else "")
         )
 
