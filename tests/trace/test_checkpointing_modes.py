@@ -76,7 +76,8 @@ def test_modes_order_as_expected() -> None:
 @pytest.mark.parametrize("checkpointing", ["op", "every:2"])
 def test_gloo_run_matches_the_trace(checkpointing: str) -> None:
     """tiny-llama zero3 on 2 real gloo ranks (rank 0), fp32, micro-batch 2, seq 32: the run trains under the mode and
-    its activations and peak are the trace's within 1%, as for the other modes (tests/trace/test_trace.py)."""
+    its activations and peak are the trace's to the byte (measured with torch 2.13: op 360,708 B and 1,941,468 B,
+    every:2 466,692 B and 2,134,492 B; as tests/trace/test_trace.py finds for zero3 without checkpointing)."""
     from shardscope.runtime.api import run_training
 
     scenario = _scenario("tiny-llama", "fp32", "sdpa", checkpointing)
@@ -92,5 +93,4 @@ def test_gloo_run_matches_the_trace(checkpointing: str) -> None:
         sequence_length=32,
         timeout_s=240,
     ).per_rank[0]
-    assert abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes, (trace, real)
-    assert abs(trace.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (trace, real)
+    assert (trace.activations_bytes, trace.peak_bytes) == (real.activations_bytes, real.peak_bytes), (trace, real)
