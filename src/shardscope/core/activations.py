@@ -229,7 +229,8 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> 
 def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> int:
     """What torchtitan's op policy keeps of one block besides its input (core/op_checkpointing.py): the outputs of
     the matmuls it saves, of the attention kernel (sdpa: the output and a log-sum-exp per row; eager: the two batched
-    matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices)."""
+    matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
+    dependent: each expert is assumed to get an even share of the routed rows."""
     routed = sizes.tokens * model.experts_per_token
     per_expert = -(-routed // max(1, model.num_experts))
     linears = sum(
