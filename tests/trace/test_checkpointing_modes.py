@@ -1,5 +1,10 @@
 """The core's activations and peak under 'op' (torchtitan's selective op policy) and 'every:N' (full checkpointing
-of every N-th block) against the trace of the reference model, and a real gloo run of both against the trace."""
+of every N-th block) against the trace of the reference model, and a real gloo run of both against the trace.
+
+FSDP2 (zero3) on the two-block presets, where the core follows the top and the bottom block as it does for 'full'.
+Not covered, as for 'full': with three blocks or more FSDP2 peaks in a middle block (the next block prefetched, the
+shards of the blocks above landed), which the core has no moment for; DDP's rules use the coarse top-block moment,
+which over-predicts these modes more than it does 'full'."""
 
 from __future__ import annotations
 
