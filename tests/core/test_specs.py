@@ -1,5 +1,6 @@
 import pytest
 
+from shardscope.choices import checkpoints_block
 from shardscope.mesh import MeshError, Parallelism
 from shardscope.presets import PresetError, gpu_preset, gpu_preset_names, model_preset
 from shardscope.specs import ClusterSpec, ModelSpec, Scenario, SpecError, Strategy, TrainingSpec
@@ -105,3 +106,16 @@ def test_mesh_errors_name_the_degrees_and_their_values() -> None:
     with pytest.raises(MeshError, match=r"ep 3 must divide dp_shard 4 x cp 1 = 4"):
         Parallelism(dp_shard=4, ep=3)
     assert Parallelism(dp_shard=4, cp=2, ep=8).world_size == 8  # ep borrows dp_shard x cp, it adds no GPU
+
+
+@pytest.mark.parametrize("word", ["every:0", "every:", "every:02", "every:-1", "every:1.5", "every:²", "Every:2"])
+def test_bad_checkpointing_is_named(word: str) -> None:
+    with pytest.raises(SpecError, match=f"TrainingSpec.checkpointing={word!r}"):
+        TrainingSpec(checkpointing=word)
+
+
+def test_every_n_checkpoints_the_n_th_blocks_as_torchtitan_counts_them() -> None:
+    assert TrainingSpec(checkpointing="every:12").checkpointing == "every:12"
+    assert [checkpoints_block("every:3", index) for index in range(6)] == [False, False, True, False, False, True]
+    assert all(checkpoints_block("every:1", index) == checkpoints_block("full", index) for index in range(4))
+    assert not any(checkpoints_block(mode, 0) for mode in ("none", "selective", "op"))

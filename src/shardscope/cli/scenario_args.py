@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from shardscope.choices import (
     ATTENTION,
-    CHECKPOINTING,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
@@ -18,6 +17,7 @@ from shardscope.choices import (
     SpecError,
     StrategyName,
     engine_name,
+    parse_checkpointing,
     parse_choice,
 )
 from shardscope.cli.errors import CliError
@@ -45,6 +45,14 @@ def engine_word(text: str) -> EngineName:
     """argparse type: an engine, or another word for one ('teaching' is 'paper')."""
     try:
         return engine_name(text)
+    except SpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def checkpointing_mode(text: str) -> str:
+    """argparse type: a checkpointing mode, including every:N."""
+    try:
+        return parse_checkpointing(text)
     except SpecError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -127,7 +135,15 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add_step_arguments(parser)
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank (default 1)")
     parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
-    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="default %(default)s")
+    parser.add_argument(
+        "--checkpointing",
+        type=checkpointing_mode,
+        default="none",
+        metavar="MODE",
+        help="none; full (recompute each block); selective (the attention core, Megatron's); op (torchtitan's "
+        "selective op policy: save matmul and attention outputs, recompute every other matmul and the rest); "
+        "every:N (full on every N-th block) (default %(default)s)",
+    )
 
 
 def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
