@@ -8,6 +8,7 @@ from shardscope.core.allocator import (
     FREE,
     AllocatorConfig,
     CachingAllocator,
+    events_from_memory_trace,
     replay,
     round_size,
     segment_size,
@@ -220,3 +221,16 @@ def test_random_streams_keep_the_books(config: AllocatorConfig) -> None:
         allocator.free(handle)
     assert allocator.allocated_bytes == 0
     assert all(allocator._prev[a] == -1 and allocator._next[a] == -1 for a in allocator._size)
+
+
+def test_torch_memory_trace_becomes_a_stream() -> None:
+    """A recorded device trace: alloc and free_completed are the stream (handles are addresses), the allocator's own
+    segment actions and free_requested are left out."""
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MiB},
+        {"action": "alloc", "addr": 0, "size": 100},
+        {"action": "free_requested", "addr": 0, "size": 100},
+        {"action": "free_completed", "addr": 0, "size": 100},
+        {"action": "alloc", "addr": 0, "size": 200},
+    ]
+    assert events_from_memory_trace(trace) == [(0, 100), (0, FREE), (0, 200)]

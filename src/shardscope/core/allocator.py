@@ -29,8 +29,9 @@ memory (the real allocator then frees cached unsplit segments and retries, so re
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MIN_BLOCK_BYTES = 512
 SMALL_REQUEST_BYTES = 1 << 20
@@ -287,3 +288,18 @@ def replay(events: Iterable[Event], config: AllocatorConfig | None = None, windo
     if window_start > index:
         allocator.reset_peaks()  # an empty window: what is held at the end
     return allocator.peaks()
+
+
+def events_from_memory_trace(trace: Iterable[Mapping[str, Any]]) -> list[Event]:
+    """The stream of a device trace that torch recorded (torch.cuda.memory._record_memory_history(), then
+    torch.cuda.memory._snapshot()["device_traces"][device]): 'alloc' allocates at its address, 'free_completed'
+    frees it, the allocator's own actions (segments, snapshots) are left out. Replayed, it gives what the model
+    says max_memory_allocated() and max_memory_reserved() are for torch's own allocation stream."""
+    events: list[Event] = []
+    for entry in trace:
+        action = entry["action"]
+        if action == "alloc":
+            events.append((entry["addr"], entry["size"]))
+        elif action == "free_completed":
+            events.append((entry["addr"], FREE))
+    return events
