@@ -224,13 +224,25 @@ def test_random_streams_keep_the_books(config: AllocatorConfig) -> None:
 
 
 def test_torch_memory_trace_becomes_a_stream() -> None:
-    """A recorded device trace: alloc and free_completed are the stream (handles are addresses), the allocator's own
-    segment actions and free_requested are left out."""
+    """A recorded device trace: alloc (on its stream) and free_completed are the stream (handles are addresses), the
+    allocator's own segment actions and free_requested are left out."""
     trace = [
-        {"action": "segment_alloc", "addr": 0, "size": 2 * MiB},
-        {"action": "alloc", "addr": 0, "size": 100},
-        {"action": "free_requested", "addr": 0, "size": 100},
-        {"action": "free_completed", "addr": 0, "size": 100},
-        {"action": "alloc", "addr": 0, "size": 200},
+        {"action": "segment_alloc", "addr": 0, "size": 2 * MiB, "stream": 0},
+        {"action": "alloc", "addr": 0, "size": 100, "stream": 0},
+        {"action": "free_requested", "addr": 0, "size": 100, "stream": 0},
+        {"action": "free_completed", "addr": 0, "size": 100, "stream": 0},
+        {"action": "alloc", "addr": 0, "size": 200, "stream": 7},
     ]
-    assert events_from_memory_trace(trace) == [(0, 100), (0, FREE), (0, 200)]
+    assert events_from_memory_trace(trace) == [(0, 100, 0), (0, FREE), (0, 200, 7)]
+
+
+def test_a_block_serves_only_its_own_stream() -> None:
+    """The pools' free blocks are ordered by stream first (BlockComparatorSize): a block freed on one stream is not
+    handed to a request on another, which gets a segment of its own."""
+    allocator = CachingAllocator()
+    allocator.malloc(1, 30 * MiB, stream=0)
+    allocator.free(1)
+    allocator.malloc(2, 30 * MiB, stream=5)
+    assert allocator.peaks().reserved_peak_bytes == 60 * MiB
+    allocator.malloc(3, 30 * MiB, stream=0)  # the cached block of stream 0 serves it
+    assert allocator.peaks().reserved_peak_bytes == 60 * MiB

@@ -21,9 +21,14 @@ expandable segments, find_expandable_block, map_block and try_allocate_expandabl
   bytes or more is split off; best fit counts the free block at the end as unboundedly large (it can grow), so
   any other free block that fits goes first.
 
-Not modelled: more than one stream (a block serves only the stream it was allocated on; FSDP2's all-gather and
-reduce-scatter streams keep their own blocks), recordStream's deferred frees, CUDA graph pools, and running out of
-memory (the real allocator then frees cached unsplit segments and retries, so reserved stays lower near the limit).
+Streams: a block serves only the stream it was allocated on (the pools' free blocks are ordered by stream first),
+so FSDP2's all-gather and reduce-scatter streams keep their own blocks and segments; with expandable segments each
+stream has its own pair. Replaying torch's own recorded streams of an H200 run (tests/data/gpu) with their streams
+gives its max_memory_reserved() to the byte (tests/core/test_allocator_gpu_streams.py); without them, 10% less.
+
+Not modelled: recordStream's deferred frees (the recorded streams place each free where it completed), CUDA graph
+pools, and running out of memory (the real allocator then frees cached unsplit segments and retries, so reserved
+stays lower near the limit).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ LARGE_ROUNDING_BYTES = 2 << 20
 FREE = -1
 """The size of an event that frees its handle: (handle, FREE). Any other event (handle, nbytes) allocates."""
 
-Event = tuple[int, int]
+Event = tuple[int, int] | tuple[int, int, int]
+"""(handle, nbytes) or (handle, nbytes, stream): allocate nbytes on the stream (0 when not given); nbytes FREE frees."""
 
 _SMALL, _LARGE = 0, 1
 _NONE = -1
@@ -51,7 +57,7 @@ _NONE = -1
 # smallest block that fits and, among equal sizes, the lowest address.
 _ADDRESS_BITS = 48
 _ADDRESS_MASK = (1 << _ADDRESS_BITS) - 1
-_EXPANDABLE_BASE = (0, 1 << 47)  # where each pool's expandable segment starts
+_EXPANDABLE_SPACING = 1 << 42  # expandable segments: where the k-th (stream, pool) one starts, (k + 1) times this
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +102,8 @@ def segment_size(size: int) -> int:
 
 
 class CachingAllocator:
-    """One device's caching allocator, one stream. Blocks are named by address; handles are the caller's."""
+    """One device's caching allocator. Blocks are named by address; handles are the caller's. A pool is a (stream,
+    small or large) pair: a free block serves only its own pool."""
 
     def __init__(self, config: AllocatorConfig | None = None) -> None:
         self.config = config or AllocatorConfig()
@@ -107,21 +114,25 @@ class CachingAllocator:
         self._size: dict[int, int] = {}  # every block, free or handed out
         self._prev: dict[int, int] = {}  # neighbours in the segment, _NONE at its ends
         self._next: dict[int, int] = {}
-        self._pool: dict[int, int] = {}
+        self._pool: dict[int, tuple[int, int]] = {}
         self._free: set[int] = set()
-        self._free_keys: tuple[list[int], list[int]] = ([], [])
+        self._free_keys: dict[tuple[int, int], list[int]] = {}
         self._live: dict[int, int] = {}  # handle -> block address
         self._next_address = 0
-        self._mapped_end = list(_EXPANDABLE_BASE)  # expandable: where each pool's mapped part ends
-        self._last = [_NONE, _NONE]  # expandable: the block at the end of each pool's mapped part
+        self._mapped_end: dict[tuple[int, int], int] = {}  # expandable: where each pool's mapped part ends
+        self._last: dict[tuple[int, int], int] = {}  # expandable: the block at the end of each pool's mapped part
 
     # --- the two calls -------------------------------------------------------------------------------------
-    def malloc(self, handle: int, nbytes: int) -> None:
-        """Allocate nbytes under handle (torch allocates nothing for 0 bytes)."""
+    def malloc(self, handle: int, nbytes: int, stream: int = 0) -> None:
+        """Allocate nbytes under handle on a stream (torch allocates nothing for 0 bytes)."""
         if nbytes <= 0:
             return
         size = round_size(nbytes)
-        pool = _SMALL if size <= SMALL_REQUEST_BYTES else _LARGE
+        pool = (stream, _SMALL if size <= SMALL_REQUEST_BYTES else _LARGE)
+        if pool not in self._free_keys:
+            self._free_keys[pool] = []
+            self._mapped_end[pool] = (len(self._free_keys)) * _EXPANDABLE_SPACING
+            self._last[pool] = _NONE
         address = self._take_cached(pool, size)
         if address == _NONE:
             address = self._grow(pool, size) if self.config.expandable_segments else self._new_segment(pool, size)
@@ -162,7 +173,7 @@ class CachingAllocator:
         )
 
     # --- the rules ---------------------------------------------------------------------------------------
-    def _take_cached(self, pool: int, size: int) -> int:
+    def _take_cached(self, pool: tuple[int, int], size: int) -> int:
         """get_free_block: the best-fitting free block of the pool, out of the cache; _NONE when none may serve."""
         keys = self._free_keys[pool]
         index = bisect_left(keys, size << _ADDRESS_BITS)
@@ -183,14 +194,14 @@ class CachingAllocator:
         self._free.discard(address)
         return address
 
-    def _should_split(self, pool: int, block: int, size: int) -> bool:
+    def _should_split(self, pool: tuple[int, int], block: int, size: int) -> bool:
         remaining = block - size
-        if pool == _SMALL or self.config.expandable_segments:
+        if pool[1] == _SMALL or self.config.expandable_segments:
             return remaining >= MIN_BLOCK_BYTES
         limit = self.config.max_split_size_bytes
         return (limit is None or size < limit) and remaining > SMALL_REQUEST_BYTES
 
-    def _new_segment(self, pool: int, size: int) -> int:
+    def _new_segment(self, pool: tuple[int, int], size: int) -> int:
         """cudaMalloc a segment for a request no cached block serves; the whole segment is one block."""
         address, length = self._next_address, segment_size(size)
         self._next_address += length
@@ -198,9 +209,9 @@ class CachingAllocator:
         self._reserve(length)
         return address
 
-    def _grow(self, pool: int, size: int) -> int:
+    def _grow(self, pool: tuple[int, int], size: int) -> int:
         """Map pages at the end of the pool's expandable segment, joined to a free block there, until size fits."""
-        page = SMALL_SEGMENT_BYTES if pool == _SMALL else LARGE_SEGMENT_BYTES
+        page = SMALL_SEGMENT_BYTES if pool[1] == _SMALL else LARGE_SEGMENT_BYTES
         last = self._last[pool]
         have = 0
         if last != _NONE and last in self._free:
@@ -234,7 +245,7 @@ class CachingAllocator:
         self._cache(rest)
 
     # --- bookkeeping -------------------------------------------------------------------------------------
-    def _add_block(self, address: int, size: int, pool: int, before: int, after: int) -> None:
+    def _add_block(self, address: int, size: int, pool: tuple[int, int], before: int, after: int) -> None:
         if address > _ADDRESS_MASK:
             raise OverflowError(f"CachingAllocator: address {address} beyond the model's {_ADDRESS_BITS}-bit space")
         self._size[address] = size
@@ -278,13 +289,13 @@ def replay(events: Iterable[Event], config: AllocatorConfig | None = None, windo
     allocator = CachingAllocator(config)
     malloc, free = allocator.malloc, allocator.free
     index = -1
-    for index, (handle, nbytes) in enumerate(events):
+    for index, event in enumerate(events):
         if index == window_start:
             allocator.reset_peaks()
-        if nbytes == FREE:
-            free(handle)
+        if event[1] == FREE:
+            free(event[0])
         else:
-            malloc(handle, nbytes)
+            malloc(*event)
     if window_start > index:
         allocator.reset_peaks()  # an empty window: what is held at the end
     return allocator.peaks()
@@ -293,13 +304,14 @@ def replay(events: Iterable[Event], config: AllocatorConfig | None = None, windo
 def events_from_memory_trace(trace: Iterable[Mapping[str, Any]]) -> list[Event]:
     """The stream of a device trace that torch recorded (torch.cuda.memory._record_memory_history(), then
     torch.cuda.memory._snapshot()["device_traces"][device]): 'alloc' allocates at its address, 'free_completed'
-    frees it, the allocator's own actions (segments, snapshots) are left out. Replayed, it gives what the model
-    says max_memory_allocated() and max_memory_reserved() are for torch's own allocation stream."""
+    frees it, each on the stream it names; the allocator's own actions (segments, snapshots) are left out.
+    Replayed, it gives what the model says max_memory_allocated() and max_memory_reserved() are for torch's own
+    allocation stream."""
     events: list[Event] = []
     for entry in trace:
         action = entry["action"]
         if action == "alloc":
-            events.append((entry["addr"], entry["size"]))
+            events.append((entry["addr"], entry["size"], entry["stream"]))
         elif action == "free_completed":
             events.append((entry["addr"], FREE))
     return events
