@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -97,13 +98,18 @@ OP_SAVE_LIST = MM_OPS | _ops(
 )
 
 
-def op_policy_context() -> Any:
+def op_policy_context(recompute_shapes: frozenset[tuple[int, ...]] = frozenset()) -> Any:
     """A fresh pair of selective-checkpoint contexts for one checkpointed block: torchtitan's policy, which counts
-    the mms of forward and of recomputation apart and recomputes the even ones (the 2nd, 4th...)."""
+    the mms of forward and of recomputation apart and recomputes the even ones (the 2nd, 4th...). An mm whose weight
+    has one of `recompute_shapes` (in, out) is recomputed and not counted: torchtitan's default
+    `force_recompute_mm_shapes_by_fqns` names the MoE router's gate."""
     mm_counts = {False: 0, True: 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in MM_OPS:
+            weight = tuple(args[1].shape)
+            if (weight[::-1] if func == torch.ops.aten.linear.default else weight) in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
             mm_counts[ctx.is_recompute] += 1
         if func in OP_SAVE_LIST and not (func in MM_OPS and mm_counts[ctx.is_recompute] % 2 == 0):
             return CheckpointPolicy.MUST_SAVE
@@ -277,7 +283,9 @@ class TransformerLM(nn.Module):
         if checkpoints_block(self.checkpointing, index):
             return checkpoint(block, x, context, use_reentrant=False)
         if self.checkpointing == "op":
-            return checkpoint(block, x, context, use_reentrant=False, context_fn=op_policy_context)
+            router = (self.spec.hidden_size, self.spec.num_experts) if self.spec.family == "moe" else None
+            contexts = partial(op_policy_context, frozenset([router] if router else []))
+            return checkpoint(block, x, context, use_reentrant=False, context_fn=contexts)
         return block(x, context)
 
 
