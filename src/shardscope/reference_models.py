@@ -15,7 +15,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from shardscope.choices import checkpoints_block
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -285,7 +290,11 @@ class TransformerLM(nn.Module):
         if self.checkpointing == "op":
             router = (self.spec.hidden_size, self.spec.num_experts) if self.spec.family == "moe" else None
             contexts = partial(op_policy_context, frozenset([router] if router else []))
-            return checkpoint(block, x, context, use_reentrant=False, context_fn=contexts)
+            # torchtitan's wrapper recomputes the whole block (early_stop=False): stopping at the last saved tensor
+            # would leave the cached output of the block's last projection unclaimed through its backward. For a
+            # block checkpointed whole it changes no byte (traced), so those keep torch's default, as 'full' has.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(block, x, context, use_reentrant=False, context_fn=contexts)
         return block(x, context)
 
 

@@ -275,15 +275,14 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     # under full checkpointing that tensor is the one stored, not recomputed.
     input_reused = sizes.hidden if model.family == "gpt2" or sizes.element == sizes.stat else 0
     # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
-    # policy keeps its input and what it saves, and recomputes the rest; at the peak of its backward it holds one
-    # tokens x hidden tensor beyond the recomputed ones and what it cached (traced on tiny-gpt2 and tiny-llama, fp32
-    # and bf16-mixed, sdpa and eager: the size of the block's last projection's output, which it cached).
+    # policy keeps its input and what it saves, and recomputes the rest (what it saved is handed back, not made
+    # again, and what backward does not need is freed as the recomputation passes it).
     whole = _BlockTerms(sizes.hidden + input_extra, block, block - input_reused)
     cached = _op_cached_bytes(model, training, sizes) if training.checkpointing == "op" else 0
     terms = {
         "none": _BlockTerms(block, 0, 0),
         "selective": _BlockTerms(block - selective_dropped, selective_dropped, selective_dropped),
-        "op": _BlockTerms(whole.stored + cached, block - cached, whole.backward - cached + sizes.hidden),
+        "op": _BlockTerms(whole.stored + cached, block - cached, whole.backward - cached),
     }
     blocks = [
         whole if checkpoints_block(training.checkpointing, index) else terms.get(training.checkpointing, terms["none"])
