@@ -53,6 +53,15 @@ def test_gpu_presets_store_bytes() -> None:
         "mi300x",
         "l40s",
         "rtx4090",
+        "h100-80gb-500w",
+        "h800-80gb",
+        "gb200",
+        "l4",
+        "rtx-a6000",
+        "mi250x-gcd",
+        "mi325x",
+        "gh200-96gb",
+        "gh200-144gb",
     }
     assert gpu_preset("h100-80gb").memory_bytes == 80 * GIB
     assert gpu_preset("rtx4090").memory_bytes == 24 * GIB

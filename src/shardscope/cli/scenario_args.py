@@ -22,7 +22,7 @@ from shardscope.choices import (
 )
 from shardscope.cli.errors import CliError
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
-from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
+from shardscope.presets import gpu_preset, gpu_preset_names, model_preset, model_preset_names, with_memory
 from shardscope.presets.hf_config import read_hf_config
 from shardscope.specs import (
     MAX_PARAMETERS,
@@ -85,16 +85,20 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) 
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """--gpus-per-node, --gpu | --gpu-memory: the GPU type, shared by the commands with and without a world size."""
+    """--gpus-per-node, --gpu and --gpu-memory: the GPU type, shared by the commands with and without a world size."""
     parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default %(default)s)")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
+    parser.add_argument(
         "--gpu",
         metavar="PRESET",
         default="h100-80gb",
         help=f"GPU preset (default %(default)s): {', '.join(gpu_preset_names())}",
     )
-    group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB or 80GB")
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="replace the --gpu preset's memory, e.g. 64GiB or 80GB; its FLOP/s, memory bandwidth and links stay the "
+        "preset's, so --time works with it",
+    )
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
@@ -224,13 +228,14 @@ def sequence_length_from_args(args: argparse.Namespace, model: ModelSpec, comman
 
 
 def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
-    """The GpuSpec of --gpu or --gpu-memory."""
+    """The GpuSpec of --gpu, with its memory replaced by --gpu-memory when that is given."""
+    gpu = gpu_preset(args.gpu)
     if args.gpu_memory:
         memory = parse_bytes(args.gpu_memory)
         if memory < 1:
             raise CliError(f"--gpu-memory {args.gpu_memory} must be more than 0 bytes")
-        return custom_gpu(memory)
-    return gpu_preset(args.gpu)
+        return with_memory(gpu, memory, args.gpu_memory)
+    return gpu
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:

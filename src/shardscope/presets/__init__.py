@@ -6,6 +6,7 @@ the links the records name, so a GPU cannot be added to one table and forgotten 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Collection, Mapping
@@ -28,6 +29,8 @@ GPU_RECORD_KEYS = (
     "tdp_watts",
     "tdp_source",
 )
+OPTIONAL_GPU_RECORD_KEYS = ("notes",)
+"""Fields a record may hold beside GPU_RECORD_KEYS: notes say what a record leaves out or assumes, and why."""
 
 
 class PresetError(SpecError):
@@ -67,6 +70,8 @@ class GpuRecord:
     """Thermal design power, or the vendor's board power where that is its figure; not used by the model."""
     tdp_source: str
     """The datasheet tdp_watts comes from."""
+    notes: str = ""
+    """What the record leaves out, assumes or derives, and why (empty when it is the datasheet's figures only)."""
 
     def __post_init__(self) -> None:
         where = f"GPU preset {self.gpu.id!r}"
@@ -93,7 +98,7 @@ def _positive(value: object) -> bool:
 def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[str]) -> GpuRecord:
     """The GpuRecord of one entry of gpus.json's 'gpus'; a missing, unknown or dangling field is an error."""
     missing = [key for key in GPU_RECORD_KEYS if key not in entry]
-    unknown = [key for key in entry if key not in GPU_RECORD_KEYS]
+    unknown = [key for key in entry if key not in GPU_RECORD_KEYS + OPTIONAL_GPU_RECORD_KEYS]
     if missing or unknown:
         problem = f"lacks {', '.join(missing)}" if missing else f"has unknown field {', '.join(unknown)}"
         raise PresetError(f"GPU preset {name!r} {problem}; a record holds: {', '.join(GPU_RECORD_KEYS)}")
@@ -118,6 +123,7 @@ def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[s
         **{role: links[role] for role in LINK_ROLES},
         tdp_watts=entry["tdp_watts"],
         tdp_source=entry["tdp_source"],
+        notes=entry.get("notes", ""),
     )
 
 
@@ -154,6 +160,17 @@ def gpu_preset(name: str) -> GpuSpec:
     return gpu_record(name).gpu
 
 
+def with_memory(gpu: GpuSpec, memory_bytes: int, given_as: str) -> GpuSpec:
+    """The GPU with its memory replaced (--gpu-memory): a GPU of that kind with another capacity keeps its FLOP/s,
+    its memory bandwidth and its links, so its id stays the preset's and only the name and source say so."""
+    return dataclasses.replace(
+        gpu,
+        memory_bytes=memory_bytes,
+        name=f"{gpu.name}, memory {given_as} (--gpu-memory)",
+        source=f"{gpu.source}; memory {memory_bytes} bytes given on the command line",
+    )
+
+
 def custom_gpu(memory_bytes: int) -> GpuSpec:
-    """A GPU known only by its memory size (from --gpu-memory)."""
+    """A GPU known only by its memory size (what a local run on this machine reports against)."""
     return GpuSpec(id="custom", name="custom GPU", memory_bytes=memory_bytes, source="given on the command line")

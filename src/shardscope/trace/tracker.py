@@ -10,6 +10,9 @@ The fake process group allocates nothing inside a collective; a real backend may
 ClusterSpec.backend) names whose buffers are replayed: "nccl" (the real target, the default) has none this counts,
 "gloo" (validate's cases, compared with gloo runs) holds a copy of every reduce-scatter's input for the length of the
 call (see _BACKEND_COPIES).
+
+Beside the totals it keeps the ordered stream of allocations and frees it saw (`events`, in the form
+shardscope.core.allocator replays), so the caching allocator's reserved bytes can be computed for it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardscope.core.allocator import FREE, Event
 from shardscope.core.result import CollectiveRow
 from shardscope.measure.ledger import CollectiveLedger
 from shardscope.measure.storage import local_tensor
@@ -45,6 +49,16 @@ _RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
 _NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+# The CUDA streams FSDP2 allocates on besides the default one (torch/distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py): an all-gather's input and output are made on its copy-in stream (implicit prefetching in
+# forward and before backward, the only unshards shardscope's steps make); a reduce-scatter's output on the
+# reduce-scatter stream (its input on the default stream). The caching allocator serves each stream from its own
+# blocks (core.allocator), so the stream of each allocation decides what is reserved; all else is stream 0.
+ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2
+_STREAM_OF_ARGUMENTS = {
+    torch.ops.c10d._allgather_base_.default: ((0, 1), ALL_GATHER_STREAM),
+    torch.ops.c10d._reduce_scatter_base_.default: ((0,), REDUCE_SCATTER_STREAM),
+}
 # What a backend copies inside a collective, for the length of the call: op -> index of the argument it copies.
 # ProcessGroupGloo::_reduce_scatter_base calls reduce_scatter_tensor_coalesced, which clones its whole (unsharded)
 # input, all-reduces the clone on a worker thread and at wait() copies this rank's chunk out of it (torch 2.13,
@@ -95,12 +109,20 @@ class StepRecorder(TorchDispatchMode):
         self.moments: dict[tuple[str, str], Moment] = {}
         self.collectives = CollectiveLedger()  # the table only: it is never entered as a mode of its own
         self.saved_activations = 0
+        self.events: list[Event] = []
+        """Every allocation (storage id, bytes[, CUDA stream]) and free (storage id, FREE) seen, in order, from the
+        start."""
+        self._allocated_at: dict[int, int] = {}  # storage id -> index of its allocation in events
+        self.window_event = 0
+        """Index in `events` where the measured step starts."""
+        self._transient = 0
 
     def start_window(self) -> None:
         """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
         self.moments = {}
         self.collectives.rows = []
         self.saved_activations = 0
+        self.window_event = len(self.events)
         self.recording = True
         self._note_peak()
 
@@ -128,7 +150,10 @@ class StepRecorder(TorchDispatchMode):
 
     # --- storage bookkeeping -------------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
+        if key in self._bytes:
+            self.events.append((key, FREE))
         size = self._bytes.pop(key, 0)
+        self._allocated_at.pop(key, None)
         category = self._category.pop(key, "temporary")
         self._refs.pop(key, None)
         self.live[category] -= size
@@ -139,6 +164,8 @@ class StepRecorder(TorchDispatchMode):
         if key in self._bytes:
             return
         size = storage.nbytes()
+        self._allocated_at[key] = len(self.events)
+        self.events.append((key, size))
         self._bytes[key] = size
         self._category[key] = category
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
@@ -168,6 +195,8 @@ class StepRecorder(TorchDispatchMode):
         self._note_peak()
         self.live[category] -= size
         self.live_total -= size
+        self._transient -= 1  # negative handles: never a storage id
+        self.events += [(self._transient, size), (self._transient, FREE)]
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Put these tensors' storages in a category (adding any not seen yet)."""
@@ -191,6 +220,9 @@ class StepRecorder(TorchDispatchMode):
         if key not in self._bytes:
             self._add(storage, "buffers")
             return
+        self.events.append((key, FREE))
+        self._allocated_at[key] = len(self.events)
+        self.events.append((key, new_bytes))
         old_category = self._category[key]
         self.live[old_category] -= self._bytes[key]
         self.live_total += new_bytes - self._bytes[key]
@@ -222,11 +254,23 @@ class StepRecorder(TorchDispatchMode):
                 self._add(local_tensor(item).untyped_storage(), category)
         if func in _GRADIENT_OUTPUT_OPS:
             self.label([args[0]], "gradients")
+        if func in _STREAM_OF_ARGUMENTS:
+            positions, stream = _STREAM_OF_ARGUMENTS[func]
+            self._on_stream([args[position] for position in positions], stream)
         if func in self._copies:
             copied, _ = tree_flatten(args[self._copies[func]])
             size = sum(t.numel() * t.element_size() for t in copied if isinstance(t, torch.Tensor))
             self._held_for_the_call(size, "buffers")
         return out
+
+    def _on_stream(self, tensors: list[Any], stream: int) -> None:
+        """Mark where these tensors' storages were allocated as on a CUDA stream of FSDP2's."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                key = id(local_tensor(tensor).untyped_storage())
+                index = self._allocated_at.get(key)
+                if index is not None and key in self._bytes:
+                    self.events[index] = (key, self.events[index][1], stream)
 
     def ledger(self) -> tuple[CollectiveRow, ...]:
         """The collectives of the measuring window, merged."""
