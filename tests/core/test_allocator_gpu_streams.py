@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from shardscope.core.allocator import FREE, Event, replay
+from shardscope.core.allocator import FREE, AllocatorConfig, Event, replay
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu_check-h200-snapshots.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def _measured() -> dict[str, dict[str, int]]:
-    return {row["mode"]: row["measured"] for row in json.loads(RESULTS.read_text())["rows"]}
+def _measured(name: str = "gpu_check-h200-snapshots.json") -> dict[str, dict[str, int]]:
+    return {row["mode"]: row["measured"] for row in json.loads((RESULTS / name).read_text())["rows"]}
 
 
 def _stream(mode: str, with_streams: bool = True) -> list[Event]:
@@ -53,3 +53,13 @@ def test_without_its_streams_the_replay_reserves_less() -> None:
     # FSDP2's all-gather and reduce-scatter streams keep their own segments: one stream for all undercounts.
     measured = _measured()["none"]["reserved_peak_bytes"]
     assert replay(_stream("none", with_streams=False)).reserved_peak_bytes < 0.95 * measured
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "op"])
+def test_the_same_streams_under_expandable_segments_give_that_runs_reserved_peak(mode: str) -> None:
+    # The cases measured again in processes of their own with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    # (gpu_check-h200-expandable.json): the allocations are the same, only how segments are mapped differs.
+    measured = _measured("gpu_check-h200-expandable.json")[mode]
+    peaks = replay(_stream(mode), AllocatorConfig(expandable_segments=True))
+    assert peaks.allocated_peak_bytes == measured["allocated_peak_bytes"]
+    assert peaks.reserved_peak_bytes == measured["reserved_peak_bytes"]

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from shardscope.cli.errors import CliError
@@ -63,6 +64,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="N",
         help="trace a deeper model cut to N-1 and N blocks and extrapolate exactly; 0 traces every block "
         "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--memory-snapshot",
+        metavar="FILE",
+        help="also write the step's allocations, replayed through the CUDA caching allocator model, as a memory "
+        "snapshot (torch.cuda.memory._snapshot's pickle; open it at https://pytorch.org/memory_viz); "
+        "traces every block",
     )
     parser.add_argument("--units", choices=("GiB", "GB", "MiB", "MB"), default="GiB", help="printed units")
     parser.add_argument("--json", action="store_true", help="print JSON (shardscope.trace/v1)")
@@ -138,12 +146,19 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--time-limit {args.time_limit} must be more than 0 seconds")
     if args.traced_blocks != 0 and args.traced_blocks < 6:
         raise CliError(f"--traced-blocks {args.traced_blocks} must be 0 (every block) or at least 6")
+    snapshot = ""
+    if args.memory_snapshot:
+        target = Path(args.memory_snapshot).expanduser().resolve()
+        if not target.parent.is_dir():
+            raise CliError(f"--memory-snapshot {args.memory_snapshot}: folder {target.parent} does not exist")
+        snapshot = str(target)
     request = TraceRequest(
         scenario=scenario,
         config_path=args.config or "",
         factory=args.module or "",
         time_limit_s=args.time_limit,
         traced_blocks=args.traced_blocks,
+        memory_snapshot=snapshot,
     )
     try:
         result = run_in_subprocess(request, stderr_progress("trace"))
@@ -156,4 +171,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(scenario), indent=1))
     else:
         print(render(result, args.units))
+    if snapshot:
+        print(f"memory snapshot written to {snapshot} (open it at https://pytorch.org/memory_viz)", file=sys.stderr)
     return 0

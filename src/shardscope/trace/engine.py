@@ -8,6 +8,7 @@ FSDP's persistent buffers.
 from __future__ import annotations
 
 import gc
+import pickle
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -19,6 +20,7 @@ from torch import nn
 
 from shardscope.choices import checkpoint_every
 from shardscope.core.allocator import replay
+from shardscope.core.memory_snapshot import memory_snapshot
 from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
@@ -101,7 +103,8 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     wanted = request.traced_blocks
     result: TraceResult | None = None
     identical_blocks = checkpoint_every(request.scenario.training.checkpointing) <= 1
-    if depth is not None and wanted and depth > wanted and identical_blocks and not uses_ddp(request.scenario):
+    extrapolate_ok = identical_blocks and not uses_ddp(request.scenario) and not request.memory_snapshot
+    if depth is not None and wanted and depth > wanted and extrapolate_ok:
         shallow = _trace_depth(request, wanted - 1, progress)
         deep = _trace_depth(request, wanted, progress)
         if shallow is not None and deep is not None:
@@ -222,6 +225,9 @@ def _trace_depth(
         notes=tuple(traced.engine_notes),
         reserved_peak_bytes=replay(recorder.events, window_start=recorder.window_event).reserved_peak_bytes,
     )
+    if request.memory_snapshot:
+        with open(request.memory_snapshot, "wb") as file:
+            pickle.dump(memory_snapshot(recorder.events), file)
     return DepthTrace(
         blocks=len(traced.blocks), block_prefix=prefix or "", result=result, moments=tuple(recorder.moments.values())
     )

@@ -30,6 +30,8 @@ class TraceRequest:
     traced_blocks: int = DEFAULT_TRACED_BLOCKS
     """A deeper model is traced with traced_blocks - 1 and traced_blocks of its identical blocks and extrapolated
     to its depth; 0 traces every block."""
+    memory_snapshot: str = ""
+    """Write the step's allocations here as a CUDA memory snapshot (pickle), traced whole (core.memory_snapshot)."""
 
     def __post_init__(self) -> None:
         if self.config_path and self.factory:
