@@ -246,3 +246,19 @@ def test_a_block_serves_only_its_own_stream() -> None:
     assert allocator.peaks().reserved_peak_bytes == 60 * MiB
     allocator.malloc(3, 30 * MiB, stream=0)  # the cached block of stream 0 serves it
     assert allocator.peaks().reserved_peak_bytes == 60 * MiB
+
+
+def test_near_the_device_limit_free_cached_segments_are_given_back_before_a_new_one() -> None:
+    """malloc's release_cached_blocks: when cudaMalloc fails, every cached segment none of whose blocks is in use is
+    freed and the cudaMalloc retried."""
+    allocator = CachingAllocator(device_bytes=100 * MiB)
+    allocator.malloc(1, 60 * MiB)
+    allocator.free(1)  # a free 60 MiB segment stays cached
+    allocator.malloc(2, 70 * MiB)  # does not fit the cached one, nor beside it on the device: it is released first
+    assert allocator.reserved_bytes == 70 * MiB
+    assert allocator.peaks().reserved_peak_bytes == 70 * MiB
+    unlimited = CachingAllocator()
+    unlimited.malloc(1, 60 * MiB)
+    unlimited.free(1)
+    unlimited.malloc(2, 70 * MiB)
+    assert unlimited.reserved_bytes == 130 * MiB

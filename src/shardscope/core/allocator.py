@@ -26,9 +26,12 @@ so FSDP2's all-gather and reduce-scatter streams keep their own blocks and segme
 stream has its own pair. Replaying torch's own recorded streams of an H200 run (tests/data/gpu) with their streams
 gives its max_memory_reserved() to the byte (tests/core/test_allocator_gpu_streams.py); without them, 10% less.
 
+Near the device's limit (device_bytes): a cudaMalloc that does not fit first gives back every cached segment none
+of whose blocks is in use, then retries (malloc's release_cached_blocks), so what is reserved stays lower there.
+
 Not modelled: recordStream's deferred frees (the recorded streams place each free where it completed), CUDA graph
-pools, and running out of memory (the real allocator then frees cached unsplit segments and retries, so reserved
-stays lower near the limit).
+pools, release_available_cached_blocks (it frees only blocks above max_split_size, and only when one is set), and
+giving back pages of expandable segments near the limit.
 """
 
 from __future__ import annotations
@@ -105,8 +108,10 @@ class CachingAllocator:
     """One device's caching allocator. Blocks are named by address; handles are the caller's. A pool is a (stream,
     small or large) pair: a free block serves only its own pool."""
 
-    def __init__(self, config: AllocatorConfig | None = None) -> None:
+    def __init__(self, config: AllocatorConfig | None = None, device_bytes: int | None = None) -> None:
         self.config = config or AllocatorConfig()
+        self.device_bytes = device_bytes
+        """What cudaMalloc can give in all (the GPU's memory less what lives outside the allocator); None: no end."""
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.allocated_peak_bytes = 0
@@ -202,12 +207,27 @@ class CachingAllocator:
         return (limit is None or size < limit) and remaining > SMALL_REQUEST_BYTES
 
     def _new_segment(self, pool: tuple[int, int], size: int) -> int:
-        """cudaMalloc a segment for a request no cached block serves; the whole segment is one block."""
-        address, length = self._next_address, segment_size(size)
+        """cudaMalloc a segment for a request no cached block serves; the whole segment is one block. When the device
+        has no room for it, every cached segment no block of which is in use is given back first and the cudaMalloc
+        retried (malloc's release_cached_blocks); if there is still no room the model goes on past the device, as if
+        it were larger (torch would raise out of memory: the peaks then say by how much)."""
+        length = segment_size(size)
+        if self.device_bytes is not None and self.reserved_bytes + length > self.device_bytes:
+            self._release_free_segments()
+        address = self._next_address
         self._next_address += length
         self._add_block(address, length, pool, _NONE, _NONE)
         self._reserve(length)
         return address
+
+    def _release_free_segments(self) -> None:
+        """cudaFree every segment that is one free block (release_cached_blocks; not done for expandable segments)."""
+        if self.config.expandable_segments:
+            return
+        for address in [a for a in self._free if self._prev[a] == _NONE and self._next[a] == _NONE]:
+            self._unfree(address)
+            self.reserved_bytes -= self._size.pop(address)
+            del self._prev[address], self._next[address], self._pool[address]
 
     def _grow(self, pool: tuple[int, int], size: int) -> int:
         """Map pages at the end of the pool's expandable segment, joined to a free block there, until size fits."""
@@ -282,11 +302,16 @@ class CachingAllocator:
             self.reserved_peak_bytes = self.reserved_bytes
 
 
-def replay(events: Iterable[Event], config: AllocatorConfig | None = None, window_start: int = 0) -> AllocatorPeaks:
+def replay(
+    events: Iterable[Event],
+    config: AllocatorConfig | None = None,
+    window_start: int = 0,
+    device_bytes: int | None = None,
+) -> AllocatorPeaks:
     """The allocated and reserved peaks of the events from index window_start on, the allocator having served all
     events before it (as reset_peak_memory_stats() before the measured step). Events: (handle, nbytes) allocates,
-    (handle, FREE) frees."""
-    allocator = CachingAllocator(config)
+    (handle, FREE) frees. device_bytes: what cudaMalloc can give (see CachingAllocator)."""
+    allocator = CachingAllocator(config, device_bytes)
     malloc, free = allocator.malloc, allocator.free
     index = -1
     for index, event in enumerate(events):

@@ -25,8 +25,8 @@ from shardscope.core.allocator import (
 class RecordingAllocator(CachingAllocator):
     """The caching allocator model, keeping torch's device trace of what it does."""
 
-    def __init__(self, config: AllocatorConfig | None = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: AllocatorConfig | None = None, device_bytes: int | None = None) -> None:
+        super().__init__(config, device_bytes)
         self.history: list[dict[str, Any]] = []
         self._requested: dict[int, tuple[int, int]] = {}  # block address -> (requested bytes, stream)
 
@@ -92,9 +92,11 @@ class RecordingAllocator(CachingAllocator):
         return found
 
 
-def memory_snapshot(events: Iterable[Event], config: AllocatorConfig | None = None) -> dict[str, Any]:
+def memory_snapshot(
+    events: Iterable[Event], config: AllocatorConfig | None = None, device_bytes: int | None = None
+) -> dict[str, Any]:
     """torch.cuda.memory._snapshot()'s dictionary for a stream of (handle, nbytes[, stream]) and (handle, FREE)."""
-    allocator = RecordingAllocator(config)
+    allocator = RecordingAllocator(config, device_bytes)
     for event in events:
         if event[1] == FREE:
             allocator.free(event[0])

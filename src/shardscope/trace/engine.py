@@ -23,6 +23,7 @@ from shardscope.core.allocator import replay
 from shardscope.core.memory_snapshot import memory_snapshot
 from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
+from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
 from shardscope.trace.ddp import DDP_STEPS, before_forward, forward_context, materialise, uses_ddp, wrap_ddp
 from shardscope.trace.extrapolate import DepthTrace, extrapolate
@@ -223,14 +224,21 @@ def _trace_depth(
         flops=flops,
         per_module=rows,
         notes=tuple(traced.engine_notes),
-        reserved_peak_bytes=replay(recorder.events, window_start=recorder.window_event).reserved_peak_bytes,
+        reserved_peak_bytes=replay(
+            recorder.events, window_start=recorder.window_event, device_bytes=_allocatable_bytes(scenario)
+        ).reserved_peak_bytes,
     )
     if request.memory_snapshot:
         with open(request.memory_snapshot, "wb") as file:
-            pickle.dump(memory_snapshot(recorder.events), file)
+            pickle.dump(memory_snapshot(recorder.events, device_bytes=_allocatable_bytes(scenario)), file)
     return DepthTrace(
         blocks=len(traced.blocks), block_prefix=prefix or "", result=result, moments=tuple(recorder.moments.values())
     )
+
+
+def _allocatable_bytes(scenario: Scenario) -> int:
+    """What the caching allocator can take from the GPU: its memory less the framework context assumed outside it."""
+    return scenario.cluster.gpu.memory_bytes - scenario.overheads.context_bytes
 
 
 def _block_prefix(traced: TracedModel) -> str | None:
