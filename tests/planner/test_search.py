@@ -18,8 +18,9 @@ from shardscope.planner.space import (
     offloads_for,
     variants,
 )
+from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
-from shardscope.specs import SpecError
+from shardscope.specs import SpecError, TrainingSpec
 
 
 def test_every_plan_fits_and_reaches_the_batch(big_request: PlanRequest) -> None:
@@ -118,3 +119,23 @@ def test_hsdp_shard_groups_divide_the_world_and_align_with_nodes(big_request: Pl
 def test_bad_requests_name_the_field(big_request: PlanRequest, change: dict[str, object], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         dataclasses.replace(big_request, **change)  # type: ignore[arg-type]
+
+
+def test_cpu_adam_keeps_full_offload_from_ranking_first() -> None:
+    """llama-3-8b on 8 H100s at a 256K-token batch: with FLOPs / (peak x 0.5) and the optimizer step priced at GPU
+    memory bandwidth even when it runs on the host, offloading everything (to run without checkpointing at a larger
+    micro-batch) ranked first; with CPU-Adam at the host's memory bandwidth (core.compute.optimizer_step_s) it does
+    not."""
+    gpu = gpu_preset("h100-80gb")
+    request = PlanRequest(
+        model=model_preset("llama-3-8b"),
+        gpu=gpu,
+        training=TrainingSpec(sequence_length=2048),
+        global_batch_tokens=256 * 1024,
+        max_gpus=8,
+        top=4,
+    )
+    assert plan(request).plans[0].scenario.strategy.offload == "none"
+    efficiency = dataclasses.replace(default_profile(gpu), efficiency=0.5, per_op_kernels=False)
+    old = plan(dataclasses.replace(request, hardware=efficiency))
+    assert old.plans[0].scenario.strategy.offload == "optimizer+params"

@@ -28,6 +28,7 @@ GPU_RECORD_KEYS = (
     "tdp_watts",
     "tdp_source",
 )
+OPTIONAL_GPU_RECORD_KEYS = ("architecture",)
 
 
 class PresetError(SpecError):
@@ -67,6 +68,8 @@ class GpuRecord:
     """Thermal design power, or the vendor's board power where that is its figure; not used by the model."""
     tdp_source: str
     """The datasheet tdp_watts comes from."""
+    architecture: str = ""
+    """The GPU's architecture ('ampere', 'hopper'), the key of its kernel ceilings in gpu_kernels.json; empty: none."""
 
     def __post_init__(self) -> None:
         where = f"GPU preset {self.gpu.id!r}"
@@ -93,7 +96,7 @@ def _positive(value: object) -> bool:
 def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[str]) -> GpuRecord:
     """The GpuRecord of one entry of gpus.json's 'gpus'; a missing, unknown or dangling field is an error."""
     missing = [key for key in GPU_RECORD_KEYS if key not in entry]
-    unknown = [key for key in entry if key not in GPU_RECORD_KEYS]
+    unknown = [key for key in entry if key not in GPU_RECORD_KEYS + OPTIONAL_GPU_RECORD_KEYS]
     if missing or unknown:
         problem = f"lacks {', '.join(missing)}" if missing else f"has unknown field {', '.join(unknown)}"
         raise PresetError(f"GPU preset {name!r} {problem}; a record holds: {', '.join(GPU_RECORD_KEYS)}")
@@ -118,6 +121,7 @@ def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[s
         **{role: links[role] for role in LINK_ROLES},
         tdp_watts=entry["tdp_watts"],
         tdp_source=entry["tdp_source"],
+        architecture=entry.get("architecture", ""),
     )
 
 

@@ -1,0 +1,89 @@
+"""The per-op kernel model (core.kernels): GEMMs cost whole tiles in whole waves, flash attention runs at its
+measured throughput, CPU offload's optimizer step is CPU-Adam at the host's memory bandwidth, and the model applies
+to 16-bit NCCL steps on GPUs with kernel ceilings only (gloo and a given efficiency keep FLOPs / (peak x eff))."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from timecases import scenario
+
+from shardscope.core.compute import FUSED_OPTIMIZER_ACCESSES, compute_model, optimizer_step_s
+from shardscope.core.kernels import _flash_fractions, gemm_s
+from shardscope.presets import gpu_preset_names
+from shardscope.presets.hardware import default_profile
+from shardscope.presets.kernels import kernel_ceilings
+
+
+def _h100() -> tuple[object, float]:
+    ceilings = kernel_ceilings("h100-80gb")
+    assert ceilings is not None
+    return ceilings, 989.4e12 * ceilings.matmul_fraction
+
+
+def test_a_gemm_costs_whole_tiles_in_whole_waves() -> None:
+    ceilings, rate = _h100()
+    assert ceilings.sm_count == 132 and ceilings.gemm_tile == (128, 256)  # type: ignore[attr-defined]
+    # 8192^3: 64 x 32 = 2048 tiles of 128 x 256 in 16 waves of 132, the last one 68/132 full.
+    waves = math.ceil(2048 / 132)
+    assert gemm_s(8192, 8192, 8192, ceilings, rate) == pytest.approx(2 * 8192 * waves * 132 * 128 * 256 / rate)  # type: ignore[arg-type]
+    # Wave quantization: 132 tiles are one wave, 133 are two.
+    one_wave = gemm_s(128, 256 * 132, 4096, ceilings, rate)  # type: ignore[arg-type]
+    assert gemm_s(128, 256 * 133, 4096, ceilings, rate) == pytest.approx(2 * one_wave)  # type: ignore[arg-type]
+    # Tile quantization: one row past a tile boundary is a second row of tiles, here a second wave.
+    assert gemm_s(129, 256 * 132, 4096, ceilings, rate) == pytest.approx(2 * one_wave)  # type: ignore[arg-type]
+
+
+def test_flash_attention_runs_at_the_measured_fractions() -> None:
+    ceilings, _ = _h100()
+    rows = dict((head_dim, table) for head_dim, table in ceilings.attention)  # type: ignore[attr-defined]
+    for seq, forward, backward in rows[128]:
+        assert _flash_fractions(ceilings, 128, seq) == (forward, backward)  # type: ignore[arg-type]
+    low, high = _flash_fractions(ceilings, 128, 2048), _flash_fractions(ceilings, 128, 4096)  # type: ignore[arg-type]
+    middle = _flash_fractions(ceilings, 128, 2896)  # type: ignore[arg-type]
+    assert low[0] < middle[0] < high[0] and low[1] < middle[1] < high[1]
+    assert _flash_fractions(ceilings, 128, 65536) == _flash_fractions(ceilings, 128, 16384)  # type: ignore[arg-type]
+
+
+def test_cpu_offload_prices_the_optimizer_step_as_cpu_adam() -> None:
+    case = scenario(strategy="zero3", offload="optimizer")
+    compute = compute_model(case, default_profile(case.cluster.gpu))
+    assert compute.kernels is not None
+    shard = 8_030_261_248 // 16
+    host_per_rank = compute.kernels.host_memory_bandwidth_bytes_per_s / 8  # DGX H100's two sockets, 8 ranks
+    cpu_adam = FUSED_OPTIMIZER_ACCESSES["adamw"] * 4 * shard / host_per_rank
+    assert optimizer_step_s(case, compute, shard, 1) == pytest.approx(cpu_adam)
+    on_gpu = optimizer_step_s(scenario(strategy="zero3"), compute, shard, 1)
+    assert cpu_adam > 10 * on_gpu  # host memory is ~40x slower per rank than HBM
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"precision": "fp32"},
+        {"backend": "gloo"},
+    ],
+)
+def test_gloo_and_fp32_keep_the_efficiency_model(change: dict[str, str]) -> None:
+    if "backend" in change:
+        case = scenario()
+        case = dataclasses.replace(case, cluster=dataclasses.replace(case.cluster, backend="gloo"))
+    else:
+        case = scenario(**change)
+    assert compute_model(case, default_profile(case.cluster.gpu)).kernels is None
+
+
+def test_a_given_efficiency_replaces_the_kernel_model() -> None:
+    case = scenario()
+    profile = default_profile(case.cluster.gpu)
+    assert compute_model(case, profile).kernels is not None
+    given = dataclasses.replace(profile, efficiency=0.5, per_op_kernels=False)
+    assert compute_model(case, given).kernels is None
+
+
+def test_ceilings_exist_for_sourced_architectures_only() -> None:
+    with_ceilings = {name for name in gpu_preset_names() if kernel_ceilings(name) is not None}
+    assert with_ceilings == {"a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie-80gb", "h200-141gb"}
+    assert kernel_ceilings("custom") is None
