@@ -14,10 +14,10 @@ from shardscope.core.compute import FUSED_OPTIMIZER_ACCESSES, compute_model, opt
 from shardscope.core.kernels import _flash_fractions, gemm_s
 from shardscope.presets import gpu_preset_names
 from shardscope.presets.hardware import default_profile
-from shardscope.presets.kernels import kernel_ceilings
+from shardscope.presets.kernels import KernelCeilings, kernel_ceilings
 
 
-def _h100() -> tuple[object, float]:
+def _h100() -> tuple[KernelCeilings, float]:
     ceilings = kernel_ceilings("h100-80gb")
     assert ceilings is not None
     return ceilings, 989.4e12 * ceilings.matmul_fraction
@@ -25,26 +25,26 @@ def _h100() -> tuple[object, float]:
 
 def test_a_gemm_costs_whole_tiles_in_whole_waves() -> None:
     ceilings, rate = _h100()
-    assert ceilings.sm_count == 132 and ceilings.gemm_tile == (128, 256)  # type: ignore[attr-defined]
+    assert ceilings.sm_count == 132 and ceilings.gemm_tile == (128, 256)
     # 8192^3: 64 x 32 = 2048 tiles of 128 x 256 in 16 waves of 132, the last one 68/132 full.
     waves = math.ceil(2048 / 132)
-    assert gemm_s(8192, 8192, 8192, ceilings, rate) == pytest.approx(2 * 8192 * waves * 132 * 128 * 256 / rate)  # type: ignore[arg-type]
+    assert gemm_s(8192, 8192, 8192, ceilings, rate) == pytest.approx(2 * 8192 * waves * 132 * 128 * 256 / rate)
     # Wave quantization: 132 tiles are one wave, 133 are two.
-    one_wave = gemm_s(128, 256 * 132, 4096, ceilings, rate)  # type: ignore[arg-type]
-    assert gemm_s(128, 256 * 133, 4096, ceilings, rate) == pytest.approx(2 * one_wave)  # type: ignore[arg-type]
+    one_wave = gemm_s(128, 256 * 132, 4096, ceilings, rate)
+    assert gemm_s(128, 256 * 133, 4096, ceilings, rate) == pytest.approx(2 * one_wave)
     # Tile quantization: one row past a tile boundary is a second row of tiles, here a second wave.
-    assert gemm_s(129, 256 * 132, 4096, ceilings, rate) == pytest.approx(2 * one_wave)  # type: ignore[arg-type]
+    assert gemm_s(129, 256 * 132, 4096, ceilings, rate) == pytest.approx(2 * one_wave)
 
 
 def test_flash_attention_runs_at_the_measured_fractions() -> None:
     ceilings, _ = _h100()
-    rows = dict((head_dim, table) for head_dim, table in ceilings.attention)  # type: ignore[attr-defined]
+    rows = dict((head_dim, table) for head_dim, table in ceilings.attention)
     for seq, forward, backward in rows[128]:
-        assert _flash_fractions(ceilings, 128, seq) == (forward, backward)  # type: ignore[arg-type]
-    low, high = _flash_fractions(ceilings, 128, 2048), _flash_fractions(ceilings, 128, 4096)  # type: ignore[arg-type]
-    middle = _flash_fractions(ceilings, 128, 2896)  # type: ignore[arg-type]
+        assert _flash_fractions(ceilings, 128, seq) == (forward, backward)
+    low, high = _flash_fractions(ceilings, 128, 2048), _flash_fractions(ceilings, 128, 4096)
+    middle = _flash_fractions(ceilings, 128, 2896)
     assert low[0] < middle[0] < high[0] and low[1] < middle[1] < high[1]
-    assert _flash_fractions(ceilings, 128, 65536) == _flash_fractions(ceilings, 128, 16384)  # type: ignore[arg-type]
+    assert _flash_fractions(ceilings, 128, 65536) == _flash_fractions(ceilings, 128, 16384)
 
 
 def test_cpu_offload_prices_the_optimizer_step_as_cpu_adam() -> None:

@@ -141,6 +141,15 @@ def _attention_core_flops(model: ModelSpec, training: TrainingSpec) -> float:
     return 4.0 * training.micro_batch_size * seq * seq * model.num_heads * model.head_dim
 
 
+def head_matrices(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(out, in) of the matmuls after the blocks: the head's own weights, or the embedding matrix used a second time
+    when tied."""
+    layout = param_layout(model)
+    own = tuple(t.shape for t in layout.root if len(t.shape) == 2 and not t.name.startswith("embed"))
+    tied = ((model.vocab_size, model.hidden_size),) if model.tie_embeddings else ()
+    return tuple((shape[0], shape[1]) for shape in own) + tied
+
+
 @cache
 def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, ...]:
     """FLOPs of every stage in forward order: embeddings, the blocks, then final norm, head and loss."""
@@ -156,10 +165,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
         recompute, recompute_kernels = attention, 1.0
     else:
         recompute, recompute_kernels = 0.0, 0.0
-    head_tensors = tuple(t for t in layout.root if not t.name.startswith("embed"))
-    head = _matmul_flops(head_tensors, tokens, 1, 1)
-    if model.tie_embeddings:  # the head is the embedding matrix used a second time
-        head += 2.0 * tokens * model.vocab_size * model.hidden_size
+    head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model))
     stages = [
         StageFlops(
             name="embed",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
-from shardscope.core.compute import ComputeModel, stage_flops
+from shardscope.core.compute import ComputeModel, head_matrices, stage_flops
 from shardscope.core.params import param_layout
 from shardscope.presets.kernels import KernelCeilings
 from shardscope.specs import ModelSpec, Scenario
@@ -117,11 +117,8 @@ def _matmuls_s(
             rows = routed if ".experts." in tensor.name else tokens
             forward, backward = linear_s(rows, tensor.shape[0], tensor.shape[1], ceilings, rate)
             block_forward, block_backward = block_forward + forward, block_backward + backward
-    head = [tensor.shape for tensor in layout.root if len(tensor.shape) == 2 and not tensor.name.startswith("embed")]
-    if model.tie_embeddings:  # the head is the embedding matrix used a second time
-        head.append((model.vocab_size, model.hidden_size))
     head_forward = head_backward = 0.0
-    for out_features, in_features in head:
+    for out_features, in_features in head_matrices(model):
         forward, backward = linear_s(tokens, out_features, in_features, ceilings, rate)
         head_forward, head_backward = head_forward + forward, head_backward + backward
     return block_forward, block_backward, head_forward, head_backward

@@ -47,6 +47,11 @@ def gpus_file() -> dict[str, Any]:
     return _load("gpus.json")
 
 
+def gpu_kernels_file() -> dict[str, Any]:
+    """gpu_kernels.json as parsed: kernel ceilings per GPU architecture and SM counts per GPU preset, with sources."""
+    return _load("gpu_kernels.json")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GpuRecord:
     """Everything gpus.json says about one GPU: what the memory model reads (the GpuSpec) and what the time model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from shardscope.presets import _load, gpu_preset_names, gpu_record
+from shardscope.presets import gpu_kernels_file, gpu_preset_names, gpu_record
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,7 +34,7 @@ def kernel_ceilings(gpu_id: str) -> KernelCeilings | None:
     """The ceilings of a GPU preset, or None when its architecture or SM count is not in gpu_kernels.json."""
     if gpu_id not in gpu_preset_names():
         return None
-    data = _load("gpu_kernels.json")
+    data = gpu_kernels_file()
     entry = data["architectures"].get(gpu_record(gpu_id).architecture)
     sm_count = data["sm_count"].get(gpu_id)
     if entry is None or sm_count is None:
