@@ -212,26 +212,27 @@ def build_traced_model(request: TraceRequest, num_blocks: int | None = None) -> 
     return _reference_model(request, num_blocks)
 
 
-def make_mesh(scenario: Scenario) -> Any:
-    """A 1-D mesh over the world, or hsdp's 2-D (replicate, shard) mesh."""
+def make_mesh(scenario: Scenario, device: str = "cpu") -> Any:
+    """A 1-D mesh over the world, or hsdp's 2-D (replicate, shard) mesh, of the device type given."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = scenario.cluster.world_size
     if scenario.strategy.preset.groups_replicate:
         group = scenario.shard_degree
-        return init_device_mesh("cpu", (world // group, group), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        return init_device_mesh(device, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device, (world,), mesh_dim_names=("dp",))
 
 
-def apply_strategy(traced: TracedModel, scenario: Scenario) -> str:
+def apply_strategy(traced: TracedModel, scenario: Scenario, device: str = "cpu") -> str:
     """Wrap each block and the root with torch's engine for the strategy; returns the engine's name. ddp and
-    zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built)."""
+    zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built). The
+    device is the mesh's (benchmarks/gpu_check.py shards real CUDA tensors over the fake process group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     strategy, training = scenario.strategy, scenario.training
     if runs_on_ddp(scenario):
         return "torch DistributedDataParallel" + (" + ZeroRedundancyOptimizer" if strategy.stage == 1 else "")
-    mesh = make_mesh(scenario)
+    mesh = make_mesh(scenario, device)
     compute = COMPUTE_DTYPES.get(training.precision)
     policy = (
         MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
