@@ -25,8 +25,8 @@ def _h100() -> tuple[KernelCeilings, float]:
 
 def test_a_gemm_costs_whole_tiles_in_whole_waves() -> None:
     ceilings, rate = _h100()
-    assert ceilings.sm_count == 132 and ceilings.gemm_tile == (128, 256)
-    # 8192^3: 64 x 32 = 2048 tiles of 128 x 256 in 16 waves of 132, the last one 68/132 full.
+    assert ceilings.sm_count == 132 and ceilings.gemm_tile == (256, 128)
+    # 8192^3: 64 x 32 = 2048 tiles of 256 x 128 (either way round) in 16 waves of 132, the last one 68/132 full.
     waves = math.ceil(2048 / 132)
     assert gemm_s(8192, 8192, 8192, ceilings, rate) == pytest.approx(2 * 8192 * waves * 132 * 128 * 256 / rate)
     # Wave quantization: 132 tiles are one wave, 133 are two.
