@@ -5,13 +5,16 @@ to 16-bit NCCL steps on GPUs with kernel ceilings only (gloo and a given efficie
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 from timecases import scenario
 
+from shardscope.cli import main
 from shardscope.core.compute import FUSED_OPTIMIZER_ACCESSES, compute_model, optimizer_step_s
 from shardscope.core.kernels import _flash_fractions, gemm_s
+from shardscope.core.timeline import estimate_time
 from shardscope.presets import gpu_preset_names
 from shardscope.presets.hardware import default_profile
 from shardscope.presets.kernels import KernelCeilings, kernel_ceilings
@@ -87,3 +90,15 @@ def test_ceilings_exist_for_sourced_architectures_only() -> None:
     with_ceilings = {name for name in gpu_preset_names() if kernel_ceilings(name) is not None}
     assert with_ceilings == {"a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie-80gb", "h200-141gb"}
     assert kernel_ceilings("custom") is None
+
+
+def test_the_efficiency_flag_brings_back_the_global_efficiency_model(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--model", "llama-3-8b", "--gpus", "16", "--seq-len", "2048", "--time", "--json"]
+    steps = []
+    for extra in ([], ["--efficiency", "0.5"]):
+        assert main([*argv, *extra]) == 0
+        steps.append(json.loads(capsys.readouterr().out)["strategies"][0]["step_time_s"])
+    case = scenario(strategy="ddp", engine="pytorch")
+    efficiency = dataclasses.replace(default_profile(case.cluster.gpu), per_op_kernels=False)
+    assert steps[1] == estimate_time(case, efficiency).step_time_s != steps[0]
+    assert steps[0] == estimate_time(case).step_time_s
