@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 from timecases import scenario
@@ -15,9 +16,11 @@ from shardscope.cli import main
 from shardscope.core.compute import FUSED_OPTIMIZER_ACCESSES, compute_model, optimizer_step_s
 from shardscope.core.kernels import _flash_fractions, gemm_s
 from shardscope.core.timeline import estimate_time
-from shardscope.presets import gpu_preset_names
+from shardscope.presets import gpu_kernels_file, gpu_preset_names
 from shardscope.presets.hardware import default_profile
 from shardscope.presets.kernels import KernelCeilings, kernel_ceilings
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _h100() -> tuple[KernelCeilings, float]:
@@ -102,3 +105,15 @@ def test_the_efficiency_flag_brings_back_the_global_efficiency_model(capsys: pyt
     efficiency = dataclasses.replace(default_profile(case.cluster.gpu), per_op_kernels=False)
     assert steps[1] == estimate_time(case, efficiency).step_time_s != steps[0]
     assert steps[0] == estimate_time(case).step_time_s
+
+
+def test_hopper_ceilings_are_the_saved_h200_measurement() -> None:
+    """presets/gpu_kernels.json's Hopper fractions are benchmarks/results/gpu_kernels-h200.json over the H200's
+    datasheet figures (989.4 TFLOP/s dense bf16, 4.8 TB/s), rounded to 3 digits."""
+    measured = json.loads((REPO / "benchmarks" / "results" / "gpu_kernels-h200.json").read_text())
+    hopper = gpu_kernels_file()["architectures"]["hopper"]
+    assert hopper["matmul_fraction"] == round(measured["matmul_bf16_tflops"]["8192"] / 989.4, 3)
+    assert hopper["memory_fraction"] == round(measured["copy_tb_per_s"] / 4.8, 3)
+    for head_dim, rows in measured["attention_causal_bf16_tflops_forward_backward"].items():
+        for seq, pair in rows.items():
+            assert hopper["attention"][head_dim][seq] == [round(value / 989.4, 3) for value in pair]
