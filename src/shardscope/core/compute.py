@@ -222,7 +222,7 @@ def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int
     pass per op under torch's optimizers, fused under DeepSpeed's), plus the kernels it launches per tensor.
 
     With kernel ceilings the device step runs at the copy fraction of the bandwidth, and under CPU offload the step
-    is DeepSpeed's CPU-Adam: one fused pass ("ZeRO-Offload: Democratizing Billion-Scale Model Training", Section 5.1)
+    is DeepSpeed's CPU-Adam: one fused pass ("ZeRO-Offload: Democratizing Billion-Scale Model Training": its CPU-Adam)
     over the host's memory bandwidth, shared by the node's ranks."""
     optimizer = scenario.training.optimizer
     per_tensor = (

@@ -2,10 +2,10 @@
 
 - Matmuls: every linear of a block and the head, forward (Y = XW^T) and its two backward GEMMs (dX = dY W,
   dW = dY^T X), as M x N x K GEMMs cut into output tiles that run one per SM in waves ("The Case for Co-Designing
-  Model Architectures with Hardware", Anthony et al. 2024, Section 3; NVIDIA's Matrix Multiplication Background
+  Model Architectures with Hardware", Anthony et al. 2024; NVIDIA's Matrix Multiplication Background
   User's Guide: tile and wave quantization). A partial tile or a partial last wave costs a whole one.
 - Attention core under sdpa: flash attention at its measured forward and backward throughput for the head dim and
-  sequence length, over the causal half of the square (FlashAttention-2, Dao 2023, Section 4.1, counts it so).
+  sequence length, over the causal half of the square (FlashAttention-2, Dao 2023, counts its benchmarks so).
   Eager attention: QK^T and attention x V as batched GEMMs over the whole square, and the scale, mask and softmax as
   memory-bound passes over the scores.
 - Memory-bound ops (norms, activations, residual adds, rotary embeddings, the cross-entropy's log-softmax): the bytes
