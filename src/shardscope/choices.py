@@ -13,7 +13,7 @@ class SpecError(ValueError):
 Family = Literal["gpt2", "llama", "moe", "count"]
 Precision = Literal["fp32", "fp64", "bf16-mixed", "fp16-mixed", "bf16"]
 OptimizerName = Literal["adamw", "adam", "sgd", "sgd-momentum"]
-Checkpointing = Literal["none", "full", "selective"]
+Checkpointing = Literal["none", "full", "selective", "op"]
 Attention = Literal["eager", "sdpa"]
 StrategyName = Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
 Offload = Literal["none", "optimizer", "optimizer+params"]
@@ -55,6 +55,37 @@ def parse_choice(what: str, word: str, allowed: tuple[Word, ...]) -> Word:
         if word == value:
             return value
     raise SpecError(f"{what}={word!r} is not known; allowed: {', '.join(allowed)}")
+
+
+EVERY_PREFIX = "every:"
+"""`every:N`: full checkpointing of every N-th block; not a `Literal` word, so it has its own parser."""
+
+
+def parse_checkpointing(word: str, what: str = "checkpointing") -> str:
+    """`word` as a checkpointing mode: one of CHECKPOINTING or `every:N` with N a whole number of at least 1
+    written without sign or leading zeros; SpecError naming `what` and the word otherwise."""
+    if word in CHECKPOINTING:
+        return word
+    count = word[len(EVERY_PREFIX) :] if word.startswith(EVERY_PREFIX) else ""
+    if count.isdigit() and count.isascii() and not count.startswith("0"):
+        return word
+    raise SpecError(f"{what}={word!r} is not known; allowed: {', '.join(CHECKPOINTING)}, or every:N with N >= 1")
+
+
+def checkpoint_every(checkpointing: str) -> int:
+    """How often a whole block is checkpointed: 1 under 'full', N under 'every:N', 0 otherwise."""
+    if checkpointing == "full":
+        return 1
+    return int(checkpointing[len(EVERY_PREFIX) :]) if checkpointing.startswith(EVERY_PREFIX) else 0
+
+
+def checkpoints_block(checkpointing: str, index: int) -> bool:
+    """Whether block `index` (0 at the bottom) is checkpointed whole. torchtitan's selective layer AC counts the
+    blocks it wraps from 1 and wraps one when `count % ac_freq == 0`, so `every:N` wraps blocks N-1, 2N-1, ...
+    (torchtitan/distributed/activation_checkpoint.py, `_apply_layer_sac`, at commit dfb1a6ad9 of 2026-03-04; the
+    layer option was removed on 2026-03-23 by 114151ad4)."""
+    every = checkpoint_every(checkpointing)
+    return every > 0 and (index + 1) % every == 0
 
 
 ENGINE_ALIASES: dict[str, EngineName] = {"teaching": "paper"}

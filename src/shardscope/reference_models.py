@@ -8,12 +8,15 @@ with a single process can be checked to 1e-10 in float64.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from shardscope.choices import checkpoints_block
 from shardscope.specs import ModelSpec, TrainingSpec
 
 INIT_STD = 0.02  # GPT-2's initializer_range
@@ -55,6 +58,58 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    """The aten, c10d-functional and higher-order op overloads named 'namespace.op.overload' that this torch has."""
+    found = []
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            found.append(getattr(packet, overload))
+    return frozenset(found)
+
+
+# torchtitan's selective op AC (torchtitan/distributed/activation_checkpoint.py, `SelectiveAC` and
+# `_get_default_save_ops`, at commit c5d93d109 of 2026-06-15): save the outputs of the compute-intensive ops of
+# torch's partitioner (`get_default_op_list`: mm, bmm, addmm, the fused attentions), of the other SDPA kernels, of max
+# and linear, of topk, and of the reduce-scatter and all-to-all; recompute every second mm (or linear) and all the
+# rest. flash attention's CPU kernel is listed too: it is the kernel an sdpa call runs on a CPU (a real gloo run and
+# the trace's fake tensors), where a GPU runs the flash or efficient one torchtitan saves.
+MM_OPS = _ops("aten.mm.default", "aten.linear.default")
+OP_SAVE_LIST = MM_OPS | _ops(
+    "aten.bmm.default",
+    "aten.addmm.default",
+    "aten._scaled_mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
+    "aten.max.default",
+    "aten.topk.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+)
+
+
+def op_policy_context() -> Any:
+    """A fresh pair of selective-checkpoint contexts for one checkpointed block: torchtitan's policy, which counts
+    the mms of forward and of recomputation apart and recomputes the even ones (the 2nd, 4th...)."""
+    mm_counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in MM_OPS:
+            mm_counts[ctx.is_recompute] += 1
+        if func in OP_SAVE_LIST and not (func in MM_OPS and mm_counts[ctx.is_recompute] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
 
 
 class Attention(nn.Module):
@@ -212,12 +267,18 @@ class TransformerLM(nn.Module):
         if self.spec.family == "gpt2":
             x = x + self.embed_positions(torch.arange(seq, device=input_ids.device))
         context = self._context(seq, x)
-        for block in self.layers:
-            if self.checkpointing == "full":  # keep only each block's input (Training Deep Nets with Sublinear ...)
-                x = checkpoint(block, x, context, use_reentrant=False)
-            else:
-                x = block(x, context)
+        for index, block in enumerate(self.layers):
+            x = self._run_block(index, block, x, context)
         return self.lm_head(self.norm(x))
+
+    def _run_block(self, index: int, block: Callable[..., torch.Tensor], x: torch.Tensor, context: Context) -> Any:
+        """One block under the checkpointing mode: whole ('full', 'every:N'; keep only its input, as in Training
+        Deep Nets with Sublinear Memory Cost), by torchtitan's op policy ('op'), or as written."""
+        if checkpoints_block(self.checkpointing, index):
+            return checkpoint(block, x, context, use_reentrant=False)
+        if self.checkpointing == "op":
+            return checkpoint(block, x, context, use_reentrant=False, context_fn=op_policy_context)
+        return block(x, context)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ from typing import Any
 from shardscope.choices import (
     ATTENTION,
     BACKENDS,
-    CHECKPOINTING,
     ENGINES,
     FAMILIES,
     OFFLOADS,
@@ -22,7 +21,6 @@ from shardscope.choices import (
     STRATEGIES,
     Attention,
     Backend,
-    Checkpointing,
     EngineName,
     Family,
     Offload,
@@ -30,6 +28,7 @@ from shardscope.choices import (
     Precision,
     SpecError,
     StrategyName,
+    parse_checkpointing,
 )
 from shardscope.mesh import (
     DATA_PARALLEL_PRESETS,
@@ -241,8 +240,9 @@ class TrainingSpec:
     """'fp32', 'fp64', 'bf16-mixed' or 'fp16-mixed' (16-bit compute, fp32 master weights), or 'bf16' (pure)."""
     optimizer: OptimizerName = "adamw"
     """'adamw', 'adam', 'sgd' or 'sgd-momentum'."""
-    checkpointing: Checkpointing = "none"
-    """Activation checkpointing: 'none', 'full' (keep only block inputs) or 'selective' (recompute attention)."""
+    checkpointing: str = "none"
+    """Activation checkpointing: 'none'; 'full' (keep only block inputs); 'selective' (recompute the attention core,
+    Megatron's); 'op' (torchtitan's selective op policy per block); or 'every:N' (full on every N-th block)."""
     attention: Attention = "sdpa"
     """'eager' (materialises the score matrix) or 'sdpa' (fused flash/memory-efficient kernels)."""
 
@@ -253,7 +253,7 @@ class TrainingSpec:
         _require_int(owner, "grad_accum_steps", self.grad_accum_steps, 1, 10**6)
         _require_choice(owner, "precision", self.precision, PRECISIONS)
         _require_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
-        _require_choice(owner, "checkpointing", self.checkpointing, CHECKPOINTING)
+        parse_checkpointing(self.checkpointing, f"{owner}.checkpointing")
         _require_choice(owner, "attention", self.attention, ATTENTION)
 
     @property

@@ -1,5 +1,6 @@
 import pytest
 
+from shardscope.choices import checkpoints_block
 from shardscope.mesh import MeshError, Parallelism
 from shardscope.presets import PresetError, gpu_preset, gpu_preset_names, model_preset
 from shardscope.specs import ClusterSpec, ModelSpec, Scenario, SpecError, Strategy, TrainingSpec
@@ -52,6 +53,15 @@ def test_gpu_presets_store_bytes() -> None:
         "mi300x",
         "l40s",
         "rtx4090",
+        "h100-80gb-500w",
+        "h800-80gb",
+        "gb200",
+        "l4",
+        "rtx-a6000",
+        "mi250x-gcd",
+        "mi325x",
+        "gh200-96gb",
+        "gh200-144gb",
     }
     assert gpu_preset("h100-80gb").memory_bytes == 80 * GIB
     assert gpu_preset("rtx4090").memory_bytes == 24 * GIB
@@ -96,3 +106,16 @@ def test_mesh_errors_name_the_degrees_and_their_values() -> None:
     with pytest.raises(MeshError, match=r"ep 3 must divide dp_shard 4 x cp 1 = 4"):
         Parallelism(dp_shard=4, ep=3)
     assert Parallelism(dp_shard=4, cp=2, ep=8).world_size == 8  # ep borrows dp_shard x cp, it adds no GPU
+
+
+@pytest.mark.parametrize("word", ["every:0", "every:", "every:02", "every:-1", "every:1.5", "every:²", "Every:2"])
+def test_bad_checkpointing_is_named(word: str) -> None:
+    with pytest.raises(SpecError, match=f"TrainingSpec.checkpointing={word!r}"):
+        TrainingSpec(checkpointing=word)
+
+
+def test_every_n_checkpoints_the_n_th_blocks_as_torchtitan_counts_them() -> None:
+    assert TrainingSpec(checkpointing="every:12").checkpointing == "every:12"
+    assert [checkpoints_block("every:3", index) for index in range(6)] == [False, False, True, False, False, True]
+    assert all(checkpoints_block("every:1", index) == checkpoints_block("full", index) for index in range(4))
+    assert not any(checkpoints_block(mode, 0) for mode in ("none", "selective", "op"))

@@ -1,5 +1,5 @@
-"""Mixed precision keeps the ZeRO paper's 2 + 2 + 12 bytes per parameter; checkpointing, eager attention and MoE
-train to parity under zero3. One launch for all of them."""
+"""Mixed precision keeps the ZeRO paper's 2 + 2 + 12 bytes per parameter; checkpointing (every mode), eager attention
+and MoE train to parity under zero3. One launch for all of them."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ CONFIGS = {
     "llama-selective": RunConfig.from_options(
         model="tiny-llama", strategy="zero2", checkpointing="selective", steps=2, timeout_s=60
     ),
+    "llama-op": RunConfig.from_options(model="tiny-llama", strategy="zero3", checkpointing="op", steps=2, timeout_s=60),
+    "gpt2-every-2": RunConfig.from_options(strategy="zero3", checkpointing="every:2", steps=2, timeout_s=60),
     "torch-mixed-fsdp": RunConfig.from_options(
         strategy="zero3", engine="pytorch", precision="bf16-mixed", steps=2, timeout_s=60
     ),
@@ -53,7 +55,7 @@ def test_mixed_precision_is_two_two_twelve(results: dict[str, RunResult]) -> Non
         assert results[name].parity.ok, results[name].parity  # against fp32 training: bf16 rounding only
 
 
-@pytest.mark.parametrize("name", ["moe-full-eager", "llama-selective"])
+@pytest.mark.parametrize("name", ["moe-full-eager", "llama-selective", "llama-op", "gpt2-every-2"])
 def test_checkpointing_and_moe_keep_parity(results: dict[str, RunResult], name: str) -> None:
     assert results[name].parity.max_abs_diff <= 1e-10, results[name].parity
 

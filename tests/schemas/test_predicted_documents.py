@@ -43,6 +43,8 @@ ESTIMATES = [
     ["--model", "mixtral-8x7b", "--gpus", "8", "--strategy", "zero3", "--offload", "optimizer+params", "--time"],
     ["--model", "llama-3-8b", "--gpus", "8", "--engine", "deepspeed", "--checkpointing", "full", "--strategy", "zero2"],
     ["--params", "7B", "--gpus", "8", "--strategy", "zero1"],
+    ["--model", "llama-3-8b", "--gpus", "8", "--checkpointing", "op", "--strategy", "zero3", "--time"],
+    ["--model", "gpt2", "--gpus", "8", "--checkpointing", "every:3", "--strategy", "fsdp"],
 ]
 PLANS = [
     [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from timecases import scenario
 
@@ -46,6 +48,29 @@ def test_selective_recompute_is_the_attention_core_only() -> None:
     stages = stage_flops(model_preset("gpt2"), scenario(model="gpt2", checkpointing="selective").training)
     assert stages[1].recompute_flops == 4 * 2048 * 2048 * 768
     assert stages[0].recompute_flops == stages[-1].recompute_flops == 0
+
+
+def test_op_policy_recomputes_the_unsaved_matmuls() -> None:
+    # torchtitan's op policy saves llama's 1st, 3rd, 5th and 7th mm (q, v, gate, down) and recomputes k, o and up;
+    # gpt2's linears have biases and run as addmm, which it always saves.
+    training = scenario(model="llama-3-8b", checkpointing="op", sequence_length=2048).training
+    spec = model_preset("llama-3-8b")
+    hidden, kv, ffn = spec.hidden_size, spec.num_kv_heads * spec.head_dim, spec.ffn_hidden_size
+    recomputed = 2 * 2048 * (hidden * kv + hidden * hidden + hidden * ffn)
+    assert stage_flops(spec, training)[1].recompute_flops == recomputed
+    assert stage_flops(model_preset("gpt2"), replace(training, checkpointing="op"))[1].recompute_flops == 0
+
+
+def test_every_n_recomputes_the_n_th_blocks_whole() -> None:
+    # torchtitan's layer AC counts blocks from 1 and checkpoints those it counts at a multiple of N.
+    spec = model_preset("gpt2")
+    every = stage_flops(spec, scenario(model="gpt2", checkpointing="every:3").training)[1:-1]
+    full = stage_flops(spec, scenario(model="gpt2", checkpointing="full").training)[1:-1]
+    assert [stage.recompute_flops > 0 for stage in every] == [index % 3 == 2 for index in range(spec.num_layers)]
+    assert every[2] == full[2]
+    assert stage_flops(spec, scenario(model="gpt2", checkpointing="every:1").training) == stage_flops(
+        spec, scenario(model="gpt2", checkpointing="full").training
+    )
 
 
 def test_compute_model_time_and_validation() -> None:

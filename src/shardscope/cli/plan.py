@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.choices import CHECKPOINTING, OFFLOADS, Word, parse_choice
+from shardscope.choices import OFFLOADS, Word, parse_choice
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
     add_gpu_arguments,
@@ -26,6 +26,7 @@ from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.core.params import count_parameters
 from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
+from shardscope.planner.request import CHECKPOINTING_ORDER
 from shardscope.planner.result import PLAN_SCHEMA
 from shardscope.specs import SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
@@ -75,7 +76,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank-by", choices=RANKINGS, help="default: cost with a price, else step-time")
     parser.add_argument("--strategy", default="all", help=f"families to search: {', '.join(FAMILIES)}, or all")
     parser.add_argument("--offload", default="all", help=f"offloads to search: {', '.join(OFFLOADS)}, or all")
-    parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING)}, or all")
+    parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING_ORDER)}, or all")
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
     parser.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
@@ -123,7 +124,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         host_memory_bytes=parse_bytes(args.host_memory) if args.host_memory else 0,
         families=_choices(args.strategy, FAMILIES, "--strategy"),
         offloads=_choices(args.offload, OFFLOADS, "--offload"),
-        checkpointing=_choices(args.checkpointing, CHECKPOINTING, "--checkpointing"),
+        checkpointing=_choices(args.checkpointing, CHECKPOINTING_ORDER, "--checkpointing"),
         max_micro_batch=args.max_micro_batch,
         overheads=overheads_from_args(args),
         rank_by=rank_by,

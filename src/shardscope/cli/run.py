@@ -40,7 +40,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--shard-group", type=int, default=0, help="hsdp: ranks per shard group")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--checkpointing", default="none", help="none, full or selective")
+    parser.add_argument("--checkpointing", default="none", help="none, full, selective, op or every:N")
     parser.add_argument("--attention", default="sdpa", help="eager or sdpa")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before the whole run is ended")
     parser.add_argument("--json", action="store_true", help="print the shardscope.run/v1 document")

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 from shardscope.choices import (
     ATTENTION,
-    CHECKPOINTING,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
@@ -18,11 +17,12 @@ from shardscope.choices import (
     SpecError,
     StrategyName,
     engine_name,
+    parse_checkpointing,
     parse_choice,
 )
 from shardscope.cli.errors import CliError
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
-from shardscope.presets import custom_gpu, gpu_preset, gpu_preset_names, model_preset, model_preset_names
+from shardscope.presets import gpu_preset, gpu_preset_names, model_preset, model_preset_names, with_memory
 from shardscope.presets.hf_config import read_hf_config
 from shardscope.specs import (
     MAX_PARAMETERS,
@@ -45,6 +45,14 @@ def engine_word(text: str) -> EngineName:
     """argparse type: an engine, or another word for one ('teaching' is 'paper')."""
     try:
         return engine_name(text)
+    except SpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def checkpointing_mode(text: str) -> str:
+    """argparse type: a checkpointing mode, including every:N."""
+    try:
+        return parse_checkpointing(text)
     except SpecError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -77,16 +85,20 @@ def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) 
 
 
 def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
-    """--gpus-per-node, --gpu | --gpu-memory: the GPU type, shared by the commands with and without a world size."""
+    """--gpus-per-node, --gpu and --gpu-memory: the GPU type, shared by the commands with and without a world size."""
     parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default %(default)s)")
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
+    parser.add_argument(
         "--gpu",
         metavar="PRESET",
         default="h100-80gb",
         help=f"GPU preset (default %(default)s): {', '.join(gpu_preset_names())}",
     )
-    group.add_argument("--gpu-memory", metavar="SIZE", help="GPU memory instead of a preset, e.g. 80GiB or 80GB")
+    parser.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="replace the --gpu preset's memory, e.g. 64GiB or 80GB; its FLOP/s, memory bandwidth and links stay the "
+        "preset's, so --time works with it",
+    )
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser, default_gpus: int = 8) -> None:
@@ -123,7 +135,15 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     add_step_arguments(parser)
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per rank (default 1)")
     parser.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
-    parser.add_argument("--checkpointing", choices=CHECKPOINTING, default="none", help="default %(default)s")
+    parser.add_argument(
+        "--checkpointing",
+        type=checkpointing_mode,
+        default="none",
+        metavar="MODE",
+        help="none; full (recompute each block); selective (the attention core, Megatron's); op (torchtitan's "
+        "selective op policy: save matmul and attention outputs, recompute every other matmul and the rest); "
+        "every:N (full on every N-th block) (default %(default)s)",
+    )
 
 
 def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,13 +228,14 @@ def sequence_length_from_args(args: argparse.Namespace, model: ModelSpec, comman
 
 
 def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
-    """The GpuSpec of --gpu or --gpu-memory."""
+    """The GpuSpec of --gpu, with its memory replaced by --gpu-memory when that is given."""
+    gpu = gpu_preset(args.gpu)
     if args.gpu_memory:
         memory = parse_bytes(args.gpu_memory)
         if memory < 1:
             raise CliError(f"--gpu-memory {args.gpu_memory} must be more than 0 bytes")
-        return custom_gpu(memory)
-    return gpu_preset(args.gpu)
+        return with_memory(gpu, memory, args.gpu_memory)
+    return gpu
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:

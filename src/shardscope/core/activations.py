@@ -6,7 +6,8 @@ models have no dropout, so its terms are the paper's without the dropout masks a
 5as/h -> 2as/h for gpt2), and the llama family adds SwiGLU's extra projection and RoPE. Fused attention (sdpa, the
 kernels of "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness") keeps its output and a
 log-sum-exp per row instead of the s x s score matrix. Full checkpointing keeps each block's input and recomputes one
-block at a time in backward; selective checkpointing recomputes only the attention core (the paper's Section 4).
+block at a time in backward ('every:N' does so for every N-th block only); selective checkpointing recomputes only
+the attention core (the paper's Section 4); 'op' keeps what torchtitan's op policy saves (core/op_checkpointing.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from shardscope.choices import checkpoints_block
+from shardscope.core.op_checkpointing import saved_linears
 from shardscope.core.params import param_layout
 from shardscope.specs import ModelSpec, TrainingSpec
 
@@ -29,9 +32,9 @@ class ActivationEstimate:
     block_bytes: int
     """One block's saved tensors without checkpointing."""
     stored_block_bytes: int
-    """What one block keeps under the chosen checkpointing."""
+    """What the top block keeps under the chosen checkpointing."""
     recompute_bytes: int
-    """Extra bytes live in backward while one checkpointed block is recomputed (0 without checkpointing)."""
+    """Extra bytes live in backward while the top block is recomputed (0 where it is not checkpointed)."""
     logits_bytes: int
     """The logits tensor in the compute dtype (tokens x vocab)."""
     loss_forward_spike_bytes: int
@@ -51,6 +54,13 @@ class ActivationEstimate:
     """Bytes a block holds at the peak of its own backward beyond what it stored in forward: under checkpointing its
     recomputed tensors, and in its MLP's backward the output projection's weight gradient and the MLP's activation
     gradients (see `_mlp_backward_bytes`)."""
+    first_stored_block_bytes: int = 0
+    """What the bottom block (the first in forward) keeps; `stored_block_bytes` is the top block's. They differ under
+    'every:N', which checkpoints only some blocks."""
+    first_block_backward_bytes: int = 0
+    """`block_backward_bytes` of the bottom block (that field is the top block's)."""
+    stored_blocks_bytes: int = 0
+    """What all the blocks keep together."""
 
 
 def activation_bytes_per_element(training: TrainingSpec) -> int:
@@ -204,7 +214,7 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> 
     if model.family == "gpt2":
         norm = sizes.tokens * model.hidden_size * widen + 2 * sizes.tokens * widen  # fp32 input and statistics
         return block_weights + 2 * norm, sizes.tokens * model.hidden_size * widen, head_weight + norm
-    rope = 2 * training.sequence_length * model.head_dim * widen if training.checkpointing != "full" else 0
+    rope = 2 * training.sequence_length * model.head_dim * widen if _keeps_shared(training, model.num_layers) else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
@@ -216,13 +226,47 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> 
     )
 
 
+def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> int:
+    """What torchtitan's op policy keeps of one block besides its input (core/op_checkpointing.py): the outputs of
+    the matmuls it saves, of the attention kernel (sdpa: the output and a log-sum-exp per row; eager: the two batched
+    matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
+    dependent: each expert is assumed to get an even share of the routed rows."""
+    routed = sizes.tokens * model.experts_per_token
+    per_expert = -(-routed // max(1, model.num_experts))
+    linears = sum(
+        (per_expert if ".experts." in tensor.name else sizes.tokens) * tensor.shape[0] * sizes.element
+        for tensor, saved in saved_linears(model)
+        if saved
+    )
+    attention = sizes.query + (sizes.lse if training.attention == "sdpa" else sizes.probs)
+    return linears + attention + routed * (sizes.element + INDEX_BYTES)
+
+
+def _keeps_shared(training: TrainingSpec, num_layers: int) -> bool:
+    """Whether some block saves the shared tensors itself: not when every block is checkpointed whole or by the op
+    policy, which recompute RoPE and the mask."""
+    return training.checkpointing != "op" and not all(
+        checkpoints_block(training.checkpointing, index) for index in range(num_layers)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockTerms:
+    """One block under one checkpointing mode: what it keeps, what its backward recomputes, and what it holds at the
+    peak of its own backward beyond what it kept (its MLP's backward not included)."""
+
+    stored: int
+    recompute: int
+    backward: int
+
+
 @cache
 def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: bool = False) -> ActivationEstimate:
     """Saved activations of one micro-batch; requires a shaped model. `autocast`: torch.autocast over fp32 weights
     (torch's DDP under mixed precision) rather than 16-bit weights."""
     sizes = _sizes(model, training)
     block, selective_dropped = _block_bytes(model, training)
-    shared = _shared_bytes(model, training)
+    shared = _shared_bytes(model, training) if _keeps_shared(training, model.num_layers) else 0
     block_extra = input_extra = head_extra = 0
     if autocast and training.is_mixed:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
@@ -230,16 +274,23 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     # gpt2's first LayerNorm saves the block's input itself, as does llama's RMSNorm in fp32 (its upcast is a no-op):
     # under full checkpointing that tensor is the one stored, not recomputed.
     input_reused = sizes.hidden if model.family == "gpt2" or sizes.element == sizes.stat else 0
-    if training.checkpointing == "full":
-        # Only each block's input is kept; the shared tensors are recreated with the block in backward.
-        stored, recompute, shared = sizes.hidden + input_extra, block, 0
-        block_backward = block - input_reused
-    elif training.checkpointing == "selective":
-        stored, recompute = block - selective_dropped, selective_dropped
-        block_backward = recompute
-    else:
-        stored, recompute, block_backward = block, 0, 0
-    block_backward += _mlp_backward_bytes(model, sizes)
+    # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
+    # policy keeps its input and what it saves, and recomputes the rest; at the peak of its backward it holds one
+    # tokens x hidden tensor beyond the recomputed ones and what it cached (traced on tiny-gpt2 and tiny-llama, fp32
+    # and bf16-mixed, sdpa and eager: the size of the block's last projection's output, which it cached).
+    whole = _BlockTerms(sizes.hidden + input_extra, block, block - input_reused)
+    cached = _op_cached_bytes(model, training, sizes) if training.checkpointing == "op" else 0
+    terms = {
+        "none": _BlockTerms(block, 0, 0),
+        "selective": _BlockTerms(block - selective_dropped, selective_dropped, selective_dropped),
+        "op": _BlockTerms(whole.stored + cached, block - cached, whole.backward - cached + sizes.hidden),
+    }
+    blocks = [
+        whole if checkpoints_block(training.checkpointing, index) else terms.get(training.checkpointing, terms["none"])
+        for index in range(model.num_layers)
+    ]
+    top, first = blocks[-1], blocks[0]
+    mlp_backward = _mlp_backward_bytes(model, sizes)
     loss_element = sizes.stat
     tokens = sizes.tokens
     logits = tokens * model.vocab_size * sizes.element
@@ -249,14 +300,15 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     log_softmax = tokens * model.vocab_size * loss_element
     ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
     head += head_extra
-    saved = model.num_layers * stored + shared + head + log_softmax + ids + loss_element
+    stored_blocks = sum(kept.stored for kept in blocks)
+    saved = stored_blocks + shared + head + log_softmax + ids + loss_element
     forward_spike = logits + (tokens * model.vocab_size * loss_element if sizes.element != loss_element else 0)
     backward_spike = 2 * tokens * model.vocab_size * loss_element
     return ActivationEstimate(
         saved_bytes=saved,
         block_bytes=block,
-        stored_block_bytes=stored,
-        recompute_bytes=recompute,
+        stored_block_bytes=top.stored,
+        recompute_bytes=top.recompute,
         logits_bytes=logits,
         loss_forward_spike_bytes=forward_spike,
         loss_backward_spike_bytes=backward_spike,
@@ -264,5 +316,8 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
         head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
         hidden_bytes=sizes.hidden,
         log_softmax_bytes=log_softmax,
-        block_backward_bytes=block_backward,
+        block_backward_bytes=top.backward + mlp_backward,
+        first_stored_block_bytes=first.stored,
+        first_block_backward_bytes=first.backward + mlp_backward,
+        stored_blocks_bytes=stored_blocks,
     )

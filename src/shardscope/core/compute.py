@@ -22,7 +22,9 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
+from shardscope.choices import checkpoints_block
 from shardscope.core.engines import rules_for
+from shardscope.core.op_checkpointing import recomputed_linears, saved_linears
 from shardscope.core.params import ParamTensor, param_layout
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.presets.kernels import KernelCeilings, kernel_ceilings
@@ -159,12 +161,21 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
     attention = _attention_core_flops(model, training)
     block_forward = block_matmuls + attention
     block_kernels, block_backward = (float(count) for count in OPS_PER_BLOCK[(model.family, training.attention)])
-    if training.checkpointing == "full":
-        recompute, recompute_kernels = block_forward, block_kernels
-    elif training.checkpointing == "selective":
-        recompute, recompute_kernels = attention, 1.0
-    else:
-        recompute, recompute_kernels = 0.0, 0.0
+    # Recomputed in backward, per block: everything under 'full' (and on the blocks 'every:N' checkpoints), the
+    # attention core under 'selective', the matmuls torchtitan's op policy does not save under 'op' (its saved ops
+    # are cache lookups; the attention kernel is saved).
+    op_saved = len(saved_linears(model)) - len(recomputed_linears(model)) + 1  # and the attention kernel
+    partial = {
+        "selective": (attention, 1.0),
+        "op": (
+            _matmul_flops(recomputed_linears(model), tokens, model.experts_per_token, max(1, model.num_experts)),
+            block_kernels - op_saved,
+        ),
+    }.get(training.checkpointing, (0.0, 0.0))
+    recomputed = [
+        (block_forward, block_kernels) if checkpoints_block(training.checkpointing, index) else partial
+        for index in range(model.num_layers)
+    ]
     head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model))
     stages = [
         StageFlops(
@@ -182,10 +193,10 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
             name=f"block {index}",
             forward_flops=block_forward,
             backward_flops=2 * block_forward,
-            recompute_flops=recompute,
+            recompute_flops=recomputed[index][0],
             forward_kernels=block_kernels,
             backward_kernels=block_backward,
-            recompute_kernels=recompute_kernels,
+            recompute_kernels=recomputed[index][1],
         )
         for index in range(model.num_layers)
     ]

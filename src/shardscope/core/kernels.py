@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
+from shardscope.choices import checkpoints_block
 from shardscope.core.compute import ComputeModel, head_matrices, stage_flops
-from shardscope.core.params import param_layout
+from shardscope.core.op_checkpointing import recomputed_linears
+from shardscope.core.params import ParamTensor, param_layout
 from shardscope.presets.kernels import KernelCeilings
 from shardscope.specs import ModelSpec, Scenario
 
@@ -103,25 +105,31 @@ def block_elementwise_bytes(model: ModelSpec, tokens: int) -> float:
     return float(elements * tokens * ACTIVATION_BYTES)
 
 
-def _matmuls_s(
-    scenario: Scenario, compute: ComputeModel, ceilings: KernelCeilings
-) -> tuple[float, float, float, float]:
-    """(block forward, block backward, head forward, head backward) of the linears."""
+def _linears_s(
+    tensors: tuple[ParamTensor, ...], scenario: Scenario, ceilings: KernelCeilings, rate: float
+) -> tuple[float, float]:
+    """(forward, backward) of the linears among `tensors`; an expert's see its share of the tokens (balanced
+    routing)."""
     model, tokens = scenario.model, scenario.training.tokens_per_micro_batch
-    rate = compute.peak_flops_per_s * ceilings.matmul_fraction
-    layout = param_layout(model)
-    routed = math.ceil(tokens * model.experts_per_token / max(1, model.num_experts))  # balanced routing
-    block_forward = block_backward = 0.0
-    for tensor in layout.block:
+    routed = math.ceil(tokens * model.experts_per_token / max(1, model.num_experts))
+    forward = backward = 0.0
+    for tensor in tensors:
         if len(tensor.shape) == 2:
             rows = routed if ".experts." in tensor.name else tokens
-            forward, backward = linear_s(rows, tensor.shape[0], tensor.shape[1], ceilings, rate)
-            block_forward, block_backward = block_forward + forward, block_backward + backward
-    head_forward = head_backward = 0.0
-    for out_features, in_features in head_matrices(model):
-        forward, backward = linear_s(tokens, out_features, in_features, ceilings, rate)
-        head_forward, head_backward = head_forward + forward, head_backward + backward
-    return block_forward, block_backward, head_forward, head_backward
+            one_forward, one_backward = linear_s(rows, tensor.shape[0], tensor.shape[1], ceilings, rate)
+            forward, backward = forward + one_forward, backward + one_backward
+    return forward, backward
+
+
+def _head_s(scenario: Scenario, ceilings: KernelCeilings, rate: float) -> tuple[float, float]:
+    """(forward, backward) of the head's matmuls."""
+    forward = backward = 0.0
+    for out_features, in_features in head_matrices(scenario.model):
+        one_forward, one_backward = linear_s(
+            scenario.training.tokens_per_micro_batch, out_features, in_features, ceilings, rate
+        )
+        forward, backward = forward + one_forward, backward + one_backward
+    return forward, backward
 
 
 def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float], list[float], list[float]]:
@@ -138,7 +146,9 @@ def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float
     model, training = scenario.model, scenario.training
     tokens = training.tokens_per_micro_batch
     streaming = compute.memory_bandwidth_bytes_per_s * ceilings.memory_fraction
-    block_forward, block_backward, head_forward, head_backward = _matmuls_s(scenario, compute, ceilings)
+    rate = compute.peak_flops_per_s * ceilings.matmul_fraction
+    block_forward, block_backward = _linears_s(param_layout(model).block, scenario, ceilings, rate)
+    head_forward, head_backward = _head_s(scenario, ceilings, rate)
     attention_forward, attention_backward = attention_core_s(scenario, compute, ceilings)
     elementwise = block_elementwise_bytes(model, tokens) / streaming
     block_forward += attention_forward + elementwise
@@ -151,8 +161,16 @@ def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float
     )
     forward = [embed] + [block_forward] * model.num_layers + [head_forward + head_elementwise]
     backward = [2 * embed] + [block_backward] * model.num_layers + [head_backward + 2 * head_elementwise]
-    recompute_block = {"full": block_forward, "selective": attention_forward}.get(training.checkpointing, 0.0)
-    recompute = [0.0] + [recompute_block] * model.num_layers + [0.0]
+    # Recomputed per block as core.compute.stage_flops counts it: the whole block where it is checkpointed ('full',
+    # 'every:N'), the attention core under 'selective', the linears torchtitan's op policy does not save under 'op'.
+    partial = {
+        "selective": attention_forward,
+        "op": _linears_s(recomputed_linears(model), scenario, ceilings, rate)[0],
+    }.get(training.checkpointing, 0.0)
+    checkpointing = training.checkpointing
+    recompute = [0.0]
+    recompute += [block_forward if checkpoints_block(checkpointing, i) else partial for i in range(model.num_layers)]
+    recompute.append(0.0)
     per_op_forward, per_op_backward = (
         compute.kernel_overhead_s,
         compute.backward_op_overhead_s or compute.kernel_overhead_s,

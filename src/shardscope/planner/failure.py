@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardscope.choices import Checkpointing
+from shardscope.choices import Checkpointing, checkpoint_every
 from shardscope.core.activations import estimate_activations
 from shardscope.core.engines import rules_for
 from shardscope.core.result import MemoryEstimate
@@ -94,7 +94,7 @@ def _activations(scenario: Scenario, memory: MemoryEstimate, budget: int, memory
         f"activations are {size} ({_gib(per_rank.activations_bytes)} of the {_gib(per_rank.peak_bytes)} peak) at "
         f"sequence length {training.sequence_length}"
     )
-    if training.checkpointing != "full":
+    if checkpoint_every(training.checkpointing) != 1:  # 'every:1' is 'full'
         full = memory_of(_with(scenario, checkpointing="full")).per_rank
         advice = f"; --checkpointing full keeps {_gib(full.activations_bytes)}"
     else:

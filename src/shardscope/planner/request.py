@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardscope.choices import CHECKPOINTING, OFFLOADS, Checkpointing, Offload, StrategyName
+from shardscope.choices import OFFLOADS, Checkpointing, Offload, StrategyName
 from shardscope.mesh import comparable_strategies
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import (
@@ -22,6 +22,7 @@ FAMILIES: tuple[StrategyName, ...] = comparable_strategies(grouped=True)
 RANKINGS = ("step-time", "tokens-per-s", "cost")
 # Cheapest first: the search treats an option later in these tuples as never faster than an earlier one.
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
+"""The checkpointing modes the planner searches, cheapest in time first ('op' and 'every:N' are not searched)."""
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "optimizer", "optimizer+params")
 
 
@@ -63,7 +64,7 @@ class PlanRequest:
     """Strategy families to search; hsdp is searched with every valid shard group."""
     offloads: tuple[Offload, ...] = OFFLOADS
     """Offload settings to search."""
-    checkpointing: tuple[Checkpointing, ...] = CHECKPOINTING
+    checkpointing: tuple[Checkpointing, ...] = CHECKPOINTING_ORDER
     """Checkpointing settings to search."""
     max_micro_batch: int = 32
     """The largest micro-batch (sequences per rank per forward) to try."""
@@ -105,7 +106,7 @@ class PlanRequest:
             raise SpecError(f"{owner}.host_memory_bytes={self.host_memory_bytes} must be zero or more")
         _require_subset("families", self.families, FAMILIES)
         _require_subset("offloads", self.offloads, OFFLOADS)
-        _require_subset("checkpointing", self.checkpointing, CHECKPOINTING)
+        _require_subset("checkpointing", self.checkpointing, CHECKPOINTING_ORDER)
         _require_subset("rank_by", (self.rank_by,), RANKINGS)
         price = self.price_per_gpu_hour
         if price is not None and not (price > 0 and math.isfinite(price)):

@@ -6,6 +6,7 @@ the links the records name, so a GPU cannot be added to one table and forgotten 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Collection, Mapping
@@ -28,7 +29,9 @@ GPU_RECORD_KEYS = (
     "tdp_watts",
     "tdp_source",
 )
-OPTIONAL_GPU_RECORD_KEYS = ("architecture",)
+OPTIONAL_GPU_RECORD_KEYS = ("notes", "architecture")
+"""Fields a record may hold beside GPU_RECORD_KEYS: notes say what a record leaves out or assumes, and why; the
+architecture names its kernel ceilings in gpu_kernels.json."""
 
 
 class PresetError(SpecError):
@@ -73,6 +76,8 @@ class GpuRecord:
     """Thermal design power, or the vendor's board power where that is its figure; not used by the model."""
     tdp_source: str
     """The datasheet tdp_watts comes from."""
+    notes: str = ""
+    """What the record leaves out, assumes or derives, and why (empty when it is the datasheet's figures only)."""
     architecture: str = ""
     """The GPU's architecture ('ampere', 'hopper'), the key of its kernel ceilings in gpu_kernels.json; empty: none."""
 
@@ -126,6 +131,7 @@ def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[s
         **{role: links[role] for role in LINK_ROLES},
         tdp_watts=entry["tdp_watts"],
         tdp_source=entry["tdp_source"],
+        notes=entry.get("notes", ""),
         architecture=entry.get("architecture", ""),
     )
 
@@ -163,6 +169,17 @@ def gpu_preset(name: str) -> GpuSpec:
     return gpu_record(name).gpu
 
 
+def with_memory(gpu: GpuSpec, memory_bytes: int, given_as: str) -> GpuSpec:
+    """The GPU with its memory replaced (--gpu-memory): a GPU of that kind with another capacity keeps its FLOP/s,
+    its memory bandwidth and its links, so its id stays the preset's and only the name and source say so."""
+    return dataclasses.replace(
+        gpu,
+        memory_bytes=memory_bytes,
+        name=f"{gpu.name}, memory {given_as} (--gpu-memory)",
+        source=f"{gpu.source}; memory {memory_bytes} bytes given on the command line",
+    )
+
+
 def custom_gpu(memory_bytes: int) -> GpuSpec:
-    """A GPU known only by its memory size (from --gpu-memory)."""
+    """A GPU known only by its memory size (what a local run on this machine reports against)."""
     return GpuSpec(id="custom", name="custom GPU", memory_bytes=memory_bytes, source="given on the command line")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from shardscope.choices import (
     BACKENDS,
-    CHECKPOINTING,
     ENGINE_ALIASES,
     ENGINES,
     OFFLOADS,
@@ -18,8 +17,8 @@ from shardscope.choices import (
     STRATEGIES,
 )
 from shardscope.core.result import CATEGORIES, ESTIMATE_SCHEMA
+from shardscope.planner.request import CHECKPOINTING_ORDER, RANKINGS
 from shardscope.planner.request import FAMILIES as PLAN_FAMILIES
-from shardscope.planner.request import RANKINGS
 from shardscope.planner.result import PLAN_SCHEMA
 from shardscope.presets.hardware import PROFILE_SCHEMA
 from shardscope.runtime.api import SCHEMA as RUN_SCHEMA
@@ -27,6 +26,7 @@ from shardscope.schemas import SCHEMA_FILES
 from shardscope.schemas.parts import (
     BOOLEAN,
     BYTES,
+    CHECKPOINTING_MODE,
     COUNT,
     DEFS,
     DEGREE,
@@ -101,7 +101,7 @@ def plan_schema() -> Schema:
             "gpus": DEGREE,
             "micro_batch": DEGREE,
             "grad_accum": DEGREE,
-            "checkpointing": enum(CHECKPOINTING),
+            "checkpointing": enum(CHECKPOINTING_ORDER),
             "global_batch_tokens": COUNT,
             "communication": closed({**COMMUNICATION, "host_copy_time_s": NUMBER}),
             **STEP,
@@ -131,7 +131,7 @@ def plan_schema() -> Schema:
         "shard_group": DEGREE,
         "parallelism": ref("parallelism"),
         "offload": enum(OFFLOADS),
-        "checkpointing": enum(CHECKPOINTING),
+        "checkpointing": enum(CHECKPOINTING_ORDER),
         "micro_batch": DEGREE,
         "peak_bytes": BYTES,
     }
@@ -209,7 +209,7 @@ def validate_schema() -> Schema:
         "engine": enum(ENGINE_WORDS),
         "world_size": DEGREE,
         "precision": enum(PRECISIONS),
-        "checkpointing": enum(CHECKPOINTING),
+        "checkpointing": CHECKPOINTING_MODE,
         "device": enum(DEVICE_BACKEND),
         "parallelism": ref("parallelism"),
     }

@@ -11,6 +11,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from shardscope.choices import CHECKPOINTING, EVERY_PREFIX
 from shardscope.core.result import CATEGORIES, OPS, PHASES
 from shardscope.mesh import Parallelism
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -24,6 +25,11 @@ BYTES: Schema = {"type": "integer", "minimum": 0}
 COUNT: Schema = {"type": "integer", "minimum": 0}
 DEGREE: Schema = {"type": "integer", "minimum": 1}
 STRINGS: Schema = {"type": "array", "items": STRING}
+CHECKPOINTING_MODE: Schema = {
+    "type": "string",
+    "pattern": f"^({'|'.join(CHECKPOINTING)}|{EVERY_PREFIX}[1-9][0-9]*)$",
+    "description": "A checkpointing mode (choices.parse_checkpointing): a named one, or every:N.",
+}
 
 
 def enum(values: Iterable[str]) -> Schema:
@@ -116,7 +122,10 @@ DEFS: dict[str, Schema] = {
         },
         description="One accelerator (GpuSpec.to_json): memory, and datasheet peak FLOP/s by dtype.",
     ),
-    "training": closed(dataclass_properties(TrainingSpec), description="What one step does (TrainingSpec)."),
+    "training": closed(
+        {**dataclass_properties(TrainingSpec), "checkpointing": CHECKPOINTING_MODE},
+        description="What one step does (TrainingSpec).",
+    ),
     "failure_mode": closed(
         {"kind": STRING, "severity": NUMBER, "message": STRING},
         description="A way a plan goes wrong and how close it is (FailureMode.to_json).",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardscope.choices import checkpoint_every
 from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
@@ -89,7 +90,8 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     A model deeper than request.traced_blocks is traced cut to traced_blocks - 1 and traced_blocks blocks, in this
     process, and extrapolated to its depth (shardscope.trace.extrapolate says why that is exact). Not ddp and zero1:
     DDP's buckets (25 MiB each) and ZeroRedundancyOptimizer's partition (largest tensors first, to the least loaded
-    rank) do not grow by the same amount per block, so their models are traced whole.
+    rank) do not grow by the same amount per block, so their models are traced whole; so are models under 'every:N'
+    with N > 1, whose blocks are not identical (only every N-th is checkpointed).
     """
     started = time.monotonic()
     require_torch()
@@ -97,7 +99,8 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     depth = model_depth(request)
     wanted = request.traced_blocks
     result: TraceResult | None = None
-    if depth is not None and wanted and depth > wanted and not uses_ddp(request.scenario):
+    identical_blocks = checkpoint_every(request.scenario.training.checkpointing) <= 1
+    if depth is not None and wanted and depth > wanted and identical_blocks and not uses_ddp(request.scenario):
         shallow = _trace_depth(request, wanted - 1, progress)
         deep = _trace_depth(request, wanted, progress)
         if shallow is not None and deep is not None:

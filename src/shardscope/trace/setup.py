@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardscope.choices import checkpoint_every
 from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
 from shardscope.trace.request import TraceRequest
@@ -98,7 +99,8 @@ def _hf_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
     training = request.scenario.training
     with torch.device("meta"):
         root = AutoModelForCausalLM.from_config(config, dtype=DTYPES[training.precision])
-    if training.checkpointing == "full":
+    whole = checkpoint_every(training.checkpointing) == 1  # 'full' or 'every:1': every block
+    if whole:
         root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shape = (training.micro_batch_size, training.sequence_length)
     vocab = int(config.vocab_size)
@@ -108,8 +110,8 @@ def _hf_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
 
     notes = (
         []
-        if training.checkpointing != "selective"
-        else ["selective checkpointing is not applied to a transformers model; traced without it"]
+        if whole or training.checkpointing == "none"
+        else [f"checkpointing {training.checkpointing} is not applied to a transformers model; traced without it"]
     )
     return TracedModel(
         root=root,

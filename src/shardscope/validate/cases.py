@@ -36,7 +36,7 @@ class ValidationCase:
     precision: str = "fp32"
     """'fp32' or 'bf16-mixed'."""
     checkpointing: str = "none"
-    """'none' or 'full'."""
+    """A checkpointing mode: 'none', 'full', 'selective', 'op' or 'every:N'."""
     micro_batch_size: int = 2
     """Sequences per rank."""
     sequence_length: int = 32
@@ -66,7 +66,7 @@ class ValidationCase:
         """A short name for tables."""
         return (
             f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}"
-            + (" ckpt" if self.checkpointing != "none" else "")
+            + {"none": "", "full": " ckpt"}.get(self.checkpointing, f" ckpt {self.checkpointing}")
             + (" cuda" if self.device == "cuda" else "")
         )
 

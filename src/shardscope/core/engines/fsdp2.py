@@ -75,7 +75,6 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
         states.persistent_buffers_bytes,
     )
     grads = 0 if landed else states.gradients_bytes
-    blocks = scenario.model.num_layers
     after_head = acts.saved_bytes - acts.head_bytes
     # The top block's backward seen at its two high points: in its MLP's backward (its saved tensors, the MLP's
     # gradients), and at its reduce-scatter (its saved tensors freed; the collective's buffers, per backend).
@@ -96,7 +95,7 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
     if units.first_block_buffers:
         # The first block's forward: what the embeddings and the block saved (or, checkpointed, its stored input)
         # and the block's output being made, with the next block prefetched (validated on tiny-moe zero2).
-        saved = acts.saved_bytes - acts.head_bytes - (blocks - 1) * acts.stored_block_bytes
+        saved = acts.saved_bytes - acts.head_bytes - (acts.stored_blocks_bytes - acts.first_stored_block_bytes)
         buffers = persistent + units.first_block_buffers
         moments.append(
             ("first block's forward", as_live_bytes((params, grads, optimizer, saved, buffers, acts.hidden_bytes)))
@@ -119,15 +118,15 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
         params,
         bottom_grads,
         optimizer,
-        after_head - max(blocks - 1, 0) * acts.stored_block_bytes,
+        after_head - (acts.stored_blocks_bytes - acts.first_stored_block_bytes),
         persistent + units.bottom_buffers,
-        acts.block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
+        acts.first_block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
     )
     moments.append(("bottom block's backward", as_live_bytes(bottom)))
     if units.gloo:
         # gloo's reduce-scatter holds a clone of its input: the bottom block's, with its backward's tensors freed,
         # and the root's, with every block's stored tensors freed and their gradient shards landed.
-        after_blocks = after_head - blocks * acts.stored_block_bytes
+        after_blocks = after_head - acts.stored_blocks_bytes
         bottom_scatter = (
             params,
             bottom_grads,
