@@ -206,6 +206,12 @@ class ClusterSpec:
             )
 
     @property
+    def gpu_kernels(self) -> bool:
+        """The ranks are GPUs (nccl), so torch runs its CUDA kernels, some of which save other tensors for backward
+        than their CPU counterparts (the fused RMSNorm: see shardscope.trace.gpu_kernels)."""
+        return self.backend == "nccl"
+
+    @property
     def ranks_per_node(self) -> int:
         """Ranks on one node: gpus_per_node, or the whole world when it fits on one node."""
         return min(self.world_size, self.gpus_per_node)

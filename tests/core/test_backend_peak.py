@@ -31,7 +31,8 @@ def test_gloo_reduce_scatter_holds_a_clone_of_its_input() -> None:
 
 def test_gloo_adds_nothing_where_the_input_is_no_larger_than_the_gradients() -> None:
     # In fp32 the unsharded gradients and the reduce-scatter input are the same size: the clone replaces them.
-    case = ValidationCase(model="tiny-llama", strategy="zero3", engine="pytorch", world_size=2, precision="fp32")
+    # (gpt2: its LayerNorm saves the same tensors on a GPU and a CPU, where llama's RMSNorm does not.)
+    case = ValidationCase(model="tiny-gpt2", strategy="zero3", engine="pytorch", world_size=2, precision="fp32")
     nccl = estimate_memory(_on(case.scenario(), "nccl"), rank=0).per_rank.peak_bytes
     assert estimate_memory(_on(case.scenario(), "gloo"), rank=0).per_rank.peak_bytes == nccl
 

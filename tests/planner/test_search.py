@@ -122,10 +122,9 @@ def test_bad_requests_name_the_field(big_request: PlanRequest, change: dict[str,
 
 
 def test_cpu_adam_keeps_full_offload_from_ranking_first() -> None:
-    """llama-3-8b on 8 H100s at a 256K-token batch: with FLOPs / (peak x 0.5) and the optimizer step priced at GPU
-    memory bandwidth even when it runs on the host, offloading everything (to run without checkpointing at a larger
-    micro-batch) ranked first; with CPU-Adam at the host's memory bandwidth (core.compute.optimizer_step_s) it does
-    not."""
+    """llama-3-8b on 8 H100s at a 256K-token batch: offloading everything to run without checkpointing at a larger
+    micro-batch ranked first while the optimizer step under offload was priced at GPU memory bandwidth; with
+    CPU-Adam at the host's memory bandwidth (core.compute.optimizer_step_s) a plan without offload ranks first."""
     gpu = gpu_preset("h100-80gb")
     request = PlanRequest(
         model=model_preset("llama-3-8b"),
@@ -135,7 +134,6 @@ def test_cpu_adam_keeps_full_offload_from_ranking_first() -> None:
         max_gpus=8,
         top=4,
     )
-    assert plan(request).plans[0].scenario.strategy.offload == "none"
-    efficiency = dataclasses.replace(default_profile(gpu), efficiency=0.5, per_op_kernels=False)
-    old = plan(dataclasses.replace(request, hardware=efficiency))
-    assert old.plans[0].scenario.strategy.offload == "optimizer+params"
+    plans = plan(request).plans
+    assert plans[0].scenario.strategy.offload == "none"
+    assert all(entry.scenario.strategy.offload != "optimizer+params" for entry in plans[:3])

@@ -8,10 +8,13 @@ import pytest
 
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.trace.extrapolate import RESERVED_NOT_EXTRAPOLATED
 from shardscope.trace.request import TraceRequest
 
 pytest.importorskip("torch")
 from shardscope.trace.runner import run_in_subprocess
+
+MiB = 1 << 20
 
 
 @pytest.mark.parametrize(
@@ -35,3 +38,20 @@ def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
     assert short.ledger == full.ledger
     assert short.flops == full.flops
     assert short.per_module == full.per_module
+    assert short.reserved_peak_bytes is None and RESERVED_NOT_EXTRAPOLATED in short.notes
+    assert full.reserved_peak_bytes is not None and full.reserved_peak_bytes >= full.per_rank.peak_bytes
+
+
+def test_reserved_bytes_do_not_grow_by_the_same_amount_per_block() -> None:
+    """Why reserved_peak_bytes is not extrapolated: the caching allocator packs blocks into 2 MiB segments, so one
+    more block adds a segment or none (tiny-llama, zero2, fp32, 2 ranks, traced whole at 5, 6 and 7 blocks)."""
+    reserved = []
+    for blocks in (5, 6, 7):
+        scenario = Scenario(
+            model=replace(model_preset("tiny-llama"), num_layers=blocks, name=f"tiny-llama-{blocks}"),
+            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2),
+            training=TrainingSpec(precision="fp32", micro_batch_size=2, sequence_length=128),
+            strategy=Strategy(name="zero2"),
+        )
+        reserved.append(run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=0)).reserved_peak_bytes)
+    assert reserved == [12 * MiB, 12 * MiB, 14 * MiB]

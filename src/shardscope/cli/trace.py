@@ -109,6 +109,8 @@ def render(result: Any, units: str) -> str:
         if name != "overhead"
     ]
     rows.append(["peak", format_bytes(per_rank.peak_bytes, units), result.peak_moment])
+    if result.reserved_peak_bytes is not None:
+        rows.append(["reserved", format_bytes(result.reserved_peak_bytes, units), "CUDA caching allocator, replayed"])
     lines += [render_table(["category", "bytes per rank", "source"], rows), ""]
     if result.ledger:
         ledger = [

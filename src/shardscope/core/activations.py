@@ -106,11 +106,15 @@ def _sizes(model: ModelSpec, training: TrainingSpec) -> _Sizes:
     )
 
 
-def _norm_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+def _norm_bytes(model: ModelSpec, sizes: _Sizes, fused_rms: bool, input_element: int) -> int:
     """What a norm saves besides its output: LayerNorm (fused) its input, mean and 1/std (in the input's dtype, as
-    torch's CPU kernel keeps them); RMSNorm (composite, in fp32) its upcast input, the normalised tensor and 1/rms."""
+    torch's CPU kernel keeps them); RMSNorm on a CPU (composite, in fp32) its upcast input, the normalised tensor and
+    1/rms; RMSNorm on a GPU (CUDA's fused kernel, shardscope.trace.gpu_kernels) its input (input_element bytes each)
+    and 1/rms."""
     if model.family == "gpt2":
         return sizes.hidden + 2 * sizes.tokens * sizes.element
+    if fused_rms:
+        return sizes.tokens * model.hidden_size * input_element + sizes.tokens * sizes.stat
     return 2 * sizes.tokens * model.hidden_size * sizes.stat + sizes.tokens * sizes.stat
 
 
@@ -185,11 +189,11 @@ def _moe_backward_bytes(model: ModelSpec, sizes: _Sizes, weight: int) -> int:
     return made - freed
 
 
-def _block_bytes(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
-    """(bytes one block saves, bytes that selective checkpointing does not keep)."""
+def _block_bytes(model: ModelSpec, training: TrainingSpec, norm: int) -> tuple[int, int]:
+    """(bytes one block saves, bytes that selective checkpointing does not keep), given what one norm saves."""
     sizes = _sizes(model, training)
     attention, dropped = _attention_bytes(model, training, sizes)
-    return 2 * _norm_bytes(model, sizes) + attention + _mlp_bytes(model, sizes), dropped
+    return 2 * norm + attention + _mlp_bytes(model, sizes), dropped
 
 
 def _shared_bytes(model: ModelSpec, training: TrainingSpec) -> int:
@@ -261,19 +265,24 @@ class _BlockTerms:
 
 
 @cache
-def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: bool = False) -> ActivationEstimate:
+def estimate_activations(
+    model: ModelSpec, training: TrainingSpec, autocast: bool = False, gpu_kernels: bool = False
+) -> ActivationEstimate:
     """Saved activations of one micro-batch; requires a shaped model. `autocast`: torch.autocast over fp32 weights
-    (torch's DDP under mixed precision) rather than 16-bit weights."""
+    (torch's DDP under mixed precision) rather than 16-bit weights. `gpu_kernels`: the ranks are GPUs, whose fused
+    RMSNorm saves its input instead of fp32 copies (ClusterSpec.gpu_kernels)."""
     sizes = _sizes(model, training)
-    block, selective_dropped = _block_bytes(model, training)
+    widened = autocast and training.is_mixed
+    norm = _norm_bytes(model, sizes, gpu_kernels, 4 if widened else sizes.element)
+    block, selective_dropped = _block_bytes(model, training, norm)
     shared = _shared_bytes(model, training) if _keeps_shared(training, model.num_layers) else 0
     block_extra = input_extra = head_extra = 0
-    if autocast and training.is_mixed:
+    if widened:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
         block += block_extra
-    # gpt2's first LayerNorm saves the block's input itself, as does llama's RMSNorm in fp32 (its upcast is a no-op):
-    # under full checkpointing that tensor is the one stored, not recomputed.
-    input_reused = sizes.hidden if model.family == "gpt2" or sizes.element == sizes.stat else 0
+    # gpt2's first LayerNorm saves the block's input itself, as do llama's fused RMSNorm and its composite in fp32
+    # (its upcast is a no-op): under full checkpointing that tensor is the one stored, not recomputed.
+    input_reused = sizes.hidden if model.family == "gpt2" or gpu_kernels or sizes.element == sizes.stat else 0
     # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
     # policy keeps its input and what it saves, and recomputes the rest; at the peak of its backward it holds one
     # tokens x hidden tensor beyond the recomputed ones and what it cached (traced on tiny-gpt2 and tiny-llama, fp32
@@ -296,7 +305,7 @@ def estimate_activations(model: ModelSpec, training: TrainingSpec, autocast: boo
     logits = tokens * model.vocab_size * sizes.element
     # The head: the final norm, lm_head's input, and the log-softmax output the loss keeps; token ids (embedding),
     # gpt2's position ids, targets and the loss's total weight.
-    head = _norm_bytes(model, sizes) + sizes.hidden
+    head = norm + sizes.hidden
     log_softmax = tokens * model.vocab_size * loss_element
     ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
     head += head_extra

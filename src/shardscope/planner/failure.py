@@ -106,7 +106,7 @@ def _activations(scenario: Scenario, memory: MemoryEstimate, budget: int, memory
 def _logits(scenario: Scenario, memory: MemoryEstimate) -> FailureMode | None:
     if memory.peak_moment not in ("end of forward", "start of backward"):
         return None
-    acts = estimate_activations(scenario.model, scenario.training)
+    acts = estimate_activations(scenario.model, scenario.training, gpu_kernels=scenario.cluster.gpu_kernels)
     spike = max(acts.loss_forward_spike_bytes, acts.loss_backward_spike_bytes)
     share = spike / memory.per_rank.peak_bytes
     if share < LOGITS_SHARE:

@@ -164,6 +164,7 @@ def trace_schema() -> Schema:
         "ledger": array(ref("collective")),
         "flops": closed(dict.fromkeys(flops, COUNT)),
         "peak_moment": STRING,
+        "reserved_peak_bytes": nullable(BYTES),
     }
     module = {"name": STRING, "parameters_bytes": BYTES, "activations_bytes": BYTES, "flops": COUNT}
     document = {

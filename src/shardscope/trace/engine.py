@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from shardscope.choices import checkpoint_every
+from shardscope.core.allocator import replay
 from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
@@ -219,6 +220,7 @@ def _trace_depth(
         flops=flops,
         per_module=rows,
         notes=tuple(traced.engine_notes),
+        reserved_peak_bytes=replay(recorder.events, window_start=recorder.window_event).reserved_peak_bytes,
     )
     return DepthTrace(
         blocks=len(traced.blocks), block_prefix=prefix or "", result=result, moments=tuple(recorder.moments.values())

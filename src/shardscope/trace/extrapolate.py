@@ -28,6 +28,13 @@ from shardscope.trace.result import FlopCount, ModuleRow, TraceResult
 if TYPE_CHECKING:
     from shardscope.trace.tracker import Moment
 
+# The caching allocator's reserved bytes are not affine in depth: blocks pack into 2 and 20 MiB segments and cached
+# blocks are reused by best fit, so one more block can add a segment or none (tests/trace/test_extrapolate.py).
+RESERVED_NOT_EXTRAPOLATED = (
+    "reserved_peak_bytes: not extrapolated (the allocator's segments do not grow by the same bytes per block); "
+    "trace every block (--traced-blocks 0) to get it"
+)
+
 MomentKey = tuple[str, str, int]  # (phase, "first" | "last" | "at <where>", place)
 
 
@@ -153,6 +160,7 @@ def extrapolate(shallow: DepthTrace, deep: DepthTrace, blocks: int) -> TraceResu
         ledger=_ledger(result_a.ledger, result_b.ledger, steps),
         flops=flops,
         per_module=_modules(deep, blocks),
-        notes=(*result_b.notes, note),
+        notes=(*result_b.notes, note, RESERVED_NOT_EXTRAPOLATED),
         traced_blocks=(shallow.blocks, deep.blocks),
+        reserved_peak_bytes=None,
     )

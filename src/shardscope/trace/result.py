@@ -93,6 +93,10 @@ class TraceResult:
     """Depths actually traced when the result was extrapolated to the model's depth (empty: every block traced)."""
     elapsed_s: float = 0.0
     """Wall time of the trace, building included."""
+    reserved_peak_bytes: int | None = None
+    """What PyTorch's CUDA caching allocator would hold at most in the measured step (max_memory_reserved): the
+    trace's allocations and frees, from the first step on, replayed through shardscope.core.allocator (default
+    settings, one stream). None when not computed: an extrapolated trace (its notes say why)."""
 
     def to_json(self, scenario: Scenario) -> dict[str, Any]:
         """The `shardscope.trace/v1` document of the trace of `scenario`."""
@@ -100,6 +104,7 @@ class TraceResult:
         per_rank["ledger"] = [row.to_json() for row in self.ledger]
         per_rank["flops"] = self.flops.to_json()
         per_rank["peak_moment"] = self.peak_moment
+        per_rank["reserved_peak_bytes"] = self.reserved_peak_bytes
         return {
             "schema": SCHEMA,
             "model": scenario.model.name,
@@ -150,4 +155,5 @@ def result_from_json(data: dict[str, Any]) -> TraceResult:
         notes=tuple(data["notes"]),
         traced_blocks=tuple(data.get("traced_blocks", ())),
         elapsed_s=data["elapsed_s"],
+        reserved_peak_bytes=per_rank.get("reserved_peak_bytes"),
     )

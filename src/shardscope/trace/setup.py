@@ -20,6 +20,7 @@ from torch import nn
 from shardscope.choices import checkpoint_every
 from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
+from shardscope.trace.gpu_kernels import use_gpu_kernels
 from shardscope.trace.request import TraceRequest
 
 DTYPES = {
@@ -54,6 +55,8 @@ def _reference_model(request: TraceRequest, num_blocks: int | None) -> TracedMod
     spec = scenario.model if num_blocks is None else replace(scenario.model, num_layers=num_blocks)
     training = scenario.training
     root = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
+    if scenario.cluster.gpu_kernels:
+        use_gpu_kernels(root)
     shape = (training.micro_batch_size, training.sequence_length)
 
     def make_batch() -> tuple[Any, Any]:

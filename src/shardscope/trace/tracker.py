@@ -10,6 +10,9 @@ The fake process group allocates nothing inside a collective; a real backend may
 ClusterSpec.backend) names whose buffers are replayed: "nccl" (the real target, the default) has none this counts,
 "gloo" (validate's cases, compared with gloo runs) holds a copy of every reduce-scatter's input for the length of the
 call (see _BACKEND_COPIES).
+
+Beside the totals it keeps the ordered stream of allocations and frees it saw (`events`, in the form
+shardscope.core.allocator replays), so the caching allocator's reserved bytes can be computed for it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from shardscope.core.allocator import FREE, Event
 from shardscope.core.result import CollectiveRow
 from shardscope.measure.ledger import CollectiveLedger
 from shardscope.measure.storage import local_tensor
@@ -95,12 +99,18 @@ class StepRecorder(TorchDispatchMode):
         self.moments: dict[tuple[str, str], Moment] = {}
         self.collectives = CollectiveLedger()  # the table only: it is never entered as a mode of its own
         self.saved_activations = 0
+        self.events: list[Event] = []
+        """Every allocation (storage id, bytes) and free (storage id, FREE) seen, in order, from the start."""
+        self.window_event = 0
+        """Index in `events` where the measured step starts."""
+        self._transient = 0
 
     def start_window(self) -> None:
         """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
         self.moments = {}
         self.collectives.rows = []
         self.saved_activations = 0
+        self.window_event = len(self.events)
         self.recording = True
         self._note_peak()
 
@@ -128,6 +138,8 @@ class StepRecorder(TorchDispatchMode):
 
     # --- storage bookkeeping -------------------------------------------------------------------------------
     def _forget(self, key: int) -> None:
+        if key in self._bytes:
+            self.events.append((key, FREE))
         size = self._bytes.pop(key, 0)
         category = self._category.pop(key, "temporary")
         self._refs.pop(key, None)
@@ -139,6 +151,7 @@ class StepRecorder(TorchDispatchMode):
         if key in self._bytes:
             return
         size = storage.nbytes()
+        self.events.append((key, size))
         self._bytes[key] = size
         self._category[key] = category
         self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
@@ -168,6 +181,8 @@ class StepRecorder(TorchDispatchMode):
         self._note_peak()
         self.live[category] -= size
         self.live_total -= size
+        self._transient -= 1  # negative handles: never a storage id
+        self.events += [(self._transient, size), (self._transient, FREE)]
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Put these tensors' storages in a category (adding any not seen yet)."""
@@ -191,6 +206,7 @@ class StepRecorder(TorchDispatchMode):
         if key not in self._bytes:
             self._add(storage, "buffers")
             return
+        self.events += [(key, FREE), (key, new_bytes)]
         old_category = self._category[key]
         self.live[old_category] -= self._bytes[key]
         self.live_total += new_bytes - self._bytes[key]

@@ -175,7 +175,9 @@ class RulesDefaults:
 def activations_for(scenario: Scenario, autocast: bool) -> ActivationEstimate:
     """The activations of one micro-batch (none without a shape); `autocast` saves the 16-bit weight copies too."""
     model = scenario.model
-    return estimate_activations(model, scenario.training, autocast) if model.has_shape else NO_ACTIVATIONS
+    if not model.has_shape:
+        return NO_ACTIVATIONS
+    return estimate_activations(model, scenario.training, autocast, scenario.cluster.gpu_kernels)
 
 
 def gradients_in_base(scenario: Scenario, states: ModelStates) -> bool:
