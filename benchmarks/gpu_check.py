@@ -405,18 +405,19 @@ def trace_table(document: dict[str, Any]) -> str:
 
     config = document["config"]
     lines = [
-        "| world | checkpointing | allocated peak | traced peak | error | traced peak moment |",
-        "|---|---|---|---|---|---|",
+        "| world | checkpointing | allocated peak | traced | error | reserved peak | traced reserved | error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in document["rows"]:
         scenario = scenario_for(
             config["model"], config["blocks"], config["seq_len"], row["world"], row["mode"], config["gpu"]
         )
         traced = run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=0))
-        measured = row["measured"]["allocated_peak_bytes"]
+        allocated, reserved = row["measured"]["allocated_peak_bytes"], row["measured"]["reserved_peak_bytes"]
         lines.append(
-            f"| {row['world']} | {row['mode']} | {_size(measured)} | {_size(traced.per_rank.peak_bytes)} | "
-            f"{_error(measured, traced.per_rank.peak_bytes)} | {traced.peak_moment} |"
+            f"| {row['world']} | {row['mode']} | {_size(allocated)} | {_size(traced.per_rank.peak_bytes)} | "
+            f"{_error(allocated, traced.per_rank.peak_bytes)} | {_size(reserved)} | "
+            f"{_size(traced.reserved_peak_bytes)} | {_error(reserved, traced.reserved_peak_bytes)} |"
         )
     return "\n".join(lines) + "\n"
 

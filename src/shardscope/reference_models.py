@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from shardscope.choices import checkpoints_block
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -97,13 +103,18 @@ OP_SAVE_LIST = MM_OPS | _ops(
 )
 
 
-def op_policy_context() -> Any:
+def op_policy_context(recompute_shapes: frozenset[tuple[int, ...]] = frozenset()) -> Any:
     """A fresh pair of selective-checkpoint contexts for one checkpointed block: torchtitan's policy, which counts
-    the mms of forward and of recomputation apart and recomputes the even ones (the 2nd, 4th...)."""
+    the mms of forward and of recomputation apart and recomputes the even ones (the 2nd, 4th...). An mm whose weight
+    has one of `recompute_shapes` (in, out) is recomputed and not counted: torchtitan's default
+    `force_recompute_mm_shapes_by_fqns` names the MoE router's gate."""
     mm_counts = {False: 0, True: 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in MM_OPS:
+            weight = tuple(args[1].shape)
+            if (weight[::-1] if func == torch.ops.aten.linear.default else weight) in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
             mm_counts[ctx.is_recompute] += 1
         if func in OP_SAVE_LIST and not (func in MM_OPS and mm_counts[ctx.is_recompute] % 2 == 0):
             return CheckpointPolicy.MUST_SAVE
@@ -277,7 +288,13 @@ class TransformerLM(nn.Module):
         if checkpoints_block(self.checkpointing, index):
             return checkpoint(block, x, context, use_reentrant=False)
         if self.checkpointing == "op":
-            return checkpoint(block, x, context, use_reentrant=False, context_fn=op_policy_context)
+            router = (self.spec.hidden_size, self.spec.num_experts) if self.spec.family == "moe" else None
+            contexts = partial(op_policy_context, frozenset([router] if router else []))
+            # torchtitan's wrapper recomputes the whole block (early_stop=False): stopping at the last saved tensor
+            # would leave the cached output of the block's last projection unclaimed through its backward. For a
+            # block checkpointed whole it changes no byte (traced), so those keep torch's default, as 'full' has.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(block, x, context, use_reentrant=False, context_fn=contexts)
         return block(x, context)
 
 

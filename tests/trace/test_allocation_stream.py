@@ -41,3 +41,27 @@ def test_a_resized_storage_is_freed_and_allocated_again() -> None:
     recorder.on_resize(storage, 0, 1024)
     key = id(storage)
     assert recorder.events == [(key, 1024), (key, FREE), (key, 0), (key, FREE), (key, 1024)]
+
+
+def test_fsdp2_collective_buffers_are_allocated_on_their_streams() -> None:
+    """An all-gather's input and output are made on FSDP2's copy-in stream, a reduce-scatter's output on its stream
+    (its input on the default one): the caching allocator keeps each stream's blocks apart."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardscope.trace.tracker import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        recorder = StepRecorder()
+        recorder.phase = "backward"
+        with recorder:
+            shard, gathered = torch.empty(8), torch.empty(16)
+            dist.all_gather_into_tensor(gathered, shard)
+            gradients, reduced = torch.empty(16), torch.empty(8)
+            dist.reduce_scatter_tensor(reduced, gradients)
+        streams = [event[2] if len(event) == 3 else 0 for event in recorder.events if event[1] != FREE]
+        assert streams == [ALL_GATHER_STREAM, ALL_GATHER_STREAM, 0, REDUCE_SCATTER_STREAM]
+        del shard, gathered, gradients, reduced
+    finally:
+        dist.destroy_process_group()

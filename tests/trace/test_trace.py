@@ -17,11 +17,13 @@ torch = pytest.importorskip("torch")
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 
-def _request(model: str, world: int, strategy: str, precision: str = "fp32", **training: int) -> TraceRequest:
+def _request(
+    model: str, world: int, strategy: str, precision: str = "fp32", backend: str = "nccl", **training: int
+) -> TraceRequest:
     shape = {"micro_batch_size": 2, "sequence_length": 32, **training}
     scenario = Scenario(
         model=model_preset(model),
-        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world, backend=backend),
         training=TrainingSpec(precision=precision, **shape),
         strategy=Strategy(name=strategy),
     )
@@ -111,11 +113,12 @@ def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
 def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, shard_group: int) -> None:
     """Was 7.1% high: torch's FlopCounterMode, active in the measured step, decomposes composite ops (silu_backward
     into sigmoid, mul, add...) and so allocated temporaries a real step does not; FLOPs are now counted in step 1.
-    What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own."""
+    What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own.
+    The trace is of a gloo cluster, the run's: a GPU (nccl) trace runs CUDA's RMSNorm (trace/gpu_kernels.py)."""
     from shardscope.runtime.api import run_training
 
     scenario = replace(
-        _request("tiny-llama", world, "zero3").scenario,
+        _request("tiny-llama", world, "zero3", backend="gloo").scenario,
         strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
     )
     trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120))
@@ -135,8 +138,9 @@ def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, sh
 
 def test_zero3_peak_equals_the_gloo_runs() -> None:
     """Quick guard on the measured figure (tiny-llama, 2 ranks, fp32, micro-batch 2, seq 32, torch 2.13): the gloo
-    run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020."""
-    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
+    run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020.
+    Traced as a gloo cluster, the run's (a GPU trace runs CUDA's RMSNorm)."""
+    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3", backend="gloo"))
     assert trace.per_rank.peak_bytes == 2_133_468
     assert trace.peak_moment == "backward: layers.1"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from shardscope.choices import checkpoints_block
+from shardscope.choices import checkpoint_every, checkpoints_block
 from shardscope.core.op_checkpointing import saved_linears
 from shardscope.core.params import param_layout
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -218,7 +218,7 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> 
     if model.family == "gpt2":
         norm = sizes.tokens * model.hidden_size * widen + 2 * sizes.tokens * widen  # fp32 input and statistics
         return block_weights + 2 * norm, sizes.tokens * model.hidden_size * widen, head_weight + norm
-    rope = 2 * training.sequence_length * model.head_dim * widen if _keeps_shared(training, model.num_layers) else 0
+    rope = 2 * training.sequence_length * model.head_dim * widen if _keeps_shared(training) else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
@@ -246,12 +246,10 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) ->
     return linears + attention + routed * (sizes.element + INDEX_BYTES)
 
 
-def _keeps_shared(training: TrainingSpec, num_layers: int) -> bool:
-    """Whether some block saves the shared tensors itself: not when every block is checkpointed whole or by the op
-    policy, which recompute RoPE and the mask."""
-    return training.checkpointing != "op" and not all(
-        checkpoints_block(training.checkpointing, index) for index in range(num_layers)
-    )
+def _keeps_shared(training: TrainingSpec) -> bool:
+    """Whether some block saves the shared tensors itself: not when every block is checkpointed whole ('full',
+    'every:1') or by the op policy, which recompute RoPE and the mask."""
+    return training.checkpointing != "op" and checkpoint_every(training.checkpointing) != 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +273,7 @@ def estimate_activations(
     widened = autocast and training.is_mixed
     norm = _norm_bytes(model, sizes, gpu_kernels, 4 if widened else sizes.element)
     block, selective_dropped = _block_bytes(model, training, norm)
-    shared = _shared_bytes(model, training) if _keeps_shared(training, model.num_layers) else 0
+    shared = _shared_bytes(model, training) if _keeps_shared(training) else 0
     block_extra = input_extra = head_extra = 0
     if widened:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
@@ -284,21 +282,21 @@ def estimate_activations(
     # (its upcast is a no-op): under full checkpointing that tensor is the one stored, not recomputed.
     input_reused = sizes.hidden if model.family == "gpt2" or gpu_kernels or sizes.element == sizes.stat else 0
     # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
-    # policy keeps its input and what it saves, and recomputes the rest; at the peak of its backward it holds one
-    # tokens x hidden tensor beyond the recomputed ones and what it cached (traced on tiny-gpt2 and tiny-llama, fp32
-    # and bf16-mixed, sdpa and eager: the size of the block's last projection's output, which it cached).
+    # policy keeps its input and what it saves, and recomputes the rest (what it saved is handed back, not made
+    # again, and what backward does not need is freed as the recomputation passes it).
     whole = _BlockTerms(sizes.hidden + input_extra, block, block - input_reused)
     cached = _op_cached_bytes(model, training, sizes) if training.checkpointing == "op" else 0
     terms = {
         "none": _BlockTerms(block, 0, 0),
         "selective": _BlockTerms(block - selective_dropped, selective_dropped, selective_dropped),
-        "op": _BlockTerms(whole.stored + cached, block - cached, whole.backward - cached + sizes.hidden),
+        "op": _BlockTerms(whole.stored + cached, block - cached, whole.backward - cached),
     }
-    blocks = [
-        whole if checkpoints_block(training.checkpointing, index) else terms.get(training.checkpointing, terms["none"])
-        for index in range(model.num_layers)
-    ]
-    top, first = blocks[-1], blocks[0]
+    mode = terms.get(training.checkpointing, terms["none"])
+    top = whole if checkpoints_block(training.checkpointing, model.num_layers - 1) else mode
+    first = whole if checkpoints_block(training.checkpointing, 0) else mode
+    every = checkpoint_every(training.checkpointing)
+    whole_blocks = model.num_layers // every if every else 0  # torchtitan's rule: blocks N-1, 2N-1, ...
+    stored_blocks = whole_blocks * whole.stored + (model.num_layers - whole_blocks) * mode.stored
     mlp_backward = _mlp_backward_bytes(model, sizes)
     loss_element = sizes.stat
     tokens = sizes.tokens
@@ -309,7 +307,6 @@ def estimate_activations(
     log_softmax = tokens * model.vocab_size * loss_element
     ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
     head += head_extra
-    stored_blocks = sum(kept.stored for kept in blocks)
     saved = stored_blocks + shared + head + log_softmax + ids + loss_element
     forward_spike = logits + (tokens * model.vocab_size * loss_element if sizes.element != loss_element else 0)
     backward_spike = 2 * tokens * model.vocab_size * loss_element

@@ -5,7 +5,8 @@ attention kernels, of max, topk and the reduce-scatter and all-to-all, and recom
 rest (torchtitan/distributed/activation_checkpoint.py, `SelectiveAC`, commit c5d93d109 of 2026-06-15; the reference
 models apply the same policy with torch.utils.checkpoint.create_selective_checkpoint_contexts). A linear layer with a
 bias runs as one addmm, which the policy saves and does not count; one without runs as an mm, and the policy saves
-the odd ones (the 1st, 3rd, ...) of a block's forward.
+the odd ones (the 1st, 3rd, ...) of a block's forward. The MoE router's mm is recomputed and not counted
+(torchtitan's default `force_recompute_mm_shapes_by_fqns`, "moe.router.gate").
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def saved_linears(model: ModelSpec) -> tuple[tuple[ParamTensor, bool], ...]:
             continue
         if tensor.name.removesuffix("weight") + "bias" in names:
             linears.append((tensor, True))  # addmm
+            continue
+        if ".router." in tensor.name:
+            linears.append((tensor, False))
             continue
         mm_count += 1
         linears.append((tensor, mm_count % 2 == 1))

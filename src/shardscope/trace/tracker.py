@@ -49,6 +49,16 @@ _RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
 _NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+# The CUDA streams FSDP2 allocates on besides the default one (torch/distributed/fsdp/_fully_shard/
+# _fsdp_collectives.py): an all-gather's input and output are made on its copy-in stream (implicit prefetching in
+# forward and before backward, the only unshards shardscope's steps make); a reduce-scatter's output on the
+# reduce-scatter stream (its input on the default stream). The caching allocator serves each stream from its own
+# blocks (core.allocator), so the stream of each allocation decides what is reserved; all else is stream 0.
+ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2
+_STREAM_OF_ARGUMENTS = {
+    torch.ops.c10d._allgather_base_.default: ((0, 1), ALL_GATHER_STREAM),
+    torch.ops.c10d._reduce_scatter_base_.default: ((0,), REDUCE_SCATTER_STREAM),
+}
 # What a backend copies inside a collective, for the length of the call: op -> index of the argument it copies.
 # ProcessGroupGloo::_reduce_scatter_base calls reduce_scatter_tensor_coalesced, which clones its whole (unsharded)
 # input, all-reduces the clone on a worker thread and at wait() copies this rank's chunk out of it (torch 2.13,
@@ -100,7 +110,9 @@ class StepRecorder(TorchDispatchMode):
         self.collectives = CollectiveLedger()  # the table only: it is never entered as a mode of its own
         self.saved_activations = 0
         self.events: list[Event] = []
-        """Every allocation (storage id, bytes) and free (storage id, FREE) seen, in order, from the start."""
+        """Every allocation (storage id, bytes[, CUDA stream]) and free (storage id, FREE) seen, in order, from the
+        start."""
+        self._allocated_at: dict[int, int] = {}  # storage id -> index of its allocation in events
         self.window_event = 0
         """Index in `events` where the measured step starts."""
         self._transient = 0
@@ -141,6 +153,7 @@ class StepRecorder(TorchDispatchMode):
         if key in self._bytes:
             self.events.append((key, FREE))
         size = self._bytes.pop(key, 0)
+        self._allocated_at.pop(key, None)
         category = self._category.pop(key, "temporary")
         self._refs.pop(key, None)
         self.live[category] -= size
@@ -151,6 +164,7 @@ class StepRecorder(TorchDispatchMode):
         if key in self._bytes:
             return
         size = storage.nbytes()
+        self._allocated_at[key] = len(self.events)
         self.events.append((key, size))
         self._bytes[key] = size
         self._category[key] = category
@@ -206,7 +220,9 @@ class StepRecorder(TorchDispatchMode):
         if key not in self._bytes:
             self._add(storage, "buffers")
             return
-        self.events += [(key, FREE), (key, new_bytes)]
+        self.events.append((key, FREE))
+        self._allocated_at[key] = len(self.events)
+        self.events.append((key, new_bytes))
         old_category = self._category[key]
         self.live[old_category] -= self._bytes[key]
         self.live_total += new_bytes - self._bytes[key]
@@ -238,11 +254,23 @@ class StepRecorder(TorchDispatchMode):
                 self._add(local_tensor(item).untyped_storage(), category)
         if func in _GRADIENT_OUTPUT_OPS:
             self.label([args[0]], "gradients")
+        if func in _STREAM_OF_ARGUMENTS:
+            positions, stream = _STREAM_OF_ARGUMENTS[func]
+            self._on_stream([args[position] for position in positions], stream)
         if func in self._copies:
             copied, _ = tree_flatten(args[self._copies[func]])
             size = sum(t.numel() * t.element_size() for t in copied if isinstance(t, torch.Tensor))
             self._held_for_the_call(size, "buffers")
         return out
+
+    def _on_stream(self, tensors: list[Any], stream: int) -> None:
+        """Mark where these tensors' storages were allocated as on a CUDA stream of FSDP2's."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                key = id(local_tensor(tensor).untyped_storage())
+                index = self._allocated_at.get(key)
+                if index is not None and key in self._bytes:
+                    self.events[index] = (key, self.events[index][1], stream)
 
     def ledger(self) -> tuple[CollectiveRow, ...]:
         """The collectives of the measuring window, merged."""
