@@ -12,6 +12,7 @@ from shardscope.presets import (
     LINK_ROLES,
     OPTIONAL_GPU_RECORD_KEYS,
     PresetError,
+    gpu_kernels_file,
     gpu_preset,
     gpu_preset_names,
     gpu_record,
@@ -39,6 +40,21 @@ def test_every_gpu_record_is_complete(name: str) -> None:
     profile = default_profile(record.gpu)
     assert profile.memory_bandwidth_bytes_per_s == record.memory_bandwidth_bytes_per_s
     assert profile.intra_node.id == record.intra_node and profile.inter_node.id == record.inter_node
+
+
+def test_kernel_ceilings_are_sourced_and_name_real_gpus() -> None:
+    data = gpu_kernels_file()
+    for name, entry in data["architectures"].items():
+        for key in ("gemm_tile", "matmul_fraction", "memory_fraction", "attention", "host_memory"):
+            source = entry[f"{key}_source"]
+            assert isinstance(source, str) and len(source) > 20, f"{name}.{key}_source"
+        assert 0 < entry["matmul_fraction"] <= 1 and 0 < entry["memory_fraction"] <= 1
+        fractions = [value for rows in entry["attention"].values() for pair in rows.values() for value in pair]
+        assert fractions and all(0 < value <= 1 for value in fractions)
+        assert entry["host_memory_bandwidth_bytes_per_s"] > 0
+    assert set(data["sm_count"]) <= set(gpu_preset_names()) and data["sm_count_source"]
+    for name in data["sm_count"]:
+        assert gpu_record(name).architecture in data["architectures"]
 
 
 def test_the_500w_h100_changes_only_its_power() -> None:

@@ -18,8 +18,9 @@ from shardscope.planner.space import (
     offloads_for,
     variants,
 )
+from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
-from shardscope.specs import SpecError
+from shardscope.specs import SpecError, TrainingSpec
 
 
 def test_every_plan_fits_and_reaches_the_batch(big_request: PlanRequest) -> None:
@@ -118,3 +119,21 @@ def test_hsdp_shard_groups_divide_the_world_and_align_with_nodes(big_request: Pl
 def test_bad_requests_name_the_field(big_request: PlanRequest, change: dict[str, object], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         dataclasses.replace(big_request, **change)  # type: ignore[arg-type]
+
+
+def test_cpu_adam_keeps_full_offload_from_ranking_first() -> None:
+    """llama-3-8b on 8 H100s at a 256K-token batch: offloading everything to run without checkpointing at a larger
+    micro-batch ranked first while the optimizer step under offload was priced at GPU memory bandwidth; with
+    CPU-Adam at the host's memory bandwidth (core.compute.optimizer_step_s) a plan without offload ranks first."""
+    gpu = gpu_preset("h100-80gb")
+    request = PlanRequest(
+        model=model_preset("llama-3-8b"),
+        gpu=gpu,
+        training=TrainingSpec(sequence_length=2048),
+        global_batch_tokens=256 * 1024,
+        max_gpus=8,
+        top=4,
+    )
+    plans = plan(request).plans
+    assert plans[0].scenario.strategy.offload == "none"
+    assert all(entry.scenario.strategy.offload != "optimizer+params" for entry in plans[:3])

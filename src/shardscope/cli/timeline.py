@@ -52,7 +52,12 @@ def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--intra-node-bandwidth", metavar="SIZE", help="bytes per second per direction, e.g. 450GB")
     group.add_argument("--inter-node-bandwidth", metavar="SIZE", help="bytes per second per direction, e.g. 50GB")
     group.add_argument("--algorithm", choices=("ring", "tree", "hierarchical", "auto"), help="collective algorithm")
-    group.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s a step reaches (default 0.5)")
+    group.add_argument(
+        "--efficiency",
+        type=float,
+        help="fraction of peak FLOP/s a step reaches: FLOPs / (peak x this) replaces the per-op kernel model "
+        "of GPUs that have one (default for the others: 0.5)",
+    )
     group.add_argument("--no-overlap", action="store_true", help="run communication and compute on one stream")
 
 
@@ -84,6 +89,7 @@ def hardware_from_args(args: argparse.Namespace, gpu: GpuSpec) -> HardwareProfil
         if not 0 < args.efficiency <= 1:
             raise CliError(f"--efficiency {args.efficiency} must be more than 0 and at most 1")
         changes["efficiency"] = args.efficiency
+        changes["per_op_kernels"] = False
     if args.no_overlap:
         changes["overlap"] = False
     return dataclasses.replace(profile, **changes)

@@ -9,9 +9,11 @@ Selective recomputation recomputes only the attention core ("Reducing Activation
 Models", Section 4). Elementwise ops (norms, activations, residual adds) are not counted as FLOPs; they cost time
 through the per-kernel overhead.
 
-Time = FLOPs / (peak x efficiency) + kernels x overhead per kernel. The efficiency is an assumption, stated and
-overridable: 0.5 by default, the fraction of peak Megatron-LM reports for its large runs (52% at 1T parameters on
-A100). A calibrated profile replaces the datasheet peak by measured matmul throughput.
+On a GPU preset whose architecture has kernel ceilings (presets/gpu_kernels.json), time is priced per op by
+core.kernels. Otherwise, and whenever an efficiency is given (--efficiency, a profile file): time = FLOPs / (peak x
+efficiency) + kernels x overhead per kernel. That efficiency is an assumption: 0.5 by default, the fraction of peak
+Megatron-LM reports for its large runs (52% at 1T parameters on A100). A calibrated profile replaces the datasheet
+peak by measured matmul throughput.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shardscope.core.engines import rules_for
 from shardscope.core.op_checkpointing import recomputed_linears, saved_linears
 from shardscope.core.params import ParamTensor, param_layout
 from shardscope.presets.hardware import HardwareProfile
+from shardscope.presets.kernels import KernelCeilings, kernel_ceilings
 from shardscope.specs import ModelSpec, Scenario, SpecError, TrainingSpec
 
 DEFAULT_EFFICIENCY = 0.5
@@ -72,6 +75,8 @@ class ComputeModel:
     """Cost per parameter tensor of a single-tensor optimizer step; 0: its kernels x kernel_overhead_s."""
     memory_bandwidth_bytes_per_s: float = 0.0
     """Device memory bandwidth for the optimizer step; 0 to ignore its cost."""
+    kernels: KernelCeilings | None = None
+    """The GPU's kernel ceilings: each op priced by core.kernels instead of peak x efficiency (None: efficiency)."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops_per_s", "efficiency"):
@@ -138,6 +143,15 @@ def _attention_core_flops(model: ModelSpec, training: TrainingSpec) -> float:
     return 4.0 * training.micro_batch_size * seq * seq * model.num_heads * model.head_dim
 
 
+def head_matrices(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(out, in) of the matmuls after the blocks: the head's own weights, or the embedding matrix used a second time
+    when tied."""
+    layout = param_layout(model)
+    own = tuple(t.shape for t in layout.root if len(t.shape) == 2 and not t.name.startswith("embed"))
+    tied = ((model.vocab_size, model.hidden_size),) if model.tie_embeddings else ()
+    return tuple((shape[0], shape[1]) for shape in own) + tied
+
+
 @cache
 def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, ...]:
     """FLOPs of every stage in forward order: embeddings, the blocks, then final norm, head and loss."""
@@ -162,10 +176,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
         (block_forward, block_kernels) if checkpoints_block(training.checkpointing, index) else partial
         for index in range(model.num_layers)
     ]
-    head_tensors = tuple(t for t in layout.root if not t.name.startswith("embed"))
-    head = _matmul_flops(head_tensors, tokens, 1, 1)
-    if model.tie_embeddings:  # the head is the embedding matrix used a second time
-        head += 2.0 * tokens * model.vocab_size * model.hidden_size
+    head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model))
     stages = [
         StageFlops(
             name="embed",
@@ -219,25 +230,39 @@ def hardware_flops_per_step(scenario: Scenario) -> float:
 
 def optimizer_step_s(scenario: Scenario, compute: ComputeModel, shard_numel: int, shard_tensors: int) -> float:
     """The optimizer step over the rank's shard: memory-bound, fp32 state accesses over the memory bandwidth (one
-    pass per op under torch's optimizers, fused under DeepSpeed's), plus the kernels it launches per tensor."""
+    pass per op under torch's optimizers, fused under DeepSpeed's), plus the kernels it launches per tensor.
+
+    With kernel ceilings the device step runs at the copy fraction of the bandwidth, and under CPU offload the step
+    is DeepSpeed's CPU-Adam: one fused pass ("ZeRO-Offload: Democratizing Billion-Scale Model Training": its CPU-Adam)
+    over the host's memory bandwidth, shared by the node's ranks."""
     optimizer = scenario.training.optimizer
     per_tensor = (
         compute.optimizer_tensor_overhead_s or OPTIMIZER_KERNELS_PER_TENSOR[optimizer] * compute.kernel_overhead_s
     )
     kernels = per_tensor * shard_tensors
-    if compute.memory_bandwidth_bytes_per_s <= 0:
-        return kernels
     state_bytes = 8 if scenario.training.precision == "fp64" else 4
+    ceilings = compute.kernels
+    if ceilings is not None and scenario.strategy.offload != "none":
+        host = ceilings.host_memory_bandwidth_bytes_per_s / scenario.cluster.ranks_per_node
+        return kernels + FUSED_OPTIMIZER_ACCESSES[optimizer] * state_bytes * shard_numel / host
+    bandwidth = compute.memory_bandwidth_bytes_per_s * (ceilings.memory_fraction if ceilings else 1.0)
+    if bandwidth <= 0:
+        return kernels
     fused = rules_for(scenario).fused_optimizer
     accessed = (FUSED_OPTIMIZER_ACCESSES if fused else OPTIMIZER_ACCESSES)[optimizer] * state_bytes * shard_numel
-    return kernels + accessed / compute.memory_bandwidth_bytes_per_s
+    return kernels + accessed / bandwidth
 
 
 def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
-    """The compute half: measured matmul throughput if the profile has it, else the GPU's datasheet peak."""
+    """The compute half: measured matmul throughput if the profile has it, else the GPU's datasheet peak; priced per
+    op (core.kernels) where the profile asks for it and the GPU's architecture has kernel ceilings, for 16-bit compute
+    over NCCL (a gloo run is a CPU run)."""
     peak = profile.matmul_flops_per_s
+    dtype = compute_dtype(scenario.training)
+    ceilings = None
+    if profile.per_op_kernels and peak <= 0 and scenario.cluster.backend == "nccl" and dtype in ("bf16", "fp16"):
+        ceilings = kernel_ceilings(scenario.cluster.gpu.id)
     if peak <= 0:
-        dtype = compute_dtype(scenario.training)
         datasheet = scenario.cluster.gpu.peak_flops(dtype)
         if datasheet is None:
             raise SpecError(
@@ -253,4 +278,5 @@ def compute_model(scenario: Scenario, profile: HardwareProfile) -> ComputeModel:
         backward_op_overhead_s=backward_op_s,
         optimizer_tensor_overhead_s=profile.optimizer_tensor_overhead_s,
         memory_bandwidth_bytes_per_s=profile.memory_bandwidth_bytes_per_s,
+        kernels=ceilings,
     )

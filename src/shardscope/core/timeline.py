@@ -29,6 +29,7 @@ from shardscope.core.compute import (
     stage_flops,
 )
 from shardscope.core.engines import rules_for
+from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, network_model
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import param_layout
@@ -164,9 +165,7 @@ def _compute_tasks(
     where: dict[tuple[str, int, int], int] = {}
 
     # Every micro-batch repeats the same stages: each stage's forward, recompute and backward time computed once.
-    forward = [compute.seconds(stage.forward_flops, stage.forward_kernels) for stage in stages]
-    recompute = [compute.seconds(stage.recompute_flops, stage.recompute_kernels) for stage in stages]
-    backward = [compute.backward_seconds(stage.backward_flops, stage.backward_kernels) for stage in stages]
+    forward, recompute, backward = stage_seconds(scenario, compute)
 
     def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
         where[(kind, micro_batch, stage)] = len(tasks)

@@ -29,8 +29,9 @@ GPU_RECORD_KEYS = (
     "tdp_watts",
     "tdp_source",
 )
-OPTIONAL_GPU_RECORD_KEYS = ("notes",)
-"""Fields a record may hold beside GPU_RECORD_KEYS: notes say what a record leaves out or assumes, and why."""
+OPTIONAL_GPU_RECORD_KEYS = ("notes", "architecture")
+"""Fields a record may hold beside GPU_RECORD_KEYS: notes say what a record leaves out or assumes, and why; the
+architecture names its kernel ceilings in gpu_kernels.json."""
 
 
 class PresetError(SpecError):
@@ -47,6 +48,11 @@ def _load(name: str) -> dict[str, Any]:
 def gpus_file() -> dict[str, Any]:
     """gpus.json as parsed: the GPU records, the links they name, the default profile's latency and framework terms."""
     return _load("gpus.json")
+
+
+def gpu_kernels_file() -> dict[str, Any]:
+    """gpu_kernels.json as parsed: kernel ceilings per GPU architecture and SM counts per GPU preset, with sources."""
+    return _load("gpu_kernels.json")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +78,8 @@ class GpuRecord:
     """The datasheet tdp_watts comes from."""
     notes: str = ""
     """What the record leaves out, assumes or derives, and why (empty when it is the datasheet's figures only)."""
+    architecture: str = ""
+    """The GPU's architecture ('ampere', 'hopper'), the key of its kernel ceilings in gpu_kernels.json; empty: none."""
 
     def __post_init__(self) -> None:
         where = f"GPU preset {self.gpu.id!r}"
@@ -124,6 +132,7 @@ def parse_gpu_record(name: str, entry: Mapping[str, Any], link_ids: Collection[s
         tdp_watts=entry["tdp_watts"],
         tdp_source=entry["tdp_source"],
         notes=entry.get("notes", ""),
+        architecture=entry.get("architecture", ""),
     )
 
 

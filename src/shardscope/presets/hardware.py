@@ -133,7 +133,10 @@ class HardwareProfile:
     matmul_flops_per_s: float = 0.0
     """Measured matmul throughput; 0 means the GPU preset's datasheet peak."""
     efficiency: float = DEFAULT_EFFICIENCY
-    """Fraction of the peak a training step's matmuls reach."""
+    """Fraction of the peak a training step's matmuls reach (not read when per_op_kernels applies)."""
+    per_op_kernels: bool = False
+    """Price each op at its kernel kind's ceiling (core.kernels) where the GPU's architecture has them, instead of
+    FLOPs / (peak x efficiency); the datasheet profile of a GPU preset sets it, a given efficiency clears it."""
     kernel_overhead_s: float = 0.0
     """Launch and dispatch cost of one forward op (one aten op, as core.compute counts them)."""
     backward_op_overhead_s: float = 0.0
@@ -228,7 +231,8 @@ def gpu_memory_bandwidth(gpu: GpuSpec) -> float:
 
 
 def default_profile(gpu: GpuSpec) -> HardwareProfile:
-    """The datasheet profile of a GPU preset: its typical links, NCCL's latencies, the default efficiency."""
+    """The datasheet profile of a GPU preset: its typical links, NCCL's latencies, per-op kernel ceilings where its
+    architecture has them (else the default efficiency)."""
     data = gpus_file()
     if gpu.id in gpu_preset_names():
         record = gpu_record(gpu.id)
@@ -242,6 +246,7 @@ def default_profile(gpu: GpuSpec) -> HardwareProfile:
         host=interconnect_preset(links["host"]),
         call_latency_s=float(data["call_latency_s"]),
         memory_bandwidth_bytes_per_s=gpu_memory_bandwidth(gpu),
+        per_op_kernels=True,
         source=f"{gpu.source}; links: gpus.json; {data['call_latency_source']}; "
         f"framework: {data['framework_defaults']['source']}",
     )

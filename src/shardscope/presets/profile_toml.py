@@ -8,6 +8,7 @@ Written by `shardscope calibrate` or by hand:
     [compute]
     matmul_flops_per_s = 0.0        # 0: the GPU preset's datasheet peak for the step's dtype
     efficiency = 0.5                # fraction of that peak a training step reaches
+    per_op_kernels = false          # true: each op at its kernel ceiling (core.kernels) where the GPU has them
     kernel_overhead_s = 0.0         # launch/dispatch cost per forward op (aten op)
     backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
     optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
@@ -74,6 +75,7 @@ TOP_KEYS = {"schema": TEXT, "name": TEXT, "source": TEXT, "compute": TABLE, "fra
 COMPUTE_KEYS = {
     "matmul_flops_per_s": NUMBER,
     "efficiency": NUMBER,
+    "per_op_kernels": FLAG,
     "kernel_overhead_s": NUMBER,
     "backward_op_overhead_s": NUMBER,
     "optimizer_tensor_overhead_s": NUMBER,
@@ -155,6 +157,7 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
         overlap=network.get("overlap", True),
         matmul_flops_per_s=compute.get("matmul_flops_per_s", 0.0),
         efficiency=compute.get("efficiency", DEFAULT_EFFICIENCY),
+        per_op_kernels=compute.get("per_op_kernels", False),
         kernel_overhead_s=compute.get("kernel_overhead_s", 0.0),
         backward_op_overhead_s=compute.get("backward_op_overhead_s", 0.0),
         optimizer_tensor_overhead_s=compute.get("optimizer_tensor_overhead_s", 0.0),
@@ -223,6 +226,7 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         "[compute]",
         f"matmul_flops_per_s = {float(profile.matmul_flops_per_s)!r}",
         f"efficiency = {float(profile.efficiency)!r}",
+        f"per_op_kernels = {'true' if profile.per_op_kernels else 'false'}",
         f"kernel_overhead_s = {float(profile.kernel_overhead_s)!r}",
         f"backward_op_overhead_s = {float(profile.backward_op_overhead_s)!r}",
         f"optimizer_tensor_overhead_s = {float(profile.optimizer_tensor_overhead_s)!r}",

@@ -101,8 +101,11 @@ def assumptions(row: Row, hardware: HardwareProfile | None, plan: PlanResult | N
     """The chosen plan's memory assumptions, the hardware's, and the planner's."""
     found = list(describe_assumptions(row.memory))
     if hardware is not None:
+        speed = f"{hardware.efficiency:.0%} of peak FLOP/s"
+        if hardware.per_op_kernels:
+            speed = f"each op at its kernel ceiling where the GPU has them (else {speed})"
         found.append(
-            f"time model: {hardware.name}, {hardware.efficiency:.0%} of peak FLOP/s, {hardware.algorithm} collectives, "
+            f"time model: {hardware.name}, {speed}, {hardware.algorithm} collectives, "
             f"communication {'overlapped with' if hardware.overlap else 'serialised with'} compute ({hardware.source})"
         )
         found.append("a step of k micro-batches is timed from simulations of one and two, extended linearly")
