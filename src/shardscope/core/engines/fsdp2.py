@@ -3,9 +3,11 @@ and the moments of backward FSDP2's per-unit mechanism makes.
 
 zero3 reshards after forward, zero2 keeps units gathered until backward, hsdp shards inside groups of the shard
 degree. FSDP2 pads every parameter's dim 0 to a multiple of the shard degree, gathers units in the compute dtype
-(MixedPrecisionPolicy), keeps the root gathered while forward ends and the head's gradients unsharded through
-backward. Besides the moments every engine has, it is followed through the output head's forward (zero2: the last
-all-gather's output still held), the first block's forward (both all-gathers' outputs held when nothing reshards),
+(MixedPrecisionPolicy) and keeps the head's gradients unsharded through backward. zero3 and hsdp reshard the root
+too after its forward, before the loss (fully_shard is given reshard_after_forward explicitly, which turns off
+torch's rule of keeping the root gathered: _fsdp_state.py, auto_reshard_after_forward), and gather it again when
+backward reaches the output head. Besides the moments every engine has, it is followed through the output head's
+forward (the root gathered; zero2: the last all-gather's output still held too), the first block's forward (both all-gathers' outputs held when nothing reshards),
 the top block's MLP backward and its reduce-scatter, the bottom block's backward and, under gloo, the bottom block's
 and the root's reduce-scatters, where gloo holds a clone of the reduce-scatter input (what a collective allocates
 depends on the library, so the backend is the cluster's).
@@ -54,6 +56,8 @@ class _UnitMoments(NamedTuple):
     bottom_grads: int
     forward_staging: int
     first_block_buffers: int
+    head_buffers: int
+    """Gathered in the output head's forward beyond the persistent buffers."""
 
 
 def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
@@ -84,10 +88,10 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
         (params, top_grads, optimizer, after_head, top_buffers, top_temporary + acts.block_backward_bytes)
     )
     moments = shared_moments(scenario, states, acts, top if units.shaped else None)
-    if units.forward_staging:
-        # The output head's forward: the loss has not yet made its log-softmax, and the last all-gather's output is
-        # still held (traced: zero2 peaks at 'forward: lm_head').
-        buffers = persistent + states.forward_buffers_bytes + units.forward_staging
+    if units.head_buffers:
+        # The output head's forward: the loss has not yet made its log-softmax; the root is gathered and, under
+        # zero2, the last all-gather's output still held (traced: zero2 peaks at 'forward: lm_head').
+        buffers = persistent + units.head_buffers
         saved = acts.saved_bytes - acts.log_softmax_bytes
         moments.append(
             ("output head's forward", as_live_bytes((params, grads, optimizer, saved, buffers, acts.logits_bytes)))
@@ -173,8 +177,11 @@ def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
         # the loss runs; in backward the block's gradients add nothing beyond the gathered model.
         gathered_forward = gathered_backward = gathered_boundary = (root + blocks * block) * compute
         in_flight_blocks, staging = 0, block * compute
+        head_gathered = gathered_forward + staging
     else:
-        gathered_forward = root * compute
+        # traced (llama-3-8b cut to 8 blocks, and an H200 running it: docs/accuracy-gpu.md): the root is resharded
+        # after its forward, so the loss runs with nothing gathered
+        gathered_forward, head_gathered = 0, root * compute
         # traced: FSDP2 prefetches the next block's all-gather while a block runs backward
         gathered_backward = (root + block + (block if blocks > 1 else 0)) * compute
         gathered_boundary = (root + block) * compute  # traced: FSDP2 frees a block before gathering the next
@@ -208,6 +215,7 @@ def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
         # traced: in the first block's forward the next block's all-gather is prefetched, so two blocks and both
         # flat all-gather outputs are live beside the root
         first_block_buffers=(root + 2 * block) * compute + 2 * staging if staging and blocks > 1 else 0,
+        head_buffers=head_gathered if layout is not None else 0,
     )
     states = ModelStates(
         parameters_bytes=padded * stored,
