@@ -49,7 +49,9 @@ def test_cpu_path_measures_every_case_and_times_the_kernels(tmp_path: Path) -> N
     assert "| 4 | full |" in done.stdout
 
 
-@pytest.mark.parametrize("name", ["gpu_check-h200.json", "gpu_check-h200-expandable.json"])
+@pytest.mark.parametrize(
+    "name", ["gpu_check-h200.json", "gpu_check-h200-32blocks.json", "gpu_check-h200-expandable.json"]
+)
 def test_accuracy_gpu_page_shows_todays_predictions(name: str) -> None:
     document = json.loads((REPO / "benchmarks" / "results" / name).read_text())
     page = (REPO / "docs" / "accuracy-gpu.md").read_text()
