@@ -7,10 +7,10 @@ degree. FSDP2 pads every parameter's dim 0 to a multiple of the shard degree, ga
 too after its forward, before the loss (fully_shard is given reshard_after_forward explicitly, which turns off
 torch's rule of keeping the root gathered: _fsdp_state.py, auto_reshard_after_forward), and gather it again when
 backward reaches the output head. Besides the moments every engine has, it is followed through the output head's
-forward (the root gathered; zero2: the last all-gather's output still held too), the first block's forward (both all-gathers' outputs held when nothing reshards),
-the top block's MLP backward and its reduce-scatter, the bottom block's backward and, under gloo, the bottom block's
-and the root's reduce-scatters, where gloo holds a clone of the reduce-scatter input (what a collective allocates
-depends on the library, so the backend is the cluster's).
+forward (the root gathered; zero2: the last all-gather's output still held too), the first block's forward (both
+all-gathers' outputs held when nothing reshards), the top block's MLP backward and its reduce-scatter, the bottom
+block's backward and, under gloo, the bottom block's and the root's reduce-scatters, where gloo holds a clone of the
+reduce-scatter input (what a collective allocates depends on the library, so the backend is the cluster's).
 """
 
 from __future__ import annotations
