@@ -20,11 +20,12 @@ from bench_time import ENGINES, STRATEGIES, load_average, scenario_for
 from shardscope.calibrate import calibrate
 from shardscope.calibrate.collectives import _op_seconds
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import HardwareProfile, OpCost
+from shardscope.presets.hardware import HOST_FIELDS, HardwareProfile, OpCost
 from shardscope.specs import Scenario
 
-# the scalar terms calibrate measures; the ops and the llama family's per-op costs are handled apart
-SCALAR_TERMS = (
+# the scalar terms calibrate measures, of the profile and of its host extension; the ops and the llama family's
+# per-op costs are handled apart
+PROFILE_TERMS = (
     "matmul_flops_per_s",
     "kernel_overhead_s",
     "backward_op_overhead_s",
@@ -32,14 +33,22 @@ SCALAR_TERMS = (
     "memory_bandwidth_bytes_per_s",
     "ddp_step_overhead_s",
     "fsdp_unit_overhead_s",
-    "fsdp_optimizer_tensor_overhead_s",
-    "zero_tensor_overhead_s",
-    "sync_wait_s",
-    "optimizer_step_overhead_s",
-    "bookkeeping_op_overhead_s",
-    "hook_overhead_s",
-    "async_compute_slowdown",
 )
+ALL_TERMS = (*PROFILE_TERMS, *HOST_FIELDS)
+
+
+def _term(profile: HardwareProfile, term: str) -> float:
+    """A scalar term of the profile or of its host extension."""
+    return float(getattr(profile.host_terms if term in HOST_FIELDS else profile, term))
+
+
+def _with_terms(profile: HardwareProfile, terms: dict[str, float]) -> HardwareProfile:
+    """The profile with these scalar terms replaced, wherever each lives."""
+    host = {term: value for term, value in terms.items() if term in HOST_FIELDS}
+    rest = {term: value for term, value in terms.items() if term not in HOST_FIELDS}
+    return dataclasses.replace(profile, host_overheads=dataclasses.replace(profile.host_terms, **host), **rest)
+
+
 PROBE_BYTES = 256 * 1024
 
 
@@ -61,8 +70,8 @@ def _with_op(profile: HardwareProfile, cost: OpCost) -> HardwareProfile:
 
 def median_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
     """Every scalar term at its median, every op at its median price, the llama costs of the median calibration."""
-    scalars = {term: statistics.median(getattr(p, term) for p in profiles) for term in SCALAR_TERMS}
-    base = dataclasses.replace(profiles[len(profiles) // 2], **scalars)
+    scalars = {term: statistics.median(_term(p, term) for p in profiles) for term in ALL_TERMS}
+    base = _with_terms(profiles[len(profiles) // 2], scalars)
     for cost in base.op_costs:
         base = _with_op(base, _median_op(profiles, cost.op))
     return base
@@ -70,10 +79,15 @@ def median_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
 
 def variants(profiles: list[HardwareProfile], base: HardwareProfile) -> dict[str, list[HardwareProfile]]:
     """Per term, the median profile with only that term taken from each calibration in turn."""
-    by_term = {term: [dataclasses.replace(base, **{term: getattr(p, term)}) for p in profiles] for term in SCALAR_TERMS}
+    by_term = {term: [_with_terms(base, {term: _term(p, term)}) for p in profiles] for term in ALL_TERMS}
     for cost in base.op_costs:
         by_term[f"network.ops.{cost.op}"] = [_with_op(base, p.op_cost(cost.op) or cost) for p in profiles]
-    by_term["compute.families"] = [dataclasses.replace(base, family_op_costs=p.family_op_costs) for p in profiles]
+    by_term["compute.families"] = [
+        dataclasses.replace(
+            base, host_overheads=dataclasses.replace(base.host_terms, family_op_costs=p.host_terms.family_op_costs)
+        )
+        for p in profiles
+    ]
     return by_term
 
 
@@ -91,7 +105,7 @@ def term_values(profiles: list[HardwareProfile], term: str) -> tuple[str, list[f
         return f"{term} @256K s", [_op_seconds(cost, PROBE_BYTES, 2) for p in profiles if (cost := p.op_cost(op))]
     if term == "compute.families":
         return "llama forward op s", [p.op_overheads("llama")[0] for p in profiles]
-    return term, [getattr(p, term) for p in profiles]
+    return term, [_term(p, term) for p in profiles]
 
 
 def main() -> int:

@@ -57,21 +57,22 @@ def _profile_line(profile: HardwareProfile) -> str:
     costs = ", ".join(
         f"{c.op} {c.call_latency_s * 1e6:.0f} us + {c.bandwidth_bytes_per_s / 1e9:.2f} GB/s" for c in profile.op_costs
     )
+    host = profile.host_terms
     return (
         f"matmul {profile.matmul_flops_per_s / 1e9:.1f} GFLOP/s; per op: forward {profile.kernel_overhead_s * 1e6:.1f}"
         f" us, backward {profile.backward_op_overhead_s * 1e6:.1f} us"
         + "".join(
             f" ({cost.family}: {cost.kernel_overhead_s * 1e6:.1f}, {cost.backward_op_overhead_s * 1e6:.1f} us)"
-            for cost in profile.family_op_costs
+            for cost in host.family_op_costs
         )
         + "; optimizer "
-        f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor + {profile.optimizer_step_overhead_s * 1e6:.0f} "
+        f"{profile.optimizer_tensor_overhead_s * 1e6:.1f} us/tensor + {host.optimizer_step_overhead_s * 1e6:.0f} "
         f"us/step; DDP {profile.ddp_step_overhead_s * 1e3:.2f} "
         f"ms/step; FSDP2 {profile.fsdp_unit_overhead_s * 1e3:.2f} ms/unit, "
-        f"+{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
-        f"ZeRO {profile.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {profile.sync_wait_s * 1e3:.2f} ms; "
-        f"hook {profile.hook_overhead_s * 1e6:.1f} us; bookkeeping {profile.bookkeeping_op_overhead_s * 1e6:.1f} "
-        f"us/op; beside async +{profile.async_compute_slowdown:.2f}; {costs}"
+        f"+{host.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us/DTensor; "
+        f"ZeRO {host.zero_tensor_overhead_s * 1e6:.0f} us/tensor; sync wait {host.sync_wait_s * 1e3:.2f} ms; "
+        f"hook {host.hook_overhead_s * 1e6:.1f} us; bookkeeping {host.bookkeeping_op_overhead_s * 1e6:.1f} "
+        f"us/op; beside async +{host.async_compute_slowdown:.2f}; {costs}"
     )
 
 
@@ -137,7 +138,8 @@ def main() -> int:
                 key = (model, strategy, label)
                 scenario = scenario_for(model, strategy, engine)
                 predicted.setdefault(key, []).append(estimate_time(scenario, profile).step_time_s)
-                without = dataclasses.replace(profile, hook_overhead_s=0.0, async_compute_slowdown=0.0)
+                quiet_host = dataclasses.replace(profile.host_terms, hook_overhead_s=0.0, async_compute_slowdown=0.0)
+                without = dataclasses.replace(profile, host_overheads=quiet_host)
                 without_hooks.setdefault(key, []).append(estimate_time(scenario, without).step_time_s)
                 measured.setdefault(key, []).append(result.step_time_s)
                 ledgers[key] = ledgers.get(key, True) and ledger_rows(run_ledger(scenario)) == ledger_rows(

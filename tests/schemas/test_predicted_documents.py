@@ -15,7 +15,7 @@ import pytest
 from shardscope.cli import main
 from shardscope.core.result import MemoryBreakdown
 from shardscope.presets import gpu_preset
-from shardscope.presets.hardware import FamilyOpCost, InterconnectSpec, OpCost, default_profile
+from shardscope.presets.hardware import FamilyOpCost, HostOverheads, InterconnectSpec, OpCost, default_profile
 from shardscope.presets.profile_toml import profile_to_toml
 from shardscope.schemas import load_schema
 from shardscope.validate.cases import ValidationCase
@@ -120,21 +120,23 @@ def _profile_dict() -> dict:
         name='cluster \u2603 "quoted"',
         inter_node=InterconnectSpec(id="measured", name="ib", bandwidth_bytes_per_s=2.5e10, latency_s=5e-6),
         op_costs=(OpCost(op="reduce_scatter", call_latency_s=3.2e-4, bandwidth_bytes_per_s=6e8),),
-        family_op_costs=(FamilyOpCost(family="llama", kernel_overhead_s=1e-5, backward_op_overhead_s=2e-5),),
+        host_overheads=HostOverheads(
+            family_op_costs=(FamilyOpCost(family="llama", kernel_overhead_s=1e-5, backward_op_overhead_s=2e-5),)
+        ),
     )
     return tomllib.loads(profile_to_toml(profile))
 
 
 def test_written_hardware_profile_follows_its_schema(rejects_renamed_keys: RejectsRenamed) -> None:
     data = _profile_dict()
-    assert data["schema"] == "shardscope.hardware/v1"
+    assert data["schema"] == "shardscope.hardware/v2"
     assert rejects_renamed_keys(data) >= 8
 
 
 def test_hand_written_profile_follows_its_schema_and_a_misspelt_key_fails(
     matches_schema: Matches,
 ) -> None:
-    text = """schema = "shardscope.hardware/v1"
+    text = """schema = "shardscope.hardware/v2"
     [compute]
     efficiency = 0.3
     [network]
@@ -149,7 +151,7 @@ def test_hand_written_profile_follows_its_schema_and_a_misspelt_key_fails(
 
 
 def test_hardware_schema_holds_every_field_the_writer_writes() -> None:
-    properties = load_schema("shardscope.hardware/v1")["properties"]
+    properties = load_schema("shardscope.hardware/v2")["properties"]
     data = _profile_dict()
-    for table in ("compute", "framework", "network"):
+    for table in ("compute", "framework", "host_overheads", "network"):
         assert set(data[table]) <= set(properties[table]["properties"]), table

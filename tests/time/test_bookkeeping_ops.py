@@ -16,7 +16,7 @@ from timecases import scenario
 import shardscope
 from shardscope.core.engines.teaching_ops import bookkeeping_ops
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import default_profile
+from shardscope.presets.hardware import HostOverheads, default_profile
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -90,7 +90,7 @@ def test_bookkeeping_ops_are_the_ops_the_teaching_code_dispatches(strategy: str,
 def test_the_timeline_charges_each_bookkeeping_op_once() -> None:
     case = scenario(model="tiny-gpt2", strategy="zero2", engine="paper", world_size=2, gpus_per_node=2)
     base = dataclasses.replace(default_profile(case.cluster.gpu), overlap=False)
-    priced = dataclasses.replace(base, bookkeeping_op_overhead_s=1e-5)
+    priced = dataclasses.replace(base, host_overheads=HostOverheads(bookkeeping_op_overhead_s=1e-5))
     extra = estimate_time(case, priced).step_time_s - estimate_time(case, base).step_time_s
     assert extra == pytest.approx(sum(bookkeeping_ops(case).values()) * 1e-5, rel=1e-9)
     torch_case = dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, engine="pytorch"))

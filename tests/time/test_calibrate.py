@@ -110,6 +110,7 @@ def profile_has_framework_terms(profile) -> bool:  # type: ignore[no-untyped-def
         and profile.backward_op_overhead_s > 0
         and profile.optimizer_tensor_overhead_s > 0
         and {cost.op for cost in profile.op_costs} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+        and profile.host_overheads is not None  # calibrate fills the host extension
     )
 
 

@@ -12,7 +12,7 @@ from timecases import scenario
 from shardscope.core.comm import collective_ledger, comm_events
 from shardscope.core.result import merge_ledger
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate
-from shardscope.presets.hardware import default_profile
+from shardscope.presets.hardware import HostOverheads, default_profile
 
 CASES = [
     (strategy, engine)
@@ -42,7 +42,8 @@ def test_a_long_step_extended_from_the_simulated_part_equals_its_whole_simulatio
     )
     profile = default_profile(case.cluster.gpu)
     if cpu_like:  # the terms only a CPU host has: one stream, a rank wait, compute slowed beside async collectives
-        profile = dataclasses.replace(profile, overlap=False, sync_wait_s=2e-4, async_compute_slowdown=0.3)
+        host = HostOverheads(sync_wait_s=2e-4, async_compute_slowdown=0.3)
+        profile = dataclasses.replace(profile, overlap=False, host_overheads=host)
     whole, extended = simulate(case, profile), estimate_time(case, profile)
     assert extended.simulated_micro_batches == EXACT_MICRO_BATCHES < whole.simulated_micro_batches
     for name in ("step_time_s", "compute_time_s", "comm_time_s", "exposed_comm_s", "model_flops"):

@@ -83,7 +83,7 @@ def test_a_first_version_profile_still_loads_with_no_overheads() -> None:
 def test_overheads_and_per_op_costs_round_trip(tmp_path: Path) -> None:
     import dataclasses
 
-    from shardscope.presets.hardware import FamilyOpCost, OpCost
+    from shardscope.presets.hardware import FamilyOpCost, HostOverheads, OpCost
 
     base = default_profile(gpu_preset("h100-80gb"))
     assert base.fsdp_unit_overhead_s > 0 and base.kernel_overhead_s == 0  # stated GPU defaults
@@ -92,7 +92,9 @@ def test_overheads_and_per_op_costs_round_trip(tmp_path: Path) -> None:
         backward_op_overhead_s=3e-6,
         fsdp_unit_overhead_s=5e-3,
         op_costs=(OpCost(op="reduce_scatter", call_latency_s=5e-4, bandwidth_bytes_per_s=5e8),),
-        family_op_costs=(FamilyOpCost(family="llama", kernel_overhead_s=2e-6, backward_op_overhead_s=1e-6),),
+        host_overheads=HostOverheads(
+            family_op_costs=(FamilyOpCost(family="llama", kernel_overhead_s=2e-6, backward_op_overhead_s=1e-6),)
+        ),
     )
     path = tmp_path / "profile.toml"
     path.write_text(profile_to_toml(profile))

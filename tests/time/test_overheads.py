@@ -12,7 +12,7 @@ from shardscope.core.engines.teaching_ops import hook_calls
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import param_layout
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import PROFILE_SCHEMA, default_profile
+from shardscope.presets.hardware import LEGACY_PROFILE_SCHEMA, HostOverheads, default_profile
 from shardscope.presets.profile_toml import parse_profile, profile_to_toml
 
 
@@ -23,7 +23,9 @@ def _tiny(strategy: str, engine: str = "paper"):  # type: ignore[no-untyped-def]
 
 
 def _serial(**terms: float):  # type: ignore[no-untyped-def]
-    return dataclasses.replace(default_profile(scenario().cluster.gpu), overlap=False, **terms)
+    return dataclasses.replace(
+        default_profile(scenario().cluster.gpu), overlap=False, host_overheads=HostOverheads(**terms)
+    )
 
 
 def test_hook_calls_follow_the_teaching_strategies_registrations() -> None:
@@ -92,7 +94,7 @@ def test_compute_beside_teaching_ddp_all_reduces_is_slowed() -> None:
 
 
 def test_profiles_written_before_the_terms_load_with_zero() -> None:
-    old = f"""schema = "{PROFILE_SCHEMA}"
+    old = f"""schema = "{LEGACY_PROFILE_SCHEMA}"
 name = "old"
 [compute]
 kernel_overhead_s = 5e-6
@@ -102,9 +104,11 @@ sync_wait_s = 1e-3
 intra_node = "nvlink4"
 """
     profile = parse_profile(old)
-    assert profile.hook_overhead_s == 0.0
-    assert profile.async_compute_slowdown == 0.0
-    written = dataclasses.replace(profile, hook_overhead_s=2e-6, async_compute_slowdown=0.25)
+    assert profile.host_terms.sync_wait_s == 1e-3  # a v1 file's flat [framework] key lands in the extension
+    assert profile.host_terms.hook_overhead_s == 0.0
+    assert profile.host_terms.async_compute_slowdown == 0.0
+    host = HostOverheads(sync_wait_s=1e-3, hook_overhead_s=2e-6, async_compute_slowdown=0.25)
+    written = dataclasses.replace(profile, host_overheads=host)
     assert parse_profile(profile_to_toml(written)) == written
 
 

@@ -16,17 +16,19 @@ from shardscope.presets import gpu_preset
 from shardscope.presets.hardware import (
     COLLECTIVE_OPS,
     FRAMEWORK_FIELDS,
+    HOST_FIELDS,
     OVERHEAD_FIELDS,
     FamilyOpCost,
     HardwareError,
     HardwareProfile,
+    HostOverheads,
     InterconnectSpec,
     OpCost,
     default_profile,
 )
 from shardscope.presets.profile_toml import load_profile, parse_profile, profile_to_toml
 
-GOOD = 'schema = "shardscope.hardware/v1"\n[compute]\nefficiency = 0.4\n[network]\nintra_node = "nvlink4"\n'
+GOOD = 'schema = "shardscope.hardware/v2"\n[compute]\nefficiency = 0.4\n[network]\nintra_node = "nvlink4"\n'
 
 
 @pytest.mark.parametrize(
@@ -48,8 +50,8 @@ GOOD = 'schema = "shardscope.hardware/v1"\n[compute]\nefficiency = 0.4\n[network
             r"network.intra_node: unknown key 'bandwith_bytes_per_s'; allowed: id, name, bandwidth_bytes_per_s,",
         ),
         (
-            ("[network]", "[compute.families.llama]\nkernel_overhead = 1e-6\n[network]"),
-            r"\[compute.families.llama\]: unknown key 'kernel_overhead'; allowed: kernel_overhead_s, backward_op_",
+            ("[network]", "[host_overheads.families.llama]\nkernel_overhead = 1e-6\n[network]"),
+            r"\[host_overheads.families.llama\]: unknown key 'kernel_overhead'; allowed: kernel_overhead_s, backward",
         ),
         (
             ('intra_node = "nvlink4"', 'intra_node = "nvlink4"\n[network.ops.all_gather]\nlatency_s = 1e-4'),
@@ -66,8 +68,8 @@ GOOD = 'schema = "shardscope.hardware/v1"\n[compute]\nefficiency = 0.4\n[network
         ),
         (("[compute]", "compute = 1\n[network.x]"), r"compute = 1 must be a table"),
         (
-            ("[network]", "[compute.families]\nllama = 2e-6\n[network]"),
-            r"\[compute.families.llama\] = 2e-06 must be a table",
+            ("[network]", "[host_overheads.families]\nllama = 2e-6\n[network]"),
+            r"\[host_overheads.families.llama\] = 2e-06 must be a table",
         ),
     ],
 )
@@ -110,10 +112,22 @@ LINKS = st.builds(
 
 
 @st.composite
+def host_overheads(draw: st.DrawFn) -> HostOverheads:
+    """Any host extension: every term any finite figure, per-op costs for any families."""
+    families = draw(st.lists(st.sampled_from(FAMILIES), unique=True))
+    return HostOverheads(
+        **{name: draw(NON_NEGATIVE) for name in HOST_FIELDS},
+        family_op_costs=tuple(
+            FamilyOpCost(family=family, kernel_overhead_s=draw(NON_NEGATIVE), backward_op_overhead_s=draw(NON_NEGATIVE))
+            for family in families
+        ),
+    )
+
+
+@st.composite
 def profiles(draw: st.DrawFn) -> HardwareProfile:
     """Any valid profile: arbitrary text in every string, any finite figure in every number."""
     ops = draw(st.lists(st.sampled_from(COLLECTIVE_OPS), unique=True))
-    families = draw(st.lists(st.sampled_from(FAMILIES), unique=True))
     return HardwareProfile(
         name=draw(TEXT),
         source=draw(TEXT),
@@ -130,10 +144,7 @@ def profiles(draw: st.DrawFn) -> HardwareProfile:
         op_costs=tuple(
             OpCost(op=op, call_latency_s=draw(NON_NEGATIVE), bandwidth_bytes_per_s=draw(POSITIVE)) for op in ops
         ),
-        family_op_costs=tuple(
-            FamilyOpCost(family=family, kernel_overhead_s=draw(NON_NEGATIVE), backward_op_overhead_s=draw(NON_NEGATIVE))
-            for family in families
-        ),
+        host_overheads=draw(st.none() | host_overheads()),
     )
 
 
@@ -146,3 +157,10 @@ def test_what_the_writer_writes_reads_back_unchanged(profile: HardwareProfile) -
 def test_the_writer_writes_every_framework_field() -> None:
     written = profile_to_toml(default_profile(gpu_preset("h100-80gb")))
     assert all(f"\n{name} = " in written for name in FRAMEWORK_FIELDS)
+
+
+def test_the_writer_writes_every_host_term_and_none_when_the_profile_has_none() -> None:
+    base = default_profile(gpu_preset("h100-80gb"))
+    assert base.host_overheads is None and "[host_overheads]" not in profile_to_toml(base)
+    written = profile_to_toml(dataclasses.replace(base, host_overheads=HostOverheads(sync_wait_s=1e-3)))
+    assert all(f"\n{name} = " in written for name in HOST_FIELDS)

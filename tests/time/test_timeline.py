@@ -13,7 +13,7 @@ from timecases import scenario
 from shardscope.core.chrome_trace import chrome_trace
 from shardscope.core.compute import model_flops_per_step
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import default_profile, interconnect_preset
+from shardscope.presets.hardware import HostOverheads, default_profile, interconnect_preset
 from shardscope.specs import Scenario
 
 
@@ -125,7 +125,9 @@ def test_framework_overheads_add_per_unit_per_step_and_per_tensor() -> None:
     base = dataclasses.replace(_profile(overlap=False), fsdp_unit_overhead_s=0.0, ddp_step_overhead_s=0.0)
     plain = estimate_time(case, base).step_time_s
     units = case.model.num_layers + 1
-    costly = dataclasses.replace(base, fsdp_unit_overhead_s=1e-3, fsdp_optimizer_tensor_overhead_s=1e-4)
+    costly = dataclasses.replace(
+        base, fsdp_unit_overhead_s=1e-3, host_overheads=HostOverheads(fsdp_optimizer_tensor_overhead_s=1e-4)
+    )
     tensors = len(param_layout(case.model).tensors())
     assert optimizer_tensors(case) == tensors
     assert estimate_time(case, costly).step_time_s == pytest.approx(plain + units * 1e-3 + tensors * 1e-4)
@@ -142,7 +144,7 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
 
     case = scenario(model="tiny-llama", strategy="zero1", engine="paper", world_size=2, gpus_per_node=2)
     base = _profile(overlap=False)
-    waiting = dataclasses.replace(base, sync_wait_s=1e-3)
+    waiting = dataclasses.replace(base, host_overheads=HostOverheads(sync_wait_s=1e-3))
     places = {(e.micro_batch, e.stage, e.trigger) for e in comm_events(case)}
     assert len(places) == 2  # every unit reduce-scattered after backward, every unit gathered after the step
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 2e-3)
@@ -150,7 +152,7 @@ def test_sync_wait_is_paid_once_per_synchronisation_point() -> None:
 
 def test_the_optimizer_step_overhead_is_paid_once_per_step_whatever_the_tensor_count() -> None:
     base = _profile(overlap=False)
-    cold = dataclasses.replace(base, optimizer_step_overhead_s=3e-4)
+    cold = dataclasses.replace(base, host_overheads=HostOverheads(optimizer_step_overhead_s=3e-4))
     for engine, accum in (("pytorch", 1), ("paper", 1), ("pytorch", 4)):  # 28 tensors, 3 flat units; micro-batches
         case = scenario(model="tiny-gpt2", strategy="ddp", engine=engine, world_size=2, gpus_per_node=2)
         case = dataclasses.replace(case, training=dataclasses.replace(case.training, grad_accum_steps=accum))
@@ -168,7 +170,7 @@ def test_a_family_with_its_own_per_op_costs_is_priced_with_them() -> None:
         _profile(overlap=False), kernel_overhead_s=2e-5, backward_op_overhead_s=1e-5, optimizer_tensor_overhead_s=1e-6
     )
     cheaper = FamilyOpCost(family="llama", kernel_overhead_s=1e-5, backward_op_overhead_s=5e-6)
-    priced = dataclasses.replace(base, family_op_costs=(cheaper,))
+    priced = dataclasses.replace(base, host_overheads=HostOverheads(family_op_costs=(cheaper,)))
     llama = scenario(model="tiny-llama", strategy="ddp", world_size=2, gpus_per_node=2, sequence_length=32)
     stages = stage_flops(llama.model, llama.training)
     saved = sum(1e-5 * s.forward_kernels + 5e-6 * s.backward_kernels for s in stages)
@@ -182,7 +184,7 @@ def test_async_all_reduces_wait_for_the_later_rank_once_per_step() -> None:
 
     case = scenario(model="tiny-llama", strategy="ddp", engine="paper", world_size=2, gpus_per_node=2)
     base = _profile(overlap=False)
-    waiting = dataclasses.replace(base, sync_wait_s=1e-3)
+    waiting = dataclasses.replace(base, host_overheads=HostOverheads(sync_wait_s=1e-3))
     places = {(e.micro_batch, e.stage, e.trigger) for e in comm_events(case) if e.row.op == "all_reduce"}
     assert len(places) == 3  # one async all-reduce per unit, each issued after its unit's backward
     assert estimate_time(case, waiting).step_time_s == pytest.approx(estimate_time(case, base).step_time_s + 1e-3)
@@ -193,7 +195,7 @@ def test_zero_redundancy_optimizer_pays_its_overhead_on_every_tensor() -> None:
 
     case = scenario(model="tiny-gpt2", strategy="zero1", world_size=2, gpus_per_node=2, sequence_length=32)
     base = _profile(overlap=False)
-    costly = dataclasses.replace(base, zero_tensor_overhead_s=1e-4)
+    costly = dataclasses.replace(base, host_overheads=HostOverheads(zero_tensor_overhead_s=1e-4))
     tensors = len(param_layout(case.model).tensors())
     assert estimate_time(case, costly).step_time_s == pytest.approx(
         estimate_time(case, base).step_time_s + tensors * 1e-4

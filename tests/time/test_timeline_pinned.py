@@ -24,7 +24,7 @@ import pytest
 from timecases import scenario
 
 from shardscope.core.timeline import TimeEstimate, estimate_time
-from shardscope.presets.hardware import HardwareProfile, OpCost, default_profile
+from shardscope.presets.hardware import HardwareProfile, HostOverheads, OpCost, default_profile
 from shardscope.specs import Scenario
 
 PAIRS = [
@@ -54,9 +54,9 @@ def _cpu_profile() -> HardwareProfile:
         optimizer_tensor_overhead_s=3e-5,
         ddp_step_overhead_s=1.5e-3,
         fsdp_unit_overhead_s=5e-3,
-        fsdp_optimizer_tensor_overhead_s=1.3e-4,
-        sync_wait_s=6e-4,
-        zero_tensor_overhead_s=2e-4,
+        host_overheads=HostOverheads(
+            fsdp_optimizer_tensor_overhead_s=1.3e-4, sync_wait_s=6e-4, zero_tensor_overhead_s=2e-4
+        ),
         op_costs=(
             OpCost(op="all_reduce", call_latency_s=3.4e-4, bandwidth_bytes_per_s=1.2e9),
             OpCost(op="reduce_scatter", call_latency_s=4.3e-4, bandwidth_bytes_per_s=4.3e8),

@@ -37,7 +37,7 @@ from shardscope.calibrate.overheads import (
     measure_framework,
     measure_sync_wait,
 )
-from shardscope.presets.hardware import HardwareProfile, InterconnectSpec
+from shardscope.presets.hardware import HOST_FIELDS, OVERHEAD_FIELDS, HardwareProfile, HostOverheads, InterconnectSpec
 from shardscope.procs.functions import run_function
 
 
@@ -122,7 +122,8 @@ def calibrate(
         efficiency=1.0,
         memory_bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
         op_costs=tuple(op_costs.values()),
-        **overheads,
+        **{name: overheads[name] for name in OVERHEAD_FIELDS},
+        host_overheads=HostOverheads(**{name: overheads[name] for name in (*HOST_FIELDS, "family_op_costs")}),
         source=f"shardscope calibrate on {host} at {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"1 thread per rank; fit max relative error {error:.0%}",
     )

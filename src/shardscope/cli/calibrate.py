@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"calibrate failed: {error}", exit_code=1) from None
     rows = [[s.op, str(s.payload_bytes), f"{s.seconds * 1e6:.1f}"] for s in result.samples]
     profile = result.profile
+    host = profile.host_terms
     print(render_table(["op", "payload bytes", "mean us"], rows))
     print(
         f"\nfit: call latency {profile.call_latency_s * 1e6:.1f} us, step latency "
@@ -80,18 +81,18 @@ def run(args: argparse.Namespace) -> int:
         f"{profile.kernel_overhead_s * 1e6:.1f} us, backward {profile.backward_op_overhead_s * 1e6:.1f} us"
         + "".join(
             f" ({cost.family}: {cost.kernel_overhead_s * 1e6:.1f} us, {cost.backward_op_overhead_s * 1e6:.1f} us)"
-            for cost in profile.family_op_costs
+            for cost in host.family_op_costs
         )
         + f"; optimizer {profile.optimizer_tensor_overhead_s * 1e6:.1f} us per tensor, "
-        f"+{profile.optimizer_step_overhead_s * 1e6:.0f} us per step (cold)"
+        f"+{host.optimizer_step_overhead_s * 1e6:.0f} us per step (cold)"
     )
     print(
         f"framework: DDP {profile.ddp_step_overhead_s * 1e3:.2f} ms per step, FSDP2 "
         f"{profile.fsdp_unit_overhead_s * 1e3:.2f} ms per unit per step and "
-        f"{profile.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer; wait for the later "
-        f"rank {profile.sync_wait_s * 1e3:.2f} ms per synchronisation; {profile.hook_overhead_s * 1e6:.1f} us per "
-        f"Python hook, {profile.bookkeeping_op_overhead_s * 1e6:.1f} us per teaching bookkeeping op; compute "
-        f"beside an async collective +{profile.async_compute_slowdown:.2f} s per s in flight"
+        f"{host.fsdp_optimizer_tensor_overhead_s * 1e6:.0f} us per DTensor in the optimizer; wait for the later "
+        f"rank {host.sync_wait_s * 1e3:.2f} ms per synchronisation; {host.hook_overhead_s * 1e6:.1f} us per "
+        f"Python hook, {host.bookkeeping_op_overhead_s * 1e6:.1f} us per teaching bookkeeping op; compute "
+        f"beside an async collective +{host.async_compute_slowdown:.2f} s per s in flight"
     )
     for cost in profile.op_costs:
         print(

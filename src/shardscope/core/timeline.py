@@ -184,7 +184,7 @@ def _compute_tasks(
     degree = scenario.parallelism.dp_shard
     shard_tensors = rules.optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    seconds += profile.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
+    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
     seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
     where[("optimizer", 0, -1)] = len(tasks)
     tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
@@ -291,9 +291,9 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     compute_tasks, where = _compute_tasks(scenario, compute, profile)
     rules = rules_for(scenario)
     asynchronous = tuple(rules.is_async(scenario, event) for event in events)
-    if profile.async_compute_slowdown:
-        _slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.async_compute_slowdown)
-    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.sync_wait_s, asynchronous)
+    if profile.host_terms.async_compute_slowdown:
+        _slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
+    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.host_terms.sync_wait_s, asynchronous)
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)

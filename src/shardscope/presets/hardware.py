@@ -14,7 +14,8 @@ from shardscope.choices import FAMILIES
 from shardscope.presets import LINK_ROLES, gpu_preset_names, gpu_record, gpus_file
 from shardscope.specs import GpuSpec, SpecError
 
-PROFILE_SCHEMA = "shardscope.hardware/v1"
+PROFILE_SCHEMA = "shardscope.hardware/v2"
+LEGACY_PROFILE_SCHEMA = "shardscope.hardware/v1"  # the host terms flat in [framework]; still read
 DEFAULT_EFFICIENCY = 0.5  # see core.compute: Megatron-LM's reported fraction of peak
 
 
@@ -91,25 +92,68 @@ class FamilyOpCost:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise HardwareError(f"compute.families.{self.family} is not a model family; allowed: {', '.join(FAMILIES)}")
+            raise HardwareError(
+                f"host_overheads.families.{self.family} is not a model family; allowed: {', '.join(FAMILIES)}"
+            )
         for name in ("kernel_overhead_s", "backward_op_overhead_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
-                raise HardwareError(f"compute.families.{self.family}: {name}={value!r} must be a number, zero or more")
+                raise HardwareError(
+                    f"host_overheads.families.{self.family}: {name}={value!r} must be a number, zero or more"
+                )
 
 
-FRAMEWORK_FIELDS = (
-    "ddp_step_overhead_s",
-    "fsdp_unit_overhead_s",
+HOST_FIELDS = (
     "fsdp_optimizer_tensor_overhead_s",
+    "zero_tensor_overhead_s",
     "sync_wait_s",
     "optimizer_step_overhead_s",
-    "zero_tensor_overhead_s",
     "hook_overhead_s",
     "bookkeeping_op_overhead_s",
     "async_compute_slowdown",
 )
+FRAMEWORK_FIELDS = ("ddp_step_overhead_s", "fsdp_unit_overhead_s")
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostOverheads:
+    """Costs a CPU host running gloo pays that a GPU's time model has no use for: the host framework's per-hook,
+    per-op and per-tensor Python work, the wait for the later rank and the compute lost beside an async collective.
+    Measured by `shardscope calibrate`; a profile without them (every GPU datasheet profile) takes them all as 0."""
+
+    fsdp_optimizer_tensor_overhead_s: float = 0.0
+    """Extra cost of one FSDP2 (DTensor) parameter in the optimizer step, over a plain tensor's."""
+    zero_tensor_overhead_s: float = 0.0
+    """torch's ZeroRedundancyOptimizer's own work per parameter tensor per step (its per-tensor broadcast
+    bookkeeping), beyond the broadcasts and the wrapped optimizer's step."""
+    sync_wait_s: float = 0.0
+    """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
+    shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
+    optimizer_step_overhead_s: float = 0.0
+    """What one optimizer step costs beyond the same step repeated at once: it runs after the forward, backward and
+    communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
+    hook_overhead_s: float = 0.0
+    """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
+    tensor's gradient hook, a parameter's post-accumulate-grad hook), the hook's own work excluded."""
+    bookkeeping_op_overhead_s: float = 0.0
+    """One small op an engine dispatches from Python around its collectives (flattening gradients into a buffer,
+    shard slices, div_, clone, zero_); the engine's rules say how many it runs."""
+    async_compute_slowdown: float = 0.0
+    """Extra time per second that an async collective is in flight beside compute, beyond doing the two one after
+    the other (a fraction): on a CPU rank gloo's thread and autograd share the core."""
+    family_op_costs: tuple[FamilyOpCost, ...] = ()
+    """Per-op compute costs of a model family, replacing the profile's kernel_overhead_s and backward_op_overhead_s
+    for it."""
+
+    def __post_init__(self) -> None:
+        for name in HOST_FIELDS:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+                raise HardwareError(f"host_overheads: {name}={value!r} must be a number, zero or more")
+
+
+NO_HOST_OVERHEADS = HostOverheads()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,38 +195,21 @@ class HardwareProfile:
     fsdp_unit_overhead_s: float = 0.0
     """FSDP2's own work per unit per step: pre/post-forward and pre/post-backward hooks, all-gather copy-in and
     copy-out, swapping DTensor and unsharded parameters."""
-    fsdp_optimizer_tensor_overhead_s: float = 0.0
-    """Extra cost of one FSDP2 (DTensor) parameter in the optimizer step, over a plain tensor's."""
-    zero_tensor_overhead_s: float = 0.0
-    """torch's ZeroRedundancyOptimizer's own work per parameter tensor per step (its per-tensor broadcast
-    bookkeeping), beyond the broadcasts and the wrapped optimizer's step."""
-    sync_wait_s: float = 0.0
-    """Wait at a blocking collective after compute, for the rank that finished its compute later (ranks on a
-    shared CPU never finish together); paid once per synchronisation point of a step without overlap."""
-    optimizer_step_overhead_s: float = 0.0
-    """What one optimizer step costs beyond the same step repeated at once: it runs after the forward, backward and
-    communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
-    bookkeeping_op_overhead_s: float = 0.0
-    """One small op the teaching strategies dispatch from Python around their collectives (flattening gradients
-    into a buffer, shard slices, div_, clone, zero_; counted by core.engines.teaching_ops.bookkeeping_ops)."""
-    hook_overhead_s: float = 0.0
-    """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
-    tensor's gradient hook, a parameter's post-accumulate-grad hook): what the teaching strategies pay to drive their
-    collectives from hooks, the hook's own work excluded."""
-    async_compute_slowdown: float = 0.0
-    """Extra time per second that an async collective is in flight beside compute, beyond doing the two one after
-    the other (a fraction): on a CPU rank gloo's thread and autograd share the core. 0 where overlap costs nothing
-    extra (GPUs: NCCL runs on the device)."""
     op_costs: tuple[OpCost, ...] = ()
     """Per-op collective costs replacing call_latency_s and the link bandwidth for that op (calibrated gloo)."""
-    family_op_costs: tuple[FamilyOpCost, ...] = ()
-    """Per-op compute costs of a model family, replacing kernel_overhead_s and backward_op_overhead_s for it."""
+    host_overheads: HostOverheads | None = None
+    """The CPU host's own costs (calibrate measures them); None: all 0."""
     source: str = ""
     """Where the profile's numbers come from."""
 
+    @property
+    def host_terms(self) -> HostOverheads:
+        """The host extension, all zero when the profile has none."""
+        return self.host_overheads or NO_HOST_OVERHEADS
+
     def op_overheads(self, family: str) -> tuple[float, float]:
         """(forward, backward) cost per op for a model family: its own measured figures, if any, else the default."""
-        for cost in self.family_op_costs:
+        for cost in self.host_terms.family_op_costs:
             if cost.family == family:
                 return cost.kernel_overhead_s, cost.backward_op_overhead_s
         return self.kernel_overhead_s, self.backward_op_overhead_s

@@ -2,7 +2,7 @@
 
 Written by `shardscope calibrate` or by hand:
 
-    schema = "shardscope.hardware/v1"
+    schema = "shardscope.hardware/v2"
     name = "my cluster"
     source = "where the numbers come from"
     [compute]
@@ -13,12 +13,10 @@ Written by `shardscope calibrate` or by hand:
     backward_op_overhead_s = 0.0    # the same per backward op (autograd node work included)
     optimizer_tensor_overhead_s = 0.0   # per parameter tensor of a single-tensor optimizer step
     memory_bandwidth_bytes_per_s = 0.0  # 0: the GPU preset's datasheet figure
-    [compute.families.llama]        # optional, per model family: replaces the two per-op costs above for it
-    kernel_overhead_s = 0.0
-    backward_op_overhead_s = 0.0
     [framework]                     # optional: engine bookkeeping beyond ops and collectives
     ddp_step_overhead_s = 0.0       # DistributedDataParallel per step (reducer, hooks)
     fsdp_unit_overhead_s = 0.0      # FSDP2 per unit per step (pre/post hooks, copy-in/out, DTensor views)
+    [host_overheads]                # optional (HostOverheads): a CPU host's own costs; absent: all 0
     fsdp_optimizer_tensor_overhead_s = 0.0  # per DTensor parameter of the optimizer step
     sync_wait_s = 0.0               # wait for the later rank at each blocking collective after compute
     optimizer_step_overhead_s = 0.0 # per optimizer step: its first call after the rest of the step (cold caches)
@@ -26,6 +24,9 @@ Written by `shardscope calibrate` or by hand:
     hook_overhead_s = 0.0           # per Python hook call (module forward hooks, post-accumulate-grad hooks)
     bookkeeping_op_overhead_s = 0.0 # per op the teaching strategies dispatch from Python (flatten, slice, div_)
     async_compute_slowdown = 0.0    # extra time per second of an async collective in flight beside compute
+    [host_overheads.families.llama] # optional, per model family: replaces the two per-op costs of [compute]
+    kernel_overhead_s = 0.0
+    backward_op_overhead_s = 0.0
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -37,7 +38,9 @@ Written by `shardscope calibrate` or by hand:
     call_latency_s = 3.2e-4
     bandwidth_bytes_per_s = 6e8
 
-Every field added after the first version is optional and defaults to 0 (not modelled), so older files still load.
+Every field added after the first version is optional and defaults to 0 (not modelled). A file of the first schema
+(shardscope.hardware/v1, the host terms flat in [framework] and the families under [compute]) still loads: the reader
+moves those keys into [host_overheads] first (`_from_v1`); the writer writes v2 only.
 An unknown key, or a value of the wrong kind, is an error that names it: a misspelt key would otherwise load silently
 as its default, and a quoted "false" as true.
 """
@@ -53,10 +56,13 @@ from typing import Any
 from shardscope.presets.hardware import (
     DEFAULT_EFFICIENCY,
     FRAMEWORK_FIELDS,
+    HOST_FIELDS,
+    LEGACY_PROFILE_SCHEMA,
     PROFILE_SCHEMA,
     FamilyOpCost,
     HardwareError,
     HardwareProfile,
+    HostOverheads,
     InterconnectSpec,
     OpCost,
     interconnect_preset,
@@ -71,7 +77,15 @@ _IS_KIND: dict[str, Callable[[object], bool]] = {
     LINK: lambda value: isinstance(value, str | dict),
 }
 # every key a profile file may hold, by table, and the kind of its value
-TOP_KEYS = {"schema": TEXT, "name": TEXT, "source": TEXT, "compute": TABLE, "framework": TABLE, "network": TABLE}
+TOP_KEYS = {
+    "schema": TEXT,
+    "name": TEXT,
+    "source": TEXT,
+    "compute": TABLE,
+    "framework": TABLE,
+    "host_overheads": TABLE,
+    "network": TABLE,
+}
 COMPUTE_KEYS = {
     "matmul_flops_per_s": NUMBER,
     "efficiency": NUMBER,
@@ -80,9 +94,9 @@ COMPUTE_KEYS = {
     "backward_op_overhead_s": NUMBER,
     "optimizer_tensor_overhead_s": NUMBER,
     "memory_bandwidth_bytes_per_s": NUMBER,
-    "families": TABLE,
 }
 FRAMEWORK_KEYS = dict.fromkeys(FRAMEWORK_FIELDS, NUMBER)
+HOST_KEYS = {**dict.fromkeys(HOST_FIELDS, NUMBER), "families": TABLE}
 NETWORK_KEYS = {
     "algorithm": TEXT,
     "call_latency_s": NUMBER,
@@ -128,6 +142,44 @@ def _link(value: object, where: str) -> InterconnectSpec:
     )
 
 
+def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A v1 file's tables as v2 lays them out: the host terms leave [framework] and the families leave [compute] for
+    [host_overheads]. Keys and kinds are checked afterwards, as in a v2 file."""
+    compute = dict(data.get("compute", {})) if isinstance(data.get("compute"), dict) else data.get("compute")
+    framework = dict(data.get("framework", {})) if isinstance(data.get("framework"), dict) else data.get("framework")
+    host: dict[str, Any] = {}
+    if isinstance(framework, dict):
+        host.update({name: framework.pop(name) for name in HOST_FIELDS if name in framework})
+    if isinstance(compute, dict) and "families" in compute:
+        host["families"] = compute.pop("families")
+    upgraded = {**data, "schema": PROFILE_SCHEMA}
+    for name, table in (("compute", compute), ("framework", framework), ("host_overheads", host or None)):
+        if table is not None:
+            upgraded[name] = table
+    return upgraded
+
+
+def _host_overheads(table: dict[str, Any], origin: str) -> HostOverheads | None:
+    """The [host_overheads] table as a HostOverheads; None when the file has none."""
+    if not table:
+        return None
+    families = {
+        family: _table(value, FAMILY_KEYS, f"{origin}: [host_overheads.families.{family}]")
+        for family, value in table.get("families", {}).items()
+    }
+    return HostOverheads(
+        **{name: table.get(name, 0.0) for name in HOST_FIELDS},
+        family_op_costs=tuple(
+            FamilyOpCost(
+                family=family,
+                kernel_overhead_s=value.get("kernel_overhead_s", 0.0),
+                backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
+            )
+            for family, value in families.items()
+        ),
+    )
+
+
 def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
     """A HardwareProfile from TOML text; an unknown key or a value of the wrong kind is an error naming it."""
     try:
@@ -136,15 +188,16 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
         raise HardwareError(f"{origin} is not valid TOML: {error}") from None
     except RecursionError:  # tomllib recurses once per nested array or inline table
         raise HardwareError(f"{origin} is nested too deeply to be a hardware profile") from None
+    if data.get("schema") == LEGACY_PROFILE_SCHEMA:
+        data = _from_v1(data)
     if data.get("schema") != PROFILE_SCHEMA:
-        raise HardwareError(f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r}")
+        raise HardwareError(
+            f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r} (or {LEGACY_PROFILE_SCHEMA!r})"
+        )
     compute = _table(data.get("compute", {}), COMPUTE_KEYS, f"{origin}: [compute]")
     framework = _table(data.get("framework", {}), FRAMEWORK_KEYS, f"{origin}: [framework]")
+    host = _table(data.get("host_overheads", {}), HOST_KEYS, f"{origin}: [host_overheads]")
     network = _table(data.get("network", {}), NETWORK_KEYS, f"{origin}: [network]")
-    families = {
-        family: _table(value, FAMILY_KEYS, f"{origin}: [compute.families.{family}]")
-        for family, value in compute.get("families", {}).items()
-    }
     ops = {op: _table(value, OP_KEYS, f"{origin}: [network.ops.{op}]") for op, value in network.get("ops", {}).items()}
     return HardwareProfile(
         name=data.get("name", origin),
@@ -171,14 +224,7 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
             )
             for op, value in ops.items()
         ),
-        family_op_costs=tuple(
-            FamilyOpCost(
-                family=family,
-                kernel_overhead_s=value.get("kernel_overhead_s", 0.0),
-                backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
-            )
-            for family, value in families.items()
-        ),
+        host_overheads=_host_overheads(host, origin),
     )
 
 
@@ -218,6 +264,10 @@ def _link_toml(name: str, link: InterconnectSpec) -> str:
 
 def profile_to_toml(profile: HardwareProfile) -> str:
     """The profile as a TOML file that parse_profile reads back unchanged."""
+    host = profile.host_overheads
+    extension = (
+        ["[host_overheads]", *(f"{name} = {float(getattr(host, name))!r}" for name in HOST_FIELDS), ""] if host else []
+    )
     lines = [
         f"schema = {_string(PROFILE_SCHEMA)}",
         f"name = {_string(profile.name)}",
@@ -235,6 +285,7 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         "[framework]",
         *(f"{name} = {float(getattr(profile, name))!r}" for name in FRAMEWORK_FIELDS),
         "",
+        *extension,
         "[network]",
         f"algorithm = {_string(profile.algorithm)}",
         f"call_latency_s = {float(profile.call_latency_s)!r}",
@@ -243,9 +294,9 @@ def profile_to_toml(profile: HardwareProfile) -> str:
     ]
     links = [_link_toml(name, getattr(profile, name)) for name in ("intra_node", "inter_node", "host")]
     families = [
-        f"[compute.families.{cost.family}]\nkernel_overhead_s = {float(cost.kernel_overhead_s)!r}\n"
+        f"[host_overheads.families.{cost.family}]\nkernel_overhead_s = {float(cost.kernel_overhead_s)!r}\n"
         f"backward_op_overhead_s = {float(cost.backward_op_overhead_s)!r}\n"
-        for cost in profile.family_op_costs
+        for cost in (host.family_op_costs if host else ())
     ]
     ops = [
         f"[network.ops.{cost.op}]\ncall_latency_s = {float(cost.call_latency_s)!r}\n"

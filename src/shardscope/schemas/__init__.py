@@ -17,7 +17,7 @@ SCHEMA_FILES = {
     "shardscope.trace/v1": "trace.schema.json",
     "shardscope.run/v1": "run.schema.json",
     "shardscope.validate/v1": "validate.schema.json",
-    "shardscope.hardware/v1": "hardware.schema.json",
+    "shardscope.hardware/v2": "hardware.schema.json",
 }
 """Each document's schema name and the file of this package that holds its JSON Schema."""
 

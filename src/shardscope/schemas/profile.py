@@ -15,6 +15,7 @@ from shardscope.presets.profile_toml import (
     FAMILY_KEYS,
     FLAG,
     FRAMEWORK_KEYS,
+    HOST_KEYS,
     LINK_KEYS,
     NETWORK_KEYS,
     NUMBER,
@@ -40,9 +41,8 @@ def hardware_schema() -> Schema:
     link_table = _properties(LINK_KEYS, {"bandwidth_bytes_per_s": POSITIVE})
     link = {"anyOf": [STRING, closed(link_table, optional=("id", "name", "source"))]}
     family = closed(_properties(FAMILY_KEYS, {}), optional=FAMILY_KEYS)
-    compute = _properties(
-        COMPUTE_KEYS, {"efficiency": {**POSITIVE, "maximum": 1}, "families": mapping(enum(FAMILIES), family)}
-    )
+    compute = _properties(COMPUTE_KEYS, {"efficiency": {**POSITIVE, "maximum": 1}})
+    host = _properties(HOST_KEYS, {"families": mapping(enum(FAMILIES), family)})
     op = closed(_properties(OP_KEYS, {"bandwidth_bytes_per_s": POSITIVE}), optional=("call_latency_s",))
     network = _properties(
         NETWORK_KEYS,
@@ -60,9 +60,10 @@ def hardware_schema() -> Schema:
             "schema": const(PROFILE_SCHEMA),
             "compute": closed(compute, optional=compute),
             "framework": closed(_properties(FRAMEWORK_KEYS, {}), optional=FRAMEWORK_KEYS),
+            "host_overheads": closed(host, optional=host),
             "network": closed(network, optional=[key for key in network if key != "intra_node"]),
         },
     )
-    optional = ("name", "source", "compute", "framework")
+    optional = ("name", "source", "compute", "framework", "host_overheads")
     description = "A hardware profile (presets.profile_toml.parse_profile)."
     return with_defs(PROFILE_SCHEMA, description, closed(document, optional))

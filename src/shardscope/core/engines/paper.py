@@ -89,12 +89,12 @@ class PaperRules(RulesDefaults):
     def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
         """The teaching strategies' Python hook calls where they fire and their bookkeeping ops."""
         extra: dict[TimePlace, float] = {}
-        if profile.hook_overhead_s:
+        if profile.host_terms.hook_overhead_s:
             for place, calls in hook_calls(scenario).items():
-                extra[place] = extra.get(place, 0.0) + calls * profile.hook_overhead_s
-        if profile.bookkeeping_op_overhead_s:
+                extra[place] = extra.get(place, 0.0) + calls * profile.host_terms.hook_overhead_s
+        if profile.host_terms.bookkeeping_op_overhead_s:
             for place, ops in bookkeeping_ops(scenario).items():
-                extra[place] = extra.get(place, 0.0) + ops * profile.bookkeeping_op_overhead_s
+                extra[place] = extra.get(place, 0.0) + ops * profile.host_terms.bookkeeping_op_overhead_s
         return extra
 
     def optimizer_tensors(self, scenario: Scenario) -> int:

@@ -154,9 +154,9 @@ class PyTorchRules(RulesDefaults):
     def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
         """FSDP2's per-tensor work around the step; ZeroRedundancyOptimizer's over every tensor."""
         if not runs_on_ddp(scenario):
-            return shard_tensors * profile.fsdp_optimizer_tensor_overhead_s
+            return shard_tensors * profile.host_terms.fsdp_optimizer_tensor_overhead_s
         if scenario.strategy.stage == 1:
-            return param_layout(scenario.model).tensor_count * profile.zero_tensor_overhead_s
+            return param_layout(scenario.model).tensor_count * profile.host_terms.zero_tensor_overhead_s
         return 0.0
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
