@@ -1,6 +1,6 @@
-"""The teaching strategies' own ops (core.engines.teaching_ops.bookkeeping_ops) against the ops their code
-dispatches, counted with a dispatch mode over real steps on a one-rank gloo group; and what the timeline charges for
-them."""
+"""The teaching strategies' own ops (declared in runtime.teaching.op_counts, placed by core.engines.python_ops)
+against the ops their code dispatches, counted with a dispatch mode over real steps on a one-rank gloo group; and
+what the timeline charges for them."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import pytest
 from timecases import scenario
 
 import shardscope
-from shardscope.core.engines.teaching_ops import bookkeeping_ops
+from shardscope.core.engines.python_ops import bookkeeping_ops
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import HostOverheads, default_profile
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+from shardscope.runtime.teaching.op_counts import TEACHING_PYTHON_OPS  # noqa: E402 (after the torch check)
+
+TEACHING_HOST = HostOverheads(python_ops=TEACHING_PYTHON_OPS)
 
 # from the package, not the checkout, so the test holds against an installed copy
 TEACHING = str(Path(shardscope.__file__).parent / "runtime" / "teaching")
@@ -79,9 +82,8 @@ def _counted_step(strategy: str, precision: str) -> tuple[int, int]:
 )
 def test_bookkeeping_ops_are_the_ops_the_teaching_code_dispatches(strategy: str, precision: str) -> None:
     before_step, in_step = _counted_step(strategy, precision)
-    predicted = bookkeeping_ops(
-        scenario(model="tiny-gpt2", strategy=strategy, engine="paper", world_size=2, precision=precision)
-    )
+    case = scenario(model="tiny-gpt2", strategy=strategy, engine="paper", world_size=2, precision=precision)
+    predicted = bookkeeping_ops(case, TEACHING_HOST.python_ops_at(case.strategy.stage))
     assert before_step + in_step == sum(predicted.values())
     if strategy in ("zero2", "zero3"):  # placed where they run: in the backward of the unit's stage
         assert before_step == sum(ops for (kind, _), ops in predicted.items() if kind == "backward")
@@ -90,8 +92,12 @@ def test_bookkeeping_ops_are_the_ops_the_teaching_code_dispatches(strategy: str,
 def test_the_timeline_charges_each_bookkeeping_op_once() -> None:
     case = scenario(model="tiny-gpt2", strategy="zero2", engine="paper", world_size=2, gpus_per_node=2)
     base = dataclasses.replace(default_profile(case.cluster.gpu), overlap=False)
-    priced = dataclasses.replace(base, host_overheads=HostOverheads(bookkeeping_op_overhead_s=1e-5))
+    priced = dataclasses.replace(
+        base, host_overheads=dataclasses.replace(TEACHING_HOST, bookkeeping_op_overhead_s=1e-5)
+    )
     extra = estimate_time(case, priced).step_time_s - estimate_time(case, base).step_time_s
-    assert extra == pytest.approx(sum(bookkeeping_ops(case).values()) * 1e-5, rel=1e-9)
+    assert extra == pytest.approx(
+        sum(bookkeeping_ops(case, TEACHING_HOST.python_ops_at(case.strategy.stage)).values()) * 1e-5, rel=1e-9
+    )
     torch_case = dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, engine="pytorch"))
     assert estimate_time(torch_case, priced).step_time_s == estimate_time(torch_case, base).step_time_s

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from timecases import scenario
 
-from shardscope.core.engines.teaching_ops import hook_calls
+from shardscope.core.engines.python_ops import hook_calls
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import param_layout
 from shardscope.core.timeline import estimate_time
-from shardscope.presets.hardware import LEGACY_PROFILE_SCHEMA, HostOverheads, default_profile
+from shardscope.presets.hardware import LEGACY_PROFILE_SCHEMA, HardwareError, HostOverheads, PythonOps, default_profile
 from shardscope.presets.profile_toml import parse_profile, profile_to_toml
 
 
@@ -22,10 +22,21 @@ def _tiny(strategy: str, engine: str = "paper"):  # type: ignore[no-untyped-def]
     )
 
 
+def _teaching_ops() -> tuple[PythonOps, ...]:
+    """The teaching strategies' declared hooks and ops (runtime imports torch)."""
+    pytest.importorskip("torch")
+    from shardscope.runtime.teaching.op_counts import TEACHING_PYTHON_OPS
+
+    return TEACHING_PYTHON_OPS
+
+
+def _counts(case) -> PythonOps:  # type: ignore[no-untyped-def]
+    return HostOverheads(python_ops=_teaching_ops()).python_ops_at(case.strategy.stage)
+
+
 def _serial(**terms: float):  # type: ignore[no-untyped-def]
-    return dataclasses.replace(
-        default_profile(scenario().cluster.gpu), overlap=False, host_overheads=HostOverheads(**terms)
-    )
+    host = HostOverheads(**terms, python_ops=_teaching_ops())  # type: ignore[arg-type]
+    return dataclasses.replace(default_profile(scenario().cluster.gpu), overlap=False, host_overheads=host)
 
 
 def test_hook_calls_follow_the_teaching_strategies_registrations() -> None:
@@ -34,16 +45,16 @@ def test_hook_calls_follow_the_teaching_strategies_registrations() -> None:
     blocks, tensors = layout.num_blocks, layout.tensor_count
     # DDP and ZeRO-2: one post-accumulate-grad hook per parameter tensor, in backward only
     for strategy in ("ddp", "zero2"):
-        calls = hook_calls(_tiny(strategy))
+        calls = hook_calls(_tiny(strategy), _counts(_tiny(strategy)))
         assert sum(calls.values()) == tensors
         assert all(kind == "backward" for kind, _ in calls)
         assert calls[("backward", 1)] == len(layout.block)
     # ZeRO-3: plus a pre-hook per unit and a forward hook per block in forward, a gradient hook per block in backward
-    zero3 = hook_calls(_tiny("zero3"))
+    zero3 = hook_calls(_tiny("zero3"), _counts(_tiny("zero3")))
     assert sum(n for (kind, _), n in zero3.items() if kind == "forward") == 1 + 2 * blocks
     assert sum(n for (kind, _), n in zero3.items() if kind == "backward") == tensors + blocks
     # ZeRO-1 reduces after backward without hooks; torch's engines hook from C++ (their own terms)
-    assert hook_calls(_tiny("zero1")) == {}
+    assert hook_calls(_tiny("zero1"), _counts(_tiny("zero1"))) == {}
     torch_zero3 = _tiny("zero3", engine="pytorch")
     priced = estimate_time(torch_zero3, _serial(hook_overhead_s=1e-3)).step_time_s
     assert priced == estimate_time(torch_zero3, _serial()).step_time_s
@@ -54,7 +65,7 @@ def test_each_hook_call_adds_the_measured_cost_to_a_serial_step(strategy: str) -
     case = _tiny(strategy)
     plain = estimate_time(case, _serial()).step_time_s
     hooked = estimate_time(case, _serial(hook_overhead_s=1e-4)).step_time_s
-    assert hooked == pytest.approx(plain + 1e-4 * sum(hook_calls(case).values()), rel=1e-12)
+    assert hooked == pytest.approx(plain + 1e-4 * sum(hook_calls(case, _counts(case)).values()), rel=1e-12)
 
 
 def test_strategies_without_python_hooks_pay_nothing() -> None:
@@ -110,6 +121,14 @@ intra_node = "nvlink4"
     host = HostOverheads(sync_wait_s=1e-3, hook_overhead_s=2e-6, async_compute_slowdown=0.25)
     written = dataclasses.replace(profile, host_overheads=host)
     assert parse_profile(profile_to_toml(written)) == written
+
+
+def test_a_first_version_profile_that_prices_hooks_is_refused_with_how_to_regenerate() -> None:
+    old = (
+        f'schema = "{LEGACY_PROFILE_SCHEMA}"\n[framework]\nhook_overhead_s = 2e-6\n[network]\nintra_node = "nvlink4"\n'
+    )
+    with pytest.raises(HardwareError, match=r"without saying how many they run; regenerate it with `shardscope calib"):
+        parse_profile(old)
 
 
 def test_calibrate_maps_the_measurements_to_the_profile_terms() -> None:

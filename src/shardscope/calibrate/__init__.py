@@ -39,6 +39,7 @@ from shardscope.calibrate.overheads import (
 )
 from shardscope.presets.hardware import HOST_FIELDS, OVERHEAD_FIELDS, HardwareProfile, HostOverheads, InterconnectSpec
 from shardscope.procs.functions import run_function
+from shardscope.runtime.teaching.op_counts import TEACHING_PYTHON_OPS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,7 +124,9 @@ def calibrate(
         memory_bandwidth_bytes_per_s=compute["memory_bandwidth_bytes_per_s"],
         op_costs=tuple(op_costs.values()),
         **{name: overheads[name] for name in OVERHEAD_FIELDS},
-        host_overheads=HostOverheads(**{name: overheads[name] for name in (*HOST_FIELDS, "family_op_costs")}),
+        host_overheads=HostOverheads(
+            **{name: overheads[name] for name in (*HOST_FIELDS, "family_op_costs")}, python_ops=TEACHING_PYTHON_OPS
+        ),
         source=f"shardscope calibrate on {host} at {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"1 thread per rank; fit max relative error {error:.0%}",
     )

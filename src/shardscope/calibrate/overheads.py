@@ -219,9 +219,9 @@ def measure_bookkeeping_op(repeats: int = 15) -> float:
     ZeRO-3 run them: each iteration a forward and backward of the gpt2-style reference model, then every unit's
     gradients flattened into a zeroed padded buffer (runtime.teaching.flat.FlatLayout.flatten: a zeros, and a slice,
     detach, reshape and copy_ per tensor) and divided in place; the trimmed mean over 3 x repeats iterations of
-    their time divided by the ops (core.engines.teaching_ops.bookkeeping_ops counts the same ops per strategy)."""
-    from shardscope.core.engines.teaching_ops import flatten_ops
+    their time divided by the ops (runtime.teaching.op_counts declares the same ops per strategy)."""
     from shardscope.runtime.teaching.flat import FlatLayout, model_units
+    from shardscope.runtime.teaching.op_counts import flatten_ops
 
     model, forward_backward = _reference_training()
     layouts = [FlatLayout(unit, shard_degree=2) for unit in model_units(model)]

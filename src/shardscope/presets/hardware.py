@@ -116,6 +116,55 @@ FRAMEWORK_FIELDS = ("ddp_step_overhead_s", "fsdp_unit_overhead_s")
 OVERHEAD_FIELDS = ("kernel_overhead_s", "backward_op_overhead_s", "optimizer_tensor_overhead_s", *FRAMEWORK_FIELDS)
 
 
+PYTHON_OP_COUNTS = (
+    "backward_hooks_per_tensor",
+    "forward_hooks_per_unit",
+    "forward_hooks_per_block",
+    "backward_hooks_per_block",
+    "backward_ops_per_unit",
+    "backward_ops_per_tensor",
+    "step_ops_per_unit",
+    "mixed_step_ops_per_unit",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PythonOps:
+    """How many Python hook calls and small bookkeeping ops an implementation runs around its collectives at one ZeRO
+    stage, per parameter tensor, per unit (the root or a block) and per block. The implementation declares them
+    (the teaching strategies: shardscope.runtime.teaching.op_counts) and calibrate stores them beside the per-call
+    costs that price them, so the core places them without knowing how the implementation is written."""
+
+    stage: int
+    """ZeRO stage: 0 for DDP, 1 to 3 (HSDP runs stage 3's)."""
+    backward_hooks_per_tensor: int = 0
+    """Hooks per parameter tensor per micro-batch, in the backward of the unit that uses it."""
+    forward_hooks_per_unit: int = 0
+    """Hooks per unit per micro-batch in its forward (the root's at the embeddings)."""
+    forward_hooks_per_block: int = 0
+    """More hooks per block per micro-batch in its forward."""
+    backward_hooks_per_block: int = 0
+    """More hooks per block per micro-batch in its backward."""
+    backward_ops_per_unit: int = 0
+    """Ops per unit per micro-batch when its last gradient lands (the root's in the embeddings' backward)."""
+    backward_ops_per_tensor: int = 0
+    """More ops per parameter tensor of that unit, at the same moment."""
+    step_ops_per_unit: int = 0
+    """Ops per unit once per step, beside the optimizer step."""
+    mixed_step_ops_per_unit: int = 0
+    """More ops per unit per step under mixed precision."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise HardwareError(f"host_overheads.python_ops: stage={self.stage!r} must be 0, 1, 2 or 3")
+        for name in PYTHON_OP_COUNTS:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise HardwareError(
+                    f"[host_overheads.python_ops.stage_{self.stage}]: {name}={value!r} must be 0 or more, whole"
+                )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HostOverheads:
     """Costs a CPU host running gloo pays that a GPU's time model has no use for: the host framework's per-hook,
@@ -135,16 +184,24 @@ class HostOverheads:
     communication have evicted its code and tensors from the caches; paid once per step, whatever its tensor count."""
     hook_overhead_s: float = 0.0
     """One call of a Python hook that torch makes during a step (a module's forward pre-hook or forward hook, a
-    tensor's gradient hook, a parameter's post-accumulate-grad hook), the hook's own work excluded."""
+    tensor's gradient hook, a parameter's post-accumulate-grad hook), the hook's own work excluded; python_ops
+    says how many."""
     bookkeeping_op_overhead_s: float = 0.0
-    """One small op an engine dispatches from Python around its collectives (flattening gradients into a buffer,
-    shard slices, div_, clone, zero_); the engine's rules say how many it runs."""
+    """One small op an implementation dispatches from Python around its collectives (flattening gradients into a
+    buffer, shard slices, div_, clone, zero_); python_ops says how many."""
     async_compute_slowdown: float = 0.0
     """Extra time per second that an async collective is in flight beside compute, beyond doing the two one after
     the other (a fraction): on a CPU rank gloo's thread and autograd share the core."""
     family_op_costs: tuple[FamilyOpCost, ...] = ()
     """Per-op compute costs of a model family, replacing the profile's kernel_overhead_s and backward_op_overhead_s
     for it."""
+    python_ops: tuple[PythonOps, ...] = ()
+    """The hook calls and bookkeeping ops the priced implementation runs, per ZeRO stage; a stage without a record
+    runs none."""
+
+    def python_ops_at(self, stage: int) -> PythonOps:
+        """The Python hooks and ops run at a ZeRO stage; none where the extension has no record for it."""
+        return next((ops for ops in self.python_ops if ops.stage == stage), PythonOps(stage=stage))
 
     def __post_init__(self) -> None:
         for name in HOST_FIELDS:

@@ -27,6 +27,8 @@ Written by `shardscope calibrate` or by hand:
     [host_overheads.families.llama] # optional, per model family: replaces the two per-op costs of [compute]
     kernel_overhead_s = 0.0
     backward_op_overhead_s = 0.0
+    [host_overheads.python_ops.stage_3]  # optional, per ZeRO stage: the hooks and ops the priced code runs
+    backward_hooks_per_tensor = 1   # (presets.hardware.PythonOps; calibrate writes the teaching strategies')
     [network]
     algorithm = "ring"              # ring, tree, hierarchical or auto
     call_latency_s = 8.4e-6
@@ -40,7 +42,9 @@ Written by `shardscope calibrate` or by hand:
 
 Every field added after the first version is optional and defaults to 0 (not modelled). A file of the first schema
 (shardscope.hardware/v1, the host terms flat in [framework] and the families under [compute]) still loads: the reader
-moves those keys into [host_overheads] first (`_from_v1`); the writer writes v2 only.
+moves those keys into [host_overheads] first (`_from_v1`); the writer writes v2 only. A v1 file that prices the
+teaching strategies' hooks or bookkeeping ops (every calibrated one) is refused with one line saying to run
+`shardscope calibrate` again: v2 keeps the counts of those hooks and ops beside their prices, and v1 has none.
 An unknown key, or a value of the wrong kind, is an error that names it: a misspelt key would otherwise load silently
 as its default, and a quoted "false" as true.
 """
@@ -59,22 +63,26 @@ from shardscope.presets.hardware import (
     HOST_FIELDS,
     LEGACY_PROFILE_SCHEMA,
     PROFILE_SCHEMA,
+    PYTHON_OP_COUNTS,
     FamilyOpCost,
     HardwareError,
     HardwareProfile,
     HostOverheads,
     InterconnectSpec,
     OpCost,
+    PythonOps,
     interconnect_preset,
 )
 
 NUMBER, TEXT, FLAG, TABLE, LINK = "a number", "a string", "true or false", "a table", "an interconnect id or a table"
+COUNT = "a whole number"
 _IS_KIND: dict[str, Callable[[object], bool]] = {
     NUMBER: lambda value: isinstance(value, int | float) and not isinstance(value, bool),
     TEXT: lambda value: isinstance(value, str),
     FLAG: lambda value: isinstance(value, bool),
     TABLE: lambda value: isinstance(value, dict),
     LINK: lambda value: isinstance(value, str | dict),
+    COUNT: lambda value: isinstance(value, int) and not isinstance(value, bool),
 }
 # every key a profile file may hold, by table, and the kind of its value
 TOP_KEYS = {
@@ -96,7 +104,9 @@ COMPUTE_KEYS = {
     "memory_bandwidth_bytes_per_s": NUMBER,
 }
 FRAMEWORK_KEYS = dict.fromkeys(FRAMEWORK_FIELDS, NUMBER)
-HOST_KEYS = {**dict.fromkeys(HOST_FIELDS, NUMBER), "families": TABLE}
+HOST_KEYS = {**dict.fromkeys(HOST_FIELDS, NUMBER), "families": TABLE, "python_ops": TABLE}
+PYTHON_OPS_KEYS = dict.fromkeys(PYTHON_OP_COUNTS, COUNT)
+STAGE_KEYS = {f"stage_{stage}": TABLE for stage in range(4)}
 NETWORK_KEYS = {
     "algorithm": TEXT,
     "call_latency_s": NUMBER,
@@ -142,7 +152,7 @@ def _link(value: object, where: str) -> InterconnectSpec:
     )
 
 
-def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
+def _from_v1(data: dict[str, Any], origin: str) -> dict[str, Any]:
     """A v1 file's tables as v2 lays them out: the host terms leave [framework] and the families leave [compute] for
     [host_overheads]. Keys and kinds are checked afterwards, as in a v2 file."""
     compute = dict(data.get("compute", {})) if isinstance(data.get("compute"), dict) else data.get("compute")
@@ -150,6 +160,11 @@ def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
     host: dict[str, Any] = {}
     if isinstance(framework, dict):
         host.update({name: framework.pop(name) for name in HOST_FIELDS if name in framework})
+    if any(host.get(name) for name in ("hook_overhead_s", "bookkeeping_op_overhead_s")):
+        raise HardwareError(
+            f"{origin}: a {LEGACY_PROFILE_SCHEMA} profile prices the teaching strategies' hooks and ops without saying "
+            f"how many they run; regenerate it with `shardscope calibrate --out FILE`"
+        )
     if isinstance(compute, dict) and "families" in compute:
         host["families"] = compute.pop("families")
     upgraded = {**data, "schema": PROFILE_SCHEMA}
@@ -167,6 +182,12 @@ def _host_overheads(table: dict[str, Any], origin: str) -> HostOverheads | None:
         family: _table(value, FAMILY_KEYS, f"{origin}: [host_overheads.families.{family}]")
         for family, value in table.get("families", {}).items()
     }
+    stages = {
+        stage: _table(value, PYTHON_OPS_KEYS, f"{origin}: [host_overheads.python_ops.{stage}]")
+        for stage, value in _table(
+            table.get("python_ops", {}), STAGE_KEYS, f"{origin}: [host_overheads.python_ops]"
+        ).items()
+    }
     return HostOverheads(
         **{name: table.get(name, 0.0) for name in HOST_FIELDS},
         family_op_costs=tuple(
@@ -176,6 +197,9 @@ def _host_overheads(table: dict[str, Any], origin: str) -> HostOverheads | None:
                 backward_op_overhead_s=value.get("backward_op_overhead_s", 0.0),
             )
             for family, value in families.items()
+        ),
+        python_ops=tuple(
+            PythonOps(stage=int(stage.removeprefix("stage_")), **value) for stage, value in stages.items()
         ),
     )
 
@@ -189,7 +213,7 @@ def parse_profile(text: str, origin: str = "profile") -> HardwareProfile:
     except RecursionError:  # tomllib recurses once per nested array or inline table
         raise HardwareError(f"{origin} is nested too deeply to be a hardware profile") from None
     if data.get("schema") == LEGACY_PROFILE_SCHEMA:
-        data = _from_v1(data)
+        data = _from_v1(data, origin)
     if data.get("schema") != PROFILE_SCHEMA:
         raise HardwareError(
             f"{origin}: schema={data.get('schema')!r}, expected {PROFILE_SCHEMA!r} (or {LEGACY_PROFILE_SCHEMA!r})"
@@ -298,9 +322,14 @@ def profile_to_toml(profile: HardwareProfile) -> str:
         f"backward_op_overhead_s = {float(cost.backward_op_overhead_s)!r}\n"
         for cost in (host.family_op_costs if host else ())
     ]
+    python_ops = [
+        f"[host_overheads.python_ops.stage_{ops.stage}]\n"
+        + "".join(f"{name} = {int(getattr(ops, name))}\n" for name in PYTHON_OP_COUNTS)
+        for ops in (host.python_ops if host else ())
+    ]
     ops = [
         f"[network.ops.{cost.op}]\ncall_latency_s = {float(cost.call_latency_s)!r}\n"
         f"bandwidth_bytes_per_s = {float(cost.bandwidth_bytes_per_s)!r}\n"
         for cost in profile.op_costs
     ]
-    return "\n".join(lines) + "\n" + "\n".join(families + links + ops)
+    return "\n".join(lines) + "\n" + "\n".join(families + python_ops + links + ops)

@@ -12,6 +12,7 @@ from shardscope.choices import FAMILIES
 from shardscope.presets.hardware import COLLECTIVE_OPS, PROFILE_SCHEMA
 from shardscope.presets.profile_toml import (
     COMPUTE_KEYS,
+    COUNT,
     FAMILY_KEYS,
     FLAG,
     FRAMEWORK_KEYS,
@@ -20,6 +21,8 @@ from shardscope.presets.profile_toml import (
     NETWORK_KEYS,
     NUMBER,
     OP_KEYS,
+    PYTHON_OPS_KEYS,
+    STAGE_KEYS,
     TEXT,
     TOP_KEYS,
 )
@@ -27,7 +30,12 @@ from shardscope.schemas.parts import BOOLEAN, STRING, Schema, closed, const, enu
 
 NON_NEGATIVE: Schema = {"type": "number", "minimum": 0}
 POSITIVE: Schema = {"type": "number", "exclusiveMinimum": 0}
-_BY_KIND: dict[str, Schema] = {NUMBER: NON_NEGATIVE, TEXT: STRING, FLAG: BOOLEAN}
+_BY_KIND: dict[str, Schema] = {
+    NUMBER: NON_NEGATIVE,
+    TEXT: STRING,
+    FLAG: BOOLEAN,
+    COUNT: {"type": "integer", "minimum": 0},
+}
 
 
 def _properties(keys: Mapping[str, str], refined: Mapping[str, Schema]) -> dict[str, Schema]:
@@ -42,7 +50,11 @@ def hardware_schema() -> Schema:
     link = {"anyOf": [STRING, closed(link_table, optional=("id", "name", "source"))]}
     family = closed(_properties(FAMILY_KEYS, {}), optional=FAMILY_KEYS)
     compute = _properties(COMPUTE_KEYS, {"efficiency": {**POSITIVE, "maximum": 1}})
-    host = _properties(HOST_KEYS, {"families": mapping(enum(FAMILIES), family)})
+    python_ops = closed(_properties(PYTHON_OPS_KEYS, {}), optional=PYTHON_OPS_KEYS)
+    host = _properties(
+        HOST_KEYS,
+        {"families": mapping(enum(FAMILIES), family), "python_ops": mapping(enum(tuple(STAGE_KEYS)), python_ops)},
+    )
     op = closed(_properties(OP_KEYS, {"bandwidth_bytes_per_s": POSITIVE}), optional=("call_latency_s",))
     network = _properties(
         NETWORK_KEYS,

@@ -27,7 +27,7 @@ from shardscope.core.engines.base import (
     plus,
     shared_memory,
 )
-from shardscope.core.engines.teaching_ops import bookkeeping_ops, hook_calls
+from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import ParamLayout, head_numel, model_facts, param_layout
 from shardscope.core.result import CollectiveRow
@@ -87,14 +87,17 @@ class PaperRules(RulesDefaults):
         return per_tensor_broadcasts(scenario, dtype_bytes(scenario.training.precision))
 
     def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
-        """The teaching strategies' Python hook calls where they fire and their bookkeeping ops."""
+        """The teaching strategies' Python hook calls where they fire and their bookkeeping ops, as many as the
+        profile's host extension says they run (shardscope.runtime.teaching declares them)."""
         extra: dict[TimePlace, float] = {}
-        if profile.host_terms.hook_overhead_s:
-            for place, calls in hook_calls(scenario).items():
-                extra[place] = extra.get(place, 0.0) + calls * profile.host_terms.hook_overhead_s
-        if profile.host_terms.bookkeeping_op_overhead_s:
-            for place, ops in bookkeeping_ops(scenario).items():
-                extra[place] = extra.get(place, 0.0) + ops * profile.host_terms.bookkeeping_op_overhead_s
+        host = profile.host_terms
+        counts = host.python_ops_at(scenario.strategy.stage)
+        if host.hook_overhead_s:
+            for place, calls in hook_calls(scenario, counts).items():
+                extra[place] = extra.get(place, 0.0) + calls * host.hook_overhead_s
+        if host.bookkeeping_op_overhead_s:
+            for place, ops in bookkeeping_ops(scenario, counts).items():
+                extra[place] = extra.get(place, 0.0) + ops * host.bookkeeping_op_overhead_s
         return extra
 
     def optimizer_tensors(self, scenario: Scenario) -> int:
