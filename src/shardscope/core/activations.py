@@ -177,8 +177,8 @@ def _moe_backward_bytes(model: ModelSpec, sizes: _Sizes, weight: int) -> int:
     saved (gathered input, SwiGLU's four tensors, nonzero() row pairs) and hold their three weight gradients, the
     routed inputs' gradients accumulate into one tokens x hidden tensor, and this expert holds its output projection's
     weight gradient and two of its tokens x ffn gradients. Routing is data-dependent: the core assumes each expert
-    gets tokens x top-k / experts rows. Measured in one process (tests/core/test_backend_peak.py): with the rows the
-    batch routed (43 of 128 to the last expert) the rule is 256 B under; with the even 32 it is 37,040 B under."""
+    gets tokens x top-k / experts rows; tests/core/test_backend_peak.py pins how far under a measured uneven routing
+    that puts it."""
     element, hidden, ffn = sizes.element, model.hidden_size, model.ffn_hidden_size
     routed = sizes.tokens * model.experts_per_token
     per_expert = -(-routed // model.num_experts)

@@ -13,8 +13,8 @@ case of gloo's reduce-scatter: ProcessGroupGloo::reduce_scatter_tensor_coalesced
 copies this rank's chunk out (chunk and copy_, seen here). Then the main thread and the worker
 (ProcessGroupGloo::runLoop keeps the finished work until its next iteration) race to drop the clone, and when the
 worker is last it must take the GIL to release the storage's Python object, so the release was seen whenever the
-interpreter switched threads: up to ~40 ops later, after the next block's all-gather output was allocated, and the
-same case measured 1,539,832 B or 1,639,672 B (tiny-gpt2 zero3 pytorch w2 bf16-mixed). Without a tracker the
+interpreter switched threads: up to ~40 ops later, after the next block's all-gather output was allocated, so the
+same case's measured peak changed from run to run (tests/core/test_backend_peak.py). Without a tracker the
 worker frees the clone as soon as the work is done, before the main thread's next allocation; after the copy-out
 the rank no longer needs it. Frees reported by other threads are queued and applied on the main thread, so the
 bookkeeping is never modified by two threads at once; `settle` lets late reports arrive before the step is read.

@@ -32,8 +32,8 @@ def materialise(root: nn.Module) -> None:
     """root.to_empty() on the fake device, with weights shared between modules (tied embeddings) shared again.
 
     to_empty gives every module a new Parameter when the tensor type changes (meta to fake), so a tied lm_head came
-    out as one more 65,536 B tensor for tiny-gpt2 (measured: the trace's parameters were 547,840 B, the run's
-    482,304). fully_shard keeps the tie itself; a plain module, as DDP wraps it, does not.
+    out as one more tensor (tests/trace/test_ddp.py counts it once). fully_shard keeps the tie itself; a plain
+    module, as DDP wraps it, does not.
     """
     names_by_param: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):

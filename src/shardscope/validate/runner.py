@@ -103,7 +103,7 @@ def validate_cases(
     measured = {}
     if isolate:
         # One launch per case: in a shared launch a run's measured peak can carry bytes left by the run before it
-        # (a bf16-mixed run after an fp32 one measured 99,840 B more than alone).
+        # (a bf16-mixed run after an fp32 one).
         for index, case in enumerate(cases, 1):
             progress(f"running case {index}/{len(cases)}: {case.label}")
             measured[case] = run_training(configs[case], progress=progress)
