@@ -19,11 +19,13 @@ def test_recorder_keeps_every_allocation_and_free_in_order() -> None:
         first = torch.empty(1000)
         second = torch.empty(10, dtype=torch.float64)
         recorder.start_window()
-        first_key = id(first.untyped_storage())
+        first_life = recorder.life_of(first.untyped_storage())
         del first
         third = torch.empty(3)
     assert [size for _key, size in recorder.events] == [4000, 80, FREE, 12]
-    assert recorder.events[2] == (first_key, FREE)
+    assert first_life is not None
+    assert recorder.events[0] == (first_life.ident, 4000)  # a handle per storage's life
+    assert recorder.events[2] == (first_life.ident, FREE)
     assert recorder.window_event == 2
     peaks = replay(recorder.events, window_start=recorder.window_event)
     assert (peaks.allocated_peak_bytes, peaks.reserved_peak_bytes) == (4096 + 512, 2 << 20)  # held at the window start
@@ -39,7 +41,9 @@ def test_a_resized_storage_is_freed_and_allocated_again() -> None:
     storage = tensor.untyped_storage()
     recorder.on_resize(storage, 1024, 0)
     recorder.on_resize(storage, 0, 1024)
-    key = id(storage)
+    life = recorder.life_of(storage)
+    assert life is not None
+    key = life.ident
     assert recorder.events == [(key, 1024), (key, FREE), (key, 0), (key, FREE), (key, 1024)]
 
 

@@ -11,13 +11,14 @@ ClusterSpec.backend) names whose buffers are replayed: "nccl" (the real target, 
 "gloo" (validate's cases, compared with gloo runs) holds a copy of every reduce-scatter's input for the length of the
 call (see _BACKEND_COPIES).
 
-Beside the totals it keeps the ordered stream of allocations and frees it saw (`events`, in the form
-shardscope.core.allocator replays), so the caching allocator's reserved bytes can be computed for it.
+The storages are followed by shardscope.measure.tracker's storage tracker, the one real runs measure with, on a
+clock of one tick per change: every tick of the measuring window is a moment's snapshot. Beside the totals the
+recorder keeps the ordered stream of allocations and frees it saw (`events`, in the form shardscope.core.allocator
+replays), so the caching allocator's reserved bytes can be computed for it.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from shardscope.core.allocator import FREE, Event
 from shardscope.core.result import CollectiveRow
 from shardscope.measure.ledger import CollectiveLedger
 from shardscope.measure.storage import local_tensor
+from shardscope.measure.tracker import Life, StorageTracker
 
 TRACKED = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary")
 # Setup (materialising the sharded model) is not tracked op by op: fake tensors keep full-size copies of the meta
@@ -88,43 +90,40 @@ class Moment:
     maxima: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRACKED, 0))
 
 
-class StepRecorder(TorchDispatchMode):
+class StepRecorder(StorageTracker, TorchDispatchMode):
     """Live bytes by category, the peak and when it happened, and the collective ledger, per phase."""
 
     def __init__(self, backend: str = "nccl") -> None:
-        super().__init__()
         if backend not in _BACKEND_COPIES:
             raise ValueError(f"StepRecorder backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+        StorageTracker.__init__(self)
+        TorchDispatchMode.__init__(self)
         self.backend = backend
         self._copies = _BACKEND_COPIES[backend]
         self.phase = "setup"
         self.where = "setup"
-        self.live: dict[str, int] = dict.fromkeys(TRACKED, 0)
-        self.live_total = 0
-        self._bytes: dict[int, int] = {}
-        self._category: dict[int, str] = {}
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.recording = False
         self._scopes: list[bool] = []
-        self.moments: dict[tuple[str, str], Moment] = {}
+        self._places: list[tuple[str, str] | None] = []  # per closed tick: (phase, where) while recording
+        self._window_tick = 0
+        self._moments: tuple[int, dict[tuple[str, str], Moment]] | None = None  # (tick, moments) of the last sweep
         self.collectives = CollectiveLedger()  # the table only: it is never entered as a mode of its own
         self.saved_activations = 0
         self.events: list[Event] = []
-        """Every allocation (storage id, bytes[, CUDA stream]) and free (storage id, FREE) seen, in order, from the
+        """Every allocation (life id, bytes[, CUDA stream]) and free (life id, FREE) seen, in order, from the
         start."""
-        self._allocated_at: dict[int, int] = {}  # storage id -> index of its allocation in events
+        self._allocated_at: dict[int, int] = {}  # life id -> index of its allocation in events
         self.window_event = 0
         """Index in `events` where the measured step starts."""
-        self._transient = 0
 
     def start_window(self) -> None:
         """Start measuring (the steady-state step): collectives, and the peak of every moment, from now on."""
-        self.moments = {}
         self.collectives.rows = []
         self.saved_activations = 0
         self.window_event = len(self.events)
         self.recording = True
-        self._note_peak()
+        self._window_tick = self.tick
+        self._snapshot()
 
     def end_forward(self, loss: torch.Tensor) -> None:
         """Forward and loss are done (their outputs dropped): what is still alive in `activations` is what autograd
@@ -133,10 +132,41 @@ class StepRecorder(TorchDispatchMode):
         if not self.recording:
             return
         saved = self.live["activations"]
-        key = id(local_tensor(loss).untyped_storage())
-        if self._category.get(key) == "activations":
-            saved -= self._bytes[key]
+        life = self.life_of(local_tensor(loss).untyped_storage())
+        if life is not None and life.label == "activations":
+            saved -= life.nbytes
         self.saved_activations = max(self.saved_activations, saved)
+
+    @property
+    def live(self) -> dict[str, int]:
+        """Bytes live now, by category."""
+        return {**dict.fromkeys(TRACKED, 0), **self.live_by_label()}
+
+    @property
+    def moments(self) -> dict[tuple[str, str], Moment]:
+        """The window's moments, by place, in the order rank 0 first reached them."""
+        if self._moments is None or self._moments[0] != self.tick:
+            self._moments = (self.tick, self._sweep_moments())
+        return self._moments[1]
+
+    def _sweep_moments(self) -> dict[tuple[str, str], Moment]:
+        found: dict[tuple[str, str], Moment] = {}
+        for tick, totals, total in self.totals_by_tick():
+            place = self._places[tick]
+            if place is None or tick < self._window_tick:
+                continue
+            moment = found.get(place)
+            if moment is None:
+                moment = found[place] = Moment(phase=place[0], where=place[1])
+            maxima = moment.maxima
+            for category in TRACKED:
+                size = totals.get(category, 0)
+                if size > maxima[category]:
+                    maxima[category] = size
+            if total > moment.total_bytes:
+                moment.total_bytes = total
+                moment.at_peak = {category: totals.get(category, 0) for category in TRACKED}
+        return found
 
     @property
     def peak(self) -> Moment:
@@ -146,90 +176,54 @@ class StepRecorder(TorchDispatchMode):
     @property
     def max_by_category(self) -> dict[str, int]:
         """Each category's largest size in the window."""
-        return {category: max(moment.maxima[category] for moment in self.moments.values()) for category in TRACKED}
+        moments = self.moments.values()
+        return {category: max(moment.maxima[category] for moment in moments) for category in TRACKED}
 
     # --- storage bookkeeping -------------------------------------------------------------------------------
-    def _forget(self, key: int) -> None:
-        if key in self._bytes:
-            self.events.append((key, FREE))
-        size = self._bytes.pop(key, 0)
-        self._allocated_at.pop(key, None)
-        category = self._category.pop(key, "temporary")
-        self._refs.pop(key, None)
-        self.live[category] -= size
-        self.live_total -= size
+    def _snapshot(self) -> None:
+        """Close a tick: what is live now is one snapshot of the current moment (while recording)."""
+        self._places.append((self.phase, self.where) if self.recording else None)
+        self.next_tick()
 
-    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
-        key = id(storage)
-        if key in self._bytes:
-            return
-        size = storage.nbytes()
-        self._allocated_at[key] = len(self.events)
-        self.events.append((key, size))
-        self._bytes[key] = size
-        self._category[key] = category
-        self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
-        self.live[category] += size
-        self.live_total += size
-        self._note_peak()
+    def _add(self, storage: torch.UntypedStorage, category: str) -> Life | None:
+        """Follow a storage not seen yet under a category, as a snapshot of its own; None when it is known."""
+        if self.life_of(storage) is not None:
+            return None
+        life = self.track(storage, category)
+        self._snapshot()
+        return life
 
-    def _note_peak(self) -> None:
-        if not self.recording:
-            return
-        key = (self.phase, self.where)
-        moment = self.moments.get(key)
-        if moment is None:
-            moment = self.moments[key] = Moment(phase=self.phase, where=self.where)
-        maxima = moment.maxima
-        for category, size in self.live.items():
-            if size > maxima[category]:
-                maxima[category] = size
-        if self.live_total > moment.total_bytes:
-            moment.total_bytes = self.live_total
-            moment.at_peak = dict(self.live)
+    def on_alloc(self, life: Life) -> None:
+        self._allocated_at[life.ident] = len(self.events)
+        self.events.append((life.ident, life.nbytes))
 
-    def _held_for_the_call(self, size: int, category: str) -> None:
-        """Bytes a backend holds only while the current collective runs: counted at this moment, then gone."""
-        self.live[category] += size
-        self.live_total += size
-        self._note_peak()
-        self.live[category] -= size
-        self.live_total -= size
-        self._transient -= 1  # negative handles: never a storage id
-        self.events += [(self._transient, size), (self._transient, FREE)]
+    def on_free(self, life: Life) -> None:
+        self.events.append((life.ident, FREE))
+        self._allocated_at.pop(life.ident, None)
 
     def label(self, tensors: Iterable[torch.Tensor], category: str) -> None:
         """Put these tensors' storages in a category (adding any not seen yet)."""
         for tensor in tensors:
             storage = local_tensor(tensor).untyped_storage()
-            key = id(storage)
-            if key not in self._bytes:
+            life = self.life_of(storage)
+            if life is None:
                 self._add(storage, category)
-                continue
-            old = self._category[key]
-            if old != category:
-                size = self._bytes[key]
-                self.live[old] -= size
-                self.live[category] += size
-                self._category[key] = category
-        self._note_peak()
+            else:
+                self.relabel_life(life, category)
+        self._snapshot()
 
     def on_resize(self, storage: torch.UntypedStorage, old_bytes: int, new_bytes: int) -> None:
         """FSDP2 (re)allocated or freed a gathered parameter in place."""
-        key = id(storage)
-        if key not in self._bytes:
+        life = self.life_of(storage)
+        if life is None:
             self._add(storage, "buffers")
             return
-        self.events.append((key, FREE))
-        self._allocated_at[key] = len(self.events)
-        self.events.append((key, new_bytes))
-        old_category = self._category[key]
-        self.live[old_category] -= self._bytes[key]
-        self.live_total += new_bytes - self._bytes[key]
-        self._bytes[key] = new_bytes
-        self._category[key] = "buffers"
-        self.live["buffers"] += new_bytes
-        self._note_peak()
+        self.events.append((life.ident, FREE))
+        self._allocated_at[life.ident] = len(self.events)
+        self.events.append((life.ident, new_bytes))
+        self.resize(life, new_bytes)
+        self.relabel_life(life, "buffers")
+        self._snapshot()
 
     # --- the dispatch hook ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -258,19 +252,21 @@ class StepRecorder(TorchDispatchMode):
             positions, stream = _STREAM_OF_ARGUMENTS[func]
             self._on_stream([args[position] for position in positions], stream)
         if func in self._copies:
+            # Bytes the backend holds only while this collective runs: counted at this moment, then gone.
             copied, _ = tree_flatten(args[self._copies[func]])
             size = sum(t.numel() * t.element_size() for t in copied if isinstance(t, torch.Tensor))
-            self._held_for_the_call(size, "buffers")
+            self.hold_for_tick(size, "buffers")
+            self._snapshot()
         return out
 
     def _on_stream(self, tensors: list[Any], stream: int) -> None:
         """Mark where these tensors' storages were allocated as on a CUDA stream of FSDP2's."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
-                key = id(local_tensor(tensor).untyped_storage())
-                index = self._allocated_at.get(key)
-                if index is not None and key in self._bytes:
-                    self.events[index] = (key, self.events[index][1], stream)
+                life = self.life_of(local_tensor(tensor).untyped_storage())
+                index = None if life is None else self._allocated_at.get(life.ident)
+                if life is not None and index is not None:
+                    self.events[index] = (life.ident, self.events[index][1], stream)
 
     def ledger(self) -> tuple[CollectiveRow, ...]:
         """The collectives of the measuring window, merged."""
