@@ -1,8 +1,8 @@
 """The teaching tensor, sequence and context parallelism end where one process ends, element for element.
 
-4 gloo ranks train a tiny llama for 3 AdamW steps in float64 on a dp x cp x tp grid; every rank compares each of
-its parameters with its slice of the same model trained in one process on the whole batch (DESIGN.md: parity in
-float64 within 1e-10). One launch runs several grids one after another, so torch is imported once per launch.
+4 gloo ranks train a tiny llama (or gpt2) for 3 AdamW steps in float64 on a dp x cp x tp grid; every rank compares
+each of its parameters with its slice of the same model trained in one process on the whole batch (DESIGN.md:
+parity in float64 within 1e-10), and the whole parameters gathered over tp with the whole model.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SEQUENCE = 16
 
 
 def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
-    """Each case of options['cases'] (tp, cp, sequence_parallel) in turn; per case this rank's largest difference
+    """Each case of options['cases'] (model, tp, cp, sequence_parallel) in turn; per case this rank's largest difference
     from one process, its parameter elements and its losses."""
     import torch
     import torch.distributed as dist
@@ -37,10 +37,10 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
     from shardscope.specs import TrainingSpec
 
     init_process_group(rank, world, port=port, timeout=60)
-    spec = model_preset(options["model"])
     training = TrainingSpec(micro_batch_size=MICRO_BATCH, sequence_length=SEQUENCE, precision="fp64")
     reports = []
-    for tp, cp, sequence_parallel in options["cases"]:
+    for model_name, tp, cp, sequence_parallel in options["cases"]:
+        spec = model_preset(model_name)
         dp = world // (tp * cp)
         batches = [sample_batch(spec, training, num_sequences=dp * MICRO_BATCH, step=step) for step in range(STEPS)]
         single = build_model(spec, training, dtype=torch.float64, seed=0)
@@ -84,41 +84,54 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
     return {"cases": reports}
 
 
-def llama_numel_per_rank(model: str, tp: int) -> int:
-    """Parameter elements on one tp rank, from the shapes: vocabulary-split embedding and head, column- and
-    row-parallel projections split by tp, norms whole (what DTensor's colwise/rowwise plan keeps)."""
+def numel_per_rank(model: str, tp: int) -> int:
+    """Parameter elements on one tp rank, from the shapes: vocabulary-split embedding and head, column-parallel
+    weights and biases and row-parallel weights split by tp; norms, row-parallel biases and gpt2's position
+    embeddings whole (what DTensor's colwise/rowwise plan keeps)."""
     spec = model_preset(model)
-    hidden, q_width, kv_width = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    projections = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * spec.ffn_hidden_size
-    block = projections // tp + 2 * hidden
-    return 2 * spec.vocab_size * hidden // tp + spec.num_layers * block + hidden
+    hidden, ffn, vocab = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
+    if spec.family == "gpt2":  # tied head; c_attn, c_fc column-parallel with biases; c_proj row-parallel
+        split = 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden * ffn + ffn + ffn * hidden
+        block = split // tp + 2 * hidden + 2 * hidden + 2 * hidden  # ln_1, ln_2, the two c_proj biases
+        return vocab * hidden // tp + spec.max_positions * hidden + spec.num_layers * block + 2 * hidden
+    q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    split = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * ffn
+    block = split // tp + 2 * hidden
+    return 2 * vocab * hidden // tp + spec.num_layers * block + hidden
 
 
-def check(cases: list[tuple[int, int, bool]], timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch of `cases` with a hard deadline; the ranks import parity_rank from this file's directory."""
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    reports = run_function(parity_rank, WORLD, {"model": "tiny-llama", "cases": cases}, timeout_s=timeout_s)
-    for index, (tp, _cp, _sp) in enumerate(cases):
+    reports = run_function(parity_rank, WORLD, {"cases": cases}, timeout_s=timeout_s)
+    for index, (model, tp, _cp, _sp) in enumerate(cases):
         for rank in range(WORLD):
             report = reports[rank]["cases"][index]
             assert report["max_abs_diff"] <= 1e-10, (cases[index], rank, report)
             assert report["max_abs_diff_whole"] <= 1e-10, (cases[index], rank, report)
             assert report["loss_diff"] <= 1e-10, (cases[index], rank, report)
-            assert report["numel"] == llama_numel_per_rank("tiny-llama", tp)
+            assert report["numel"] == numel_per_rank(model, tp)
 
 
 def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    check([(2, 1, False)], timeout_s=60, monkeypatch=monkeypatch)
+    check([("tiny-llama", 2, 1, False)], timeout_s=60, monkeypatch=monkeypatch)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
-    [(2, 1, True), (2, 2, False), (2, 2, True), (1, 4, False)],
-    ids=["tp2-dp2-sequence-parallel", "tp2-cp2", "tp2-cp2-sequence-parallel", "cp4"],
+    [
+        ("tiny-llama", 2, 1, True),
+        ("tiny-llama", 2, 2, False),
+        ("tiny-llama", 2, 2, True),
+        ("tiny-llama", 1, 4, False),
+        ("tiny-gpt2", 2, 1, False),
+        ("tiny-gpt2", 2, 2, True),
+    ],
+    ids=["tp2-dp2-sequence-parallel", "tp2-cp2", "tp2-cp2-sequence-parallel", "cp4", "gpt2-tp2-dp2", "gpt2-tp2-cp2-sp"],
 )
 def test_sequence_and_context_parallel_match_one_process(
-    case: tuple[int, int, bool], monkeypatch: pytest.MonkeyPatch
+    case: tuple[str, int, int, bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check([case], timeout_s=60, monkeypatch=monkeypatch)

@@ -1,15 +1,16 @@
 """Context parallelism as ring attention over send/recv (Ring Attention with Blockwise Transformers for
 Near-Infinite Context), with the zig-zag split that balances the causal mask.
 
-The sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i: under a causal mask an early chunk
-sees few keys and a late one many, so every rank gets the same work. Everything outside attention is per token, so
-each rank runs the model on its own tokens alone (at their true positions, for RoPE); attention needs every earlier
-key. The ranks pass their K and V round a ring: at each of cp steps a rank attends its queries to the block it
-holds, while sending that block on to the next rank and receiving the previous rank's. The blocks' partial outputs
-are merged with their log-sum-exp, as in flash attention (FlashAttention: Fast and Memory-Efficient Exact
-Attention with IO-Awareness, Section 3.1). Backward passes K and V round again, recomputes each block's
-probabilities from the saved log-sum-exp, and passes dK and dV round with them, so each block's gradient is summed
-over every rank whose queries saw it and ends, after cp passes, at the rank that owns the block.
+The sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i (The Llama 3 Herd of Models,
+Section 3.3.2): under a causal mask an early chunk sees few keys and a late one many, so every rank gets the same
+work. Everything outside attention is per token, so each rank runs the model on its own tokens alone (at their true
+positions, for RoPE); attention needs every earlier key. The ranks pass their K and V round a ring: at each of cp
+steps a rank attends its queries to the block it holds, while sending that block on to the next rank and receiving
+the previous rank's. The blocks' partial outputs are merged with their log-sum-exp, as in flash attention
+(FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness, Section 3.1). Backward passes K and V
+round again, recomputes each block's probabilities from the saved log-sum-exp, and passes dK and dV round with
+them, so each block's gradient is summed over every rank whose queries saw it and ends, after cp passes, at the
+rank that owns the block.
 """
 
 from __future__ import annotations
