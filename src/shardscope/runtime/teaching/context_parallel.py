@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from shardscope.reference_models import TransformerLM
+from shardscope.reference_models import Block, TransformerLM
 
 SEQ_DIM_OF_HEADS = 2  # q, k and v are (batch, heads, seq, head_dim) inside attention
 
@@ -74,7 +74,7 @@ def _heads_for_queries(kv: torch.Tensor, repeat: int) -> torch.Tensor:
 
 def _fold_heads(grad: torch.Tensor, repeat: int) -> torch.Tensor:
     """The gradient of _heads_for_queries: sum over the query heads that shared a K/V head."""
-    return grad.unflatten(1, (-1, repeat)).sum(dim=2) if repeat > 1 else grad
+    return grad.reshape(grad.shape[0], -1, repeat, *grad.shape[2:]).sum(dim=2) if repeat > 1 else grad
 
 
 class _RingAttention(torch.autograd.Function):
@@ -143,11 +143,12 @@ def ring_attention(
 ) -> torch.Tensor:
     """reference_models.attention_core's signature; the causal mask comes from the zig-zag positions instead."""
     del mask, kind
-    out: torch.Tensor = _RingAttention.apply(q, k, v, group)
+    out: torch.Tensor = cast(Any, _RingAttention).apply(q, k, v, group)
     return out
 
 
 def use_ring_attention(model: TransformerLM, group: dist.ProcessGroup) -> None:
     """Make every block's attention a ring over the cp group."""
     for block in model.layers:
+        assert isinstance(block, Block)
         block.attn.core = partial(ring_attention, group=group)

@@ -36,7 +36,7 @@ class ProcessGrid:
 
     @staticmethod
     def _mine(rank_lists: list[list[int]]) -> dist.ProcessGroup:
-        mine = None
+        mine: dist.ProcessGroup | None = None
         for ranks in rank_lists:
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
@@ -69,7 +69,7 @@ class ModelParallelTeaching(Trainer):
         return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        super().backward(loss)
         self.parallel.sum_replicated_gradients()
         data_ranks = self.grid.dp * self.grid.cp
         for param in self.module.parameters():
@@ -82,7 +82,7 @@ class ModelParallelTeaching(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        params = list(self.module.parameters())
+        params: list[torch.Tensor] = list(self.module.parameters())
         return {
             "parameters": params,
             "gradients": [p.grad for p in params if p.grad is not None],

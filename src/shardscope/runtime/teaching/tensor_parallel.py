@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardscope.reference_models import TransformerLM
+from shardscope.reference_models import Block, TransformerLM
 from shardscope.runtime.teaching.tp_ops import (
     copy_to_parallel,
     gather_sequence,
@@ -66,7 +66,7 @@ def shard_of(name: str, whole: torch.Tensor, rank: int, size: int) -> torch.Tens
     if dim is None:
         return whole
     if ".c_attn." in name:
-        return whole.unflatten(0, (3, size, -1))[:, rank].flatten(0, 1)
+        return whole.reshape(3, size, -1, *whole.shape[1:])[:, rank].flatten(0, 1)
     return whole.chunk(size, dim)[rank]
 
 
@@ -76,7 +76,7 @@ def whole_of(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     if dim is None:
         return pieces[0]
     if ".c_attn." in name:
-        return torch.stack([piece.unflatten(0, (3, -1)) for piece in pieces], dim=1).flatten(0, 2)
+        return torch.stack([piece.reshape(3, -1, *piece.shape[1:]) for piece in pieces], dim=1).flatten(0, 2)
     return torch.cat(pieces, dim)
 
 
@@ -167,10 +167,11 @@ class TensorParallelLM:
         self._shard_linears()
         tied = model.lm_head.weight is model.embed_tokens.weight
         embedding = self._piece("embed_tokens.weight", model.embed_tokens.weight)
-        model.embed_tokens = VocabParallelEmbedding(embedding, self.vocab_start, self.leave)
+        model.add_module("embed_tokens", VocabParallelEmbedding(embedding, self.vocab_start, self.leave))
         head = model.embed_tokens.weight if tied else nn.Parameter(self._piece("lm_head.weight", model.lm_head.weight))
         model.lm_head.weight = head
         for block in model.layers:
+            assert isinstance(block, Block)
             block.attn.heads //= self.size
             block.attn.kv_heads //= self.size
             for region in (block.attn, block.mlp):

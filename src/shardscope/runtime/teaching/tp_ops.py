@@ -15,7 +15,7 @@ Tensors are (batch, seq, hidden); SEQ_DIM is the one sequence parallelism splits
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -101,23 +101,23 @@ class _ScatterSequence(torch.autograd.Function):
 
 def copy_to_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """f: enter a tensor-parallel region with the whole input on every rank."""
-    out: torch.Tensor = _CopyToParallel.apply(x, group)
+    out: torch.Tensor = cast(Any, _CopyToParallel).apply(x, group)
     return out
 
 
 def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """g: leave a tensor-parallel region by summing the ranks' partial outputs."""
-    out: torch.Tensor = _ReduceFromParallel.apply(x, group)
+    out: torch.Tensor = cast(Any, _ReduceFromParallel).apply(x, group)
     return out
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Enter a tensor-parallel region from seq/tp tokens: every rank gets the whole sequence."""
-    out: torch.Tensor = _GatherSequence.apply(x, group)
+    out: torch.Tensor = cast(Any, _GatherSequence).apply(x, group)
     return out
 
 
 def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Leave a tensor-parallel region into seq/tp tokens: sum the partial outputs, keep this rank's tokens."""
-    out: torch.Tensor = _ScatterSequence.apply(x, group)
+    out: torch.Tensor = cast(Any, _ScatterSequence).apply(x, group)
     return out
