@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
+from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import Trainer, broadcast_module, make_optimizer, optimizer_state_tensors
+from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -61,7 +62,8 @@ class ModelParallelTeaching(Trainer):
         self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
         if cp > 1:
             use_ring_attention(module, self.grid.cp_group)
-        self.optimizer = make_optimizer(list(module.parameters()), training)
+        self.params: list[torch.Tensor] = list(module.parameters())
+        self.optimizer = ShardOptimizer(self.params, training)  # under mixed precision, on an fp32 master copy
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
@@ -72,21 +74,21 @@ class ModelParallelTeaching(Trainer):
         super().backward(loss)
         self.parallel.sum_replicated_gradients()
         data_ranks = self.grid.dp * self.grid.cp
-        for param in self.module.parameters():
+        for param in self.params:
             if param.grad is not None and data_ranks > 1:
                 dist.all_reduce(param.grad, group=self.grid.data_group)
                 param.grad.div_(data_ranks)
 
     def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step([p.grad for p in self.params])  # type: ignore[misc]
+        for param in self.params:
+            param.grad = None
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        params: list[torch.Tensor] = list(self.module.parameters())
         return {
-            "parameters": params,
-            "gradients": [p.grad for p in params if p.grad is not None],
-            "optimizer_state": optimizer_state_tensors(self.optimizer),
+            "parameters": list(self.params),
+            "gradients": [p.grad for p in self.params if p.grad is not None],
+            "optimizer_state": self.optimizer.state(),
             "buffers": [],
         }
 
