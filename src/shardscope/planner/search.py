@@ -147,8 +147,7 @@ class _Search:
     def metric(self, scenario: Scenario, step_time_s: float) -> float:
         """The ranking value, smaller is better."""
         request = self.request
-        training = scenario.training
-        tokens = training.tokens_per_micro_batch * training.grad_accum_steps * scenario.cluster.world_size
+        tokens = scenario.tokens_per_step
         if request.rank_by == "tokens-per-s":
             return -tokens / step_time_s
         if request.rank_by == "cost":
