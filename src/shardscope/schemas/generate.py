@@ -107,6 +107,7 @@ def plan_schema() -> Schema:
             **STEP,
             "simulated_micro_batches": COUNT,
             "cost_per_million_tokens": nullable(NUMBER),
+            "mesh_reason": STRING,
             "failure_mode": ref("failure_mode"),
             "risks": array(ref("failure_mode")),
         },
