@@ -90,14 +90,22 @@ class Parallelism:
         """GPUs that see different data: dp_replicate x dp_shard."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def described(self) -> str:
+        """The mesh as printed, outermost first: the data-parallel degrees always, the others where they split the
+        GPUs, e.g. 'dp_replicate 1 x dp_shard 4 x cp 2 x tp 4'."""
+        used = [(name, getattr(self, name)) for name in MESH_DIMS if name.startswith("dp_") or getattr(self, name) > 1]
+        return " x ".join(f"{name} {value}" for name, value in used)
+
+    @property
+    def splits_model(self) -> bool:
+        """Tensor, context or pipeline parallelism splits the model (the mesh is more than data-parallel)."""
+        return self.tp * self.cp * self.pp > 1
+
     def require_world_size(self, gpus: int) -> None:
         """MeshError naming every degree above 1 when their product is not `gpus`."""
-        if self.world_size != gpus:  # the data-parallel degrees always, the others where they split the GPUs
-            used = [
-                (name, getattr(self, name)) for name in MESH_DIMS if name.startswith("dp_") or getattr(self, name) > 1
-            ]
-            product = " x ".join(f"{name} {value}" for name, value in used)
-            raise MeshError(f"{product} = {self.world_size}, not the {gpus} GPUs given")
+        if self.world_size != gpus:
+            raise MeshError(f"{self.described} = {self.world_size}, not the {gpus} GPUs given")
 
     def to_json(self) -> dict[str, Any]:
         """The six degrees as a JSON object."""

@@ -132,3 +132,15 @@ def test_the_cli_takes_the_degrees_and_refuses_bad_ones_in_one_line(capsys: pyte
     assert error.count("\n") == 1 and "num_kv_heads=8" in error
     assert main([*base, "--sequence-parallel"]) == 2
     assert "needs tensor parallelism" in capsys.readouterr().err
+
+
+def test_the_terminal_and_the_json_show_the_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    base = ["estimate", "--model", "llama-3-8b", "--gpus", "16", "--strategy", "fsdp", "--tp", "4", "--cp", "2"]
+    assert main(base) == 0
+    assert "dp_replicate 1 x dp_shard 2 x cp 2 x tp 4" in capsys.readouterr().out
+    assert main([*base, "--no-sequence-parallel", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["strategies"]
+    assert entry["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 4, "pp": 1, "ep": 1}
+    assert entry["sequence_parallel"] is False and entry["shard_group"] == 4  # FSDP over dp_shard x cp

@@ -57,6 +57,7 @@ ESTIMATE_ENTRY: dict[str, Schema] = {
     "world_size": DEGREE,
     "shard_group": DEGREE,
     "parallelism": ref("parallelism"),
+    "sequence_parallel": BOOLEAN,
     "offload": enum(OFFLOADS),
     "parameters": COUNT,
     "per_rank": ref("per_rank"),
