@@ -131,6 +131,7 @@ class Attention(nn.Module):
         self.gpt2 = spec.family == "gpt2"
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.kind, self.selective = kind, selective
+        self.core: Callable[..., torch.Tensor] = attention_core  # context parallelism swaps in ring attention
         hidden, q_width, kv_width = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         if self.gpt2:
             self.c_attn = nn.Linear(hidden, 3 * hidden)
@@ -155,9 +156,9 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if self.selective:  # recompute only the attention core in backward (Reducing Activation Recomputation ...)
-            out = checkpoint(attention_core, q, k, v, mask, self.kind, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, mask, self.kind, use_reentrant=False)
         else:
-            out = attention_core(q, k, v, mask, self.kind)
+            out = self.core(q, k, v, mask, self.kind)
         out = out.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
         return self.c_proj(out) if self.gpt2 else self.o_proj(out)
 

@@ -1,0 +1,102 @@
+"""Tensor and context parallelism inside data parallelism: a dp x cp x tp grid of ranks, tp innermost.
+
+Rank r sits at dp_index = r // (cp*tp), cp_index = r // tp % cp, tp_index = r % tp (picotron's process group
+manager, torchtitan's ParallelDims order). The tp ranks of a cell share its tokens and split its weights; the cp
+ranks of a row split the tokens of the same sequences; the dp ranks take different sequences. So the ranks with the
+same tp_index hold the same shard and have seen different tokens: their gradients are averaged by one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardscope.reference_models import TransformerLM
+from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
+from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
+from shardscope.runtime.trainer import Trainer, broadcast_module, make_optimizer, optimizer_state_tensors
+from shardscope.specs import TrainingSpec
+
+
+class ProcessGrid:
+    """This rank's place in the dp x cp x tp grid and its three groups. Every rank creates every group, in the same
+    order, as torch.distributed requires."""
+
+    def __init__(self, *, cp: int, tp: int) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % (cp * tp):
+            raise ValueError(f"cp({cp}) * tp({tp}) must divide the world size({world})")
+        self.dp, self.cp, self.tp = world // (cp * tp), cp, tp
+        self.dp_index, self.cp_index, self.tp_index = rank // (cp * tp), rank // tp % cp, rank % tp
+        cells = [(d, c) for d in range(self.dp) for c in range(cp)]
+        self.tp_group = self._mine([[d * cp * tp + c * tp + t for t in range(tp)] for d, c in cells])
+        rows = [(d, t) for d in range(self.dp) for t in range(tp)]
+        self.cp_group = self._mine([[d * cp * tp + c * tp + t for c in range(cp)] for d, t in rows])
+        self.data_group = self._mine([list(range(t, world, tp)) for t in range(tp)])  # dp x cp: one shard
+
+    @staticmethod
+    def _mine(rank_lists: list[list[int]]) -> dist.ProcessGroup:
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
+
+class ModelParallelTeaching(Trainer):
+    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives."""
+
+    def __init__(
+        self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int = 1, sequence_parallel: bool = False
+    ) -> None:
+        self.module, self.world_size = module, dist.get_world_size()
+        self.grid = ProcessGrid(cp=cp, tp=tp)
+        tokens_per_rank = training.sequence_length // cp
+        if sequence_parallel and tokens_per_rank % tp:
+            raise ValueError(f"sequence parallelism needs tp({tp}) to divide the tokens per cp rank({tokens_per_rank})")
+        self.positions = zigzag_positions(training.sequence_length, cp, self.grid.cp_index)
+        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its slice of them
+        self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
+        if cp > 1:
+            use_ring_attention(module, self.grid.cp_group)
+        self.optimizer = make_optimizer(list(module.parameters()), training)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
+        positions = self.positions.to(inputs.device)
+        return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.parallel.sum_replicated_gradients()
+        data_ranks = self.grid.dp * self.grid.cp
+        for param in self.module.parameters():
+            if param.grad is not None and data_ranks > 1:
+                dist.all_reduce(param.grad, group=self.grid.data_group)
+                param.grad.div_(data_ranks)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        return {
+            "parameters": params,
+            "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer_state": optimizer_state_tensors(self.optimizer),
+            "buffers": [],
+        }
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in self.module.named_parameters():
+            if shard_dim(name) is None:
+                out[name] = param.detach().clone()
+                continue
+            pieces = [torch.empty_like(param) for _ in range(self.grid.tp)]
+            dist.all_gather(pieces, param.detach().contiguous(), group=self.grid.tp_group)
+            out[name] = whole_of(name, pieces)
+        return out

@@ -1,0 +1,219 @@
+"""Tensor parallelism, with or without sequence parallelism, from collectives (Megatron-LM, Section 3).
+
+Each attention and MLP becomes a parallel region: its first linears are column-parallel (each rank keeps a slice of
+the output features, so of the heads, and needs the whole input), its last linear is row-parallel (each rank keeps
+the matching slice of the input features and makes a partial output that the ranks sum). The region is entered by
+`f` and left by `g` (tp_ops). The embedding is split over the vocabulary, and so is lm_head, whose logits never get
+gathered: the cross entropy is taken over the split vocabulary. Norms are replicated.
+
+With sequence parallelism (Reducing Activation Recomputation in Large Transformer Models, Section 4.2) the regions
+are entered by an all-gather and left by a reduce-scatter along the sequence, so the norms and the residual stream
+hold seq/tp tokens per rank, and the replicated weights (norms, row-parallel biases, position embeddings) see only
+their rank's tokens: their gradients are summed over tp after backward.
+
+The split is torchtitan's llama plan; an nn.Linear's weight is (out, in), so colwise shards dim 0 and rowwise dim 1,
+as DTensor's ColwiseParallel and RowwiseParallel do, and a rank holds the same parameter bytes as under DTensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardscope.reference_models import TransformerLM
+from shardscope.runtime.teaching.tp_ops import (
+    copy_to_parallel,
+    gather_sequence,
+    reduce_from_parallel,
+    scatter_sequence,
+)
+
+COLUMN, ROW = 0, 1  # the weight dim a column- or row-parallel nn.Linear shards (its output or input features)
+VOCABULARY = 0  # embed_tokens.weight and lm_head.weight are (vocab, hidden)
+SHARD_DIMS = {  # by module name: the dim of its weight the tp ranks split; modules not named are replicated
+    "embed_tokens": VOCABULARY,
+    "lm_head": VOCABULARY,
+    "q_proj": COLUMN,
+    "k_proj": COLUMN,
+    "v_proj": COLUMN,
+    "gate_proj": COLUMN,
+    "up_proj": COLUMN,
+    "c_attn": COLUMN,  # gpt2's fused q, k, v: split by heads within each of the three
+    "c_fc": COLUMN,
+    "o_proj": ROW,
+    "down_proj": ROW,
+    "c_proj": ROW,
+}
+Region = Callable[[torch.Tensor], torch.Tensor]  # an entry or exit operator with its group bound
+
+
+def shard_dim(name: str) -> int | None:
+    """The dim of parameter `name` that tensor parallelism splits, or None for a replicated one. A row-parallel
+    bias is replicated: it is added once, after the partial outputs are summed."""
+    module, _, kind = name.rpartition(".")
+    dim = SHARD_DIMS.get(module.rpartition(".")[2])
+    return None if dim == ROW and kind == "bias" else dim
+
+
+def shard_of(name: str, whole: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The piece of parameter `name` that tp rank `rank` of `size` holds (the whole tensor if it is replicated)."""
+    dim = shard_dim(name)
+    if dim is None:
+        return whole
+    if ".c_attn." in name:
+        return whole.unflatten(0, (3, size, -1))[:, rank].flatten(0, 1)
+    return whole.chunk(size, dim)[rank]
+
+
+def whole_of(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Parameter `name` put back together from every tp rank's piece, in rank order (the inverse of shard_of)."""
+    dim = shard_dim(name)
+    if dim is None:
+        return pieces[0]
+    if ".c_attn." in name:
+        return torch.stack([piece.unflatten(0, (3, -1)) for piece in pieces], dim=1).flatten(0, 2)
+    return torch.cat(pieces, dim)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + vocab/tp) of the embedding: other tokens look up zeros, and `leave` sums the ranks'
+    partial embeddings (and, with sequence parallelism, keeps this rank's tokens)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, leave: Region) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.start, self.leave = start, leave
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        partial_sum = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return self.leave(partial_sum)
+
+
+class RowParallelLinear(nn.Module):
+    """An nn.Linear keeping a slice of its input features: `leave` sums the partial outputs, then the bias is added
+    once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, leave: Region) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.leave = leave
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.leave(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + logits.shape[-1]).
+
+    log-sum-exp over the split vocabulary: the max is taken without gradient (the loss does not depend on it), the
+    exp sums and the target's logit are all-reduced with `g`, whose backward is the identity because every rank
+    computes the same loss from the sums."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # as reference_models.lm_loss
+    targets = targets.reshape(-1)
+    with torch.no_grad():
+        biggest = logits.max(dim=-1).values
+        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - biggest[:, None]
+    sum_exp = reduce_from_parallel(shifted.exp().sum(dim=-1), group)
+    local = targets - start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    target_logit = shifted.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1)
+    target_logit = reduce_from_parallel(target_logit.masked_fill(~inside, 0.0), group)
+    return (sum_exp.log() - target_logit).mean()
+
+
+def check_divisible(model: TransformerLM, size: int) -> None:
+    """Refuse a tp degree that does not divide the heads, KV heads, MLP width and vocabulary, naming the values."""
+    spec = model.spec
+    if spec.family not in ("llama", "gpt2"):
+        raise ValueError(f"tensor parallelism is written for the llama and gpt2 families, not {spec.family!r}")
+    for what, count in (
+        ("num_heads", spec.num_heads),
+        ("num_kv_heads", spec.num_kv_heads),
+        ("ffn_hidden_size", spec.ffn_hidden_size),
+        ("vocab_size", spec.vocab_size),
+    ):
+        if count % size:
+            raise ValueError(f"tp({size}) must divide {what}({count}) of {spec.name}")
+
+
+class TensorParallelLM:
+    """A reference model sharded in place over a tp group; `loss` is its forward with the vocabulary-parallel loss.
+
+    Every rank must hold the same weights before (broadcast them first): each keeps its slice of them."""
+
+    def __init__(self, model: TransformerLM, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
+        self.model, self.group, self.sequence_parallel = model, group, sequence_parallel
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        check_divisible(model, self.size)
+        entry, leave = (
+            (gather_sequence, scatter_sequence) if sequence_parallel else (copy_to_parallel, reduce_from_parallel)
+        )
+        self.enter: Region = partial(entry, group=group)
+        self.leave: Region = partial(leave, group=group)
+        self.vocab_start = self.rank * model.spec.vocab_size // self.size
+        self._shard_linears()
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        embedding = self._piece("embed_tokens.weight", model.embed_tokens.weight)
+        model.embed_tokens = VocabParallelEmbedding(embedding, self.vocab_start, self.leave)
+        head = model.embed_tokens.weight if tied else nn.Parameter(self._piece("lm_head.weight", model.lm_head.weight))
+        model.lm_head.weight = head
+        for block in model.layers:
+            block.attn.heads //= self.size
+            block.attn.kv_heads //= self.size
+            for region in (block.attn, block.mlp):
+                region.register_forward_pre_hook(lambda _module, args: (self.enter(args[0]), *args[1:]))
+        self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
+
+    def _piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return shard_of(name, whole.detach(), self.rank, self.size).clone()
+
+    def _shard_linears(self) -> None:
+        """Column-parallel linears keep their slice in place; row-parallel ones become RowParallelLinear."""
+        for name, module in list(self.model.layers.named_modules(prefix="layers")):
+            dim = SHARD_DIMS.get(name.rpartition(".")[2])
+            if dim == COLUMN:
+                for kind, param in list(module.named_parameters()):
+                    setattr(module, kind, nn.Parameter(self._piece(f"{name}.{kind}", param)))
+            elif dim == ROW:
+                assert isinstance(module, nn.Linear)
+                bias = None if module.bias is None else module.bias.detach()
+                parent, _, child = name.rpartition(".")
+                sharded = RowParallelLinear(self._piece(f"{name}.weight", module.weight), bias, self.leave)
+                setattr(self.model.get_submodule(parent), child, sharded)
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of these tokens, whose true positions in their sequences are `positions` (the
+        tokens of a context-parallel rank are two chunks of the sequence, not its start)."""
+        model = self.model
+        x = model.embed_tokens(input_ids)
+        held = positions.chunk(self.size)[self.rank] if self.sequence_parallel else positions
+        if model.spec.family == "gpt2":
+            x = x + model.embed_positions(held)
+        mask, cos, sin = model._context(int(positions.max()) + 1, x)
+        mask = mask[positions][:, positions]  # causal by true position (ring attention makes its own)
+        if cos is not None and sin is not None:
+            cos, sin = cos[positions], sin[positions]
+        for block in model.layers:
+            x = block(x, (mask, cos, sin))
+        logits = model.lm_head(self.enter(model.norm(x)))
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
+
+    def sum_replicated_gradients(self) -> None:
+        """With sequence parallelism each rank's replicated weights saw only its tokens: sum their gradients."""
+        if self.sequence_parallel:
+            for param in self.replicated:
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=self.group)

@@ -1,0 +1,124 @@
+"""The teaching tensor, sequence and context parallelism end where one process ends, element for element.
+
+4 gloo ranks train a tiny llama for 3 AdamW steps in float64 on a dp x cp x tp grid; every rank compares each of
+its parameters with its slice of the same model trained in one process on the whole batch (DESIGN.md: parity in
+float64 within 1e-10). One launch runs several grids one after another, so torch is imported once per launch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardscope.presets import model_preset
+from shardscope.procs.functions import run_function
+
+pytestmark = pytest.mark.distributed
+WORLD = 4
+STEPS = 3
+MICRO_BATCH = 2
+SEQUENCE = 16
+
+
+def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Each case of options['cases'] (tp, cp, sequence_parallel) in turn; per case this rank's largest difference
+    from one process, its parameter elements and its losses."""
+    import torch
+    import torch.distributed as dist
+
+    from shardscope.reference_models import build_model, lm_loss, sample_batch
+    from shardscope.runtime.lesson_impl import init_process_group
+    from shardscope.runtime.teaching.model_parallel import ModelParallelTeaching
+    from shardscope.runtime.teaching.tensor_parallel import shard_of
+    from shardscope.runtime.trainer import make_optimizer
+    from shardscope.specs import TrainingSpec
+
+    init_process_group(rank, world, port=port, timeout=60)
+    spec = model_preset(options["model"])
+    training = TrainingSpec(micro_batch_size=MICRO_BATCH, sequence_length=SEQUENCE, precision="fp64")
+    reports = []
+    for tp, cp, sequence_parallel in options["cases"]:
+        dp = world // (tp * cp)
+        batches = [sample_batch(spec, training, num_sequences=dp * MICRO_BATCH, step=step) for step in range(STEPS)]
+        single = build_model(spec, training, dtype=torch.float64, seed=0)
+        optimizer = make_optimizer(list(single.parameters()), training)
+        single_losses = []
+        for inputs, targets in batches:
+            loss = lm_loss(single(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            single_losses.append(float(loss))
+        # ranks start from different weights (seed 0 is rank 0's), so a missing broadcast shows up
+        model = build_model(spec, training, dtype=torch.float64, seed=rank)
+        trainer = ModelParallelTeaching(model, training, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+        mine = slice(trainer.grid.dp_index * MICRO_BATCH, (trainer.grid.dp_index + 1) * MICRO_BATCH)
+        losses = []
+        for inputs, targets in batches:
+            loss = trainer.loss(inputs[mine], targets[mine])
+            trainer.backward(loss)
+            trainer.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the tp ranks of a cell hold the same loss: the world mean is the batch's
+            losses.append(float(mean) / world)
+        expected = dict(single.named_parameters())
+        largest = max(
+            float((param - shard_of(name, expected[name], trainer.grid.tp_index, tp)).abs().max())
+            for name, param in model.named_parameters()
+        )
+        whole = trainer.full_parameters()
+        largest_whole = max(float((whole[name] - p).abs().max()) for name, p in single.named_parameters())
+        reports.append(
+            {
+                "max_abs_diff": largest,
+                "max_abs_diff_whole": largest_whole,
+                "numel": sum(p.numel() for p in model.parameters()),
+                "loss_diff": max(abs(a - b) for a, b in zip(losses, single_losses, strict=True)),
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"cases": reports}
+
+
+def llama_numel_per_rank(model: str, tp: int) -> int:
+    """Parameter elements on one tp rank, from the shapes: vocabulary-split embedding and head, column- and
+    row-parallel projections split by tp, norms whole (what DTensor's colwise/rowwise plan keeps)."""
+    spec = model_preset(model)
+    hidden, q_width, kv_width = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    projections = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * spec.ffn_hidden_size
+    block = projections // tp + 2 * hidden
+    return 2 * spec.vocab_size * hidden // tp + spec.num_layers * block + hidden
+
+
+def check(cases: list[tuple[int, int, bool]], timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launch of `cases` with a hard deadline; the ranks import parity_rank from this file's directory."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    reports = run_function(parity_rank, WORLD, {"model": "tiny-llama", "cases": cases}, timeout_s=timeout_s)
+    for index, (tp, _cp, _sp) in enumerate(cases):
+        for rank in range(WORLD):
+            report = reports[rank]["cases"][index]
+            assert report["max_abs_diff"] <= 1e-10, (cases[index], rank, report)
+            assert report["max_abs_diff_whole"] <= 1e-10, (cases[index], rank, report)
+            assert report["loss_diff"] <= 1e-10, (cases[index], rank, report)
+            assert report["numel"] == llama_numel_per_rank("tiny-llama", tp)
+
+
+def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    check([(2, 1, False)], timeout_s=60, monkeypatch=monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [(2, 1, True), (2, 2, False), (2, 2, True), (1, 4, False)],
+    ids=["tp2-dp2-sequence-parallel", "tp2-cp2", "tp2-cp2-sequence-parallel", "cp4"],
+)
+def test_sequence_and_context_parallel_match_one_process(
+    case: tuple[int, int, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check([case], timeout_s=60, monkeypatch=monkeypatch)
