@@ -196,6 +196,7 @@ def run_schema() -> Schema:
         "engine": enum(ENGINE_WORDS),
         "world_size": DEGREE,
         "parallelism": ref("parallelism"),
+        "sequence_parallel": BOOLEAN,
         "per_rank": {**array(ref("per_rank")), "minItems": 1},
         "ledger": array(ref("collective")),
         "parity": closed({"reference": STRING, "max_abs_diff": NUMBER, "ok": BOOLEAN}),
