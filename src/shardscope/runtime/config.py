@@ -97,6 +97,11 @@ class RunConfig:
         mesh = self.parallelism
         if mesh.splits_model:
             self.scenario()  # tp and cp must divide the model's widths and split the sequence
+            if self.strategy.engine == "pytorch":
+                raise SpecError(
+                    f"RunConfig.strategy.engine='pytorch' with tp={self.strategy.tp}, cp={self.strategy.cp}: runs of "
+                    "torch's tensor and context parallel engines are not built yet; give engine paper (teaching)"
+                )
             if self.strategy.engine == "paper" and self.strategy.stage:
                 raise SpecError(
                     f"RunConfig.strategy={self.strategy.name!r} with tp={self.strategy.tp}, cp={self.strategy.cp}: the "

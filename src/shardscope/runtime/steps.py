@@ -53,8 +53,6 @@ def _model_parallel_trainer(config: RunConfig, module: torch.nn.Module) -> Train
     from shardscope.runtime.teaching.model_parallel import ModelParallelTeaching
 
     strategy = config.strategy
-    if strategy.engine == "pytorch":
-        raise NotImplementedError("torch's tensor parallel engine is not wired into run yet")
     assert isinstance(module, TransformerLM)
     return ModelParallelTeaching(
         module, config.training, tp=strategy.tp, cp=strategy.cp, sequence_parallel=strategy.uses_sequence_parallel
