@@ -31,7 +31,7 @@ CollectiveOp = Literal[
     "device_to_host",
 ]
 Trigger = Literal["before_forward", "before_backward", "after_backward", "after_step"]
-CommGroup = Literal["world", "shard", "replica", "host"]
+CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp"]
 
 FAMILIES: tuple[Family, ...] = get_args(Family)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)

@@ -90,14 +90,22 @@ class Parallelism:
         """GPUs that see different data: dp_replicate x dp_shard."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def described(self) -> str:
+        """The mesh as printed, outermost first: the data-parallel degrees always, the others where they split the
+        GPUs, e.g. 'dp_replicate 1 x dp_shard 4 x cp 2 x tp 4'."""
+        used = [(name, getattr(self, name)) for name in MESH_DIMS if name.startswith("dp_") or getattr(self, name) > 1]
+        return " x ".join(f"{name} {value}" for name, value in used)
+
+    @property
+    def splits_model(self) -> bool:
+        """Tensor, context or pipeline parallelism splits the model (the mesh is more than data-parallel)."""
+        return self.tp * self.cp * self.pp > 1
+
     def require_world_size(self, gpus: int) -> None:
         """MeshError naming every degree above 1 when their product is not `gpus`."""
-        if self.world_size != gpus:  # the data-parallel degrees always, the others where they split the GPUs
-            used = [
-                (name, getattr(self, name)) for name in MESH_DIMS if name.startswith("dp_") or getattr(self, name) > 1
-            ]
-            product = " x ".join(f"{name} {value}" for name, value in used)
-            raise MeshError(f"{product} = {self.world_size}, not the {gpus} GPUs given")
+        if self.world_size != gpus:
+            raise MeshError(f"{self.described} = {self.world_size}, not the {gpus} GPUs given")
 
     def to_json(self) -> dict[str, Any]:
         """The six degrees as a JSON object."""
@@ -123,15 +131,21 @@ def canonical_strategy(name: StrategyName) -> StrategyName:
     return STRATEGY_ALIASES.get(name, name)
 
 
-def data_parallel_mesh(strategy: StrategyName, world_size: int, shard_group: int = 0) -> Parallelism:
-    """The mesh a data-parallel strategy preset makes of `world_size` GPUs (cp, tp, pp and ep 1); hsdp splits them
-    into groups of `shard_group`. MeshError when the degrees do not multiply to the world size."""
+def data_parallel_mesh(
+    strategy: StrategyName, world_size: int, shard_group: int = 0, *, tp: int = 1, cp: int = 1
+) -> Parallelism:
+    """The mesh a data-parallel strategy preset makes of `world_size` GPUs with `tp` x `cp` of them per model replica
+    (pp and ep 1): the world is divided by tp x cp first, and the strategy splits the rest; hsdp splits it into groups
+    of `shard_group`. MeshError when the degrees do not multiply to the world size."""
+    if world_size % (tp * cp):
+        raise MeshError(f"cp {cp} x tp {tp} = {cp * tp} does not divide the {world_size} GPUs given")
+    data_parallel = world_size // (tp * cp)
     preset = DATA_PARALLEL_PRESETS[strategy]
     if preset.groups_replicate:
-        mesh = Parallelism(dp_replicate=max(world_size // shard_group, 1), dp_shard=shard_group)
+        mesh = Parallelism(dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp)
     elif preset.shards:
-        mesh = Parallelism(dp_shard=world_size)
+        mesh = Parallelism(dp_shard=data_parallel, cp=cp, tp=tp)
     else:
-        mesh = Parallelism(dp_replicate=world_size)
+        mesh = Parallelism(dp_replicate=data_parallel, cp=cp, tp=tp)
     mesh.require_world_size(world_size)
     return mesh

@@ -295,6 +295,14 @@ class Strategy:
     """zero3/hsdp under FSDP2: free gathered parameters after forward (False keeps them until backward)."""
     gradient_as_bucket_view: bool = False
     """DDP: gradients are views into the buckets, so the bucket copy costs no extra memory."""
+    tp: int = 1
+    """Tensor parallel degree: GPUs that split each layer's weights (Megatron's column- and row-parallel linears,
+    innermost in the mesh, inside a node). The data-parallel strategy applies over the world divided by tp x cp."""
+    cp: int = 1
+    """Context parallel degree: GPUs that split each sequence (ring attention over 2 x cp chunks)."""
+    sequence_parallel: bool | None = None
+    """Sequence parallelism in the norms and the residual stream between tp ranks ("Reducing Activation
+    Recomputation in Large Transformer Models", Section 4.2); None: on whenever tp > 1."""
 
     def __post_init__(self) -> None:
         owner = "Strategy"
@@ -308,6 +316,12 @@ class Strategy:
             raise SpecError(
                 f"{owner}.shard_group={self.shard_group} is only used by hsdp; leave it unset for {self.name}"
             )
+        _require_int(owner, "tp", self.tp, 1, MAX_WORLD_SIZE)
+        _require_int(owner, "cp", self.cp, 1, MAX_WORLD_SIZE)
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise SpecError(f"{owner}.sequence_parallel={self.sequence_parallel!r} must be true, false or unset")
+        if self.sequence_parallel and self.tp == 1:
+            raise SpecError(f"{owner}.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
         if self.offload == "optimizer+params" and self.stage < 3:
             raise SpecError(
                 f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), not {self.name}"
@@ -319,9 +333,18 @@ class Strategy:
         return canonical_strategy(self.name)
 
     @property
+    def uses_sequence_parallel(self) -> bool:
+        """Sequence parallelism is on: asked for, or left unset with tp > 1."""
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
     def label(self) -> str:
-        """The strategy as printed: its name, and an hsdp's shard group, e.g. 'hsdp(8)'."""
-        return f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
+        """The strategy as printed: its name, an hsdp's shard group and the model-parallel degrees above 1, e.g.
+        'hsdp(8)' or 'fsdp+tp4+cp2'."""
+        name = f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
+        if self.tp > 1:
+            name += f"+tp{self.tp}" + ("" if self.uses_sequence_parallel else "(no-sp)")
+        return name + (f"+cp{self.cp}" if self.cp > 1 else "")
 
     def sibling(self, name: StrategyName, shard_group: int) -> Strategy:
         """The strategy `name` with this one's other settings, for a side-by-side comparison: `shard_group` when
@@ -377,17 +400,74 @@ class Scenario:
     """The device mesh the strategy makes of the cluster's GPUs (derived)."""
 
     def __post_init__(self) -> None:
-        mesh = data_parallel_mesh(self.strategy.name, self.cluster.world_size, self.strategy.shard_group)
+        strategy = self.strategy
+        mesh = data_parallel_mesh(
+            strategy.name, self.cluster.world_size, strategy.shard_group, tp=strategy.tp, cp=strategy.cp
+        )
         object.__setattr__(self, "parallelism", mesh)
+        if strategy.tp > 1 or strategy.cp > 1:
+            _require_model_parallel_shape(self.model, self.training, strategy)
+
+    @property
+    def state_ranks(self) -> int:
+        """Ranks that hold the same tensor-parallel slice of the model states: the world divided by tp (the
+        data-parallel and the context-parallel ranks; FSDP shards over dp_shard x cp, as torchtitan does)."""
+        return self.cluster.world_size // self.strategy.tp
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that share one copy of the sharded states: the hsdp shard group, else the whole world (DDP's
-        included, where nothing is sharded: see `parallelism.dp_shard` for the degree that shards)."""
+        """Ranks that share one copy of the sharded states: the hsdp shard group (times cp), else every rank
+        holding the same tensor-parallel slice (DDP's included, where nothing is sharded: see `parallelism.dp_shard`
+        for the degree that shards)."""
         mesh = self.parallelism
-        return mesh.dp_shard if self.strategy.preset.shards else mesh.world_size
+        return mesh.dp_shard * mesh.cp if self.strategy.preset.shards else self.state_ranks
 
     @property
     def replica_degree(self) -> int:
-        """Copies of the sharded states across the world (hsdp groups); 1 for the others."""
-        return self.cluster.world_size // self.shard_degree
+        """Copies of the sharded states across the ranks holding one tensor-parallel slice (hsdp groups); 1 for the
+        others."""
+        return self.state_ranks // self.shard_degree
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens the whole job trains per optimizer step: every data-parallel rank's micro-batches (tp and cp ranks
+        work on the same sequences)."""
+        training = self.training
+        return training.tokens_per_micro_batch * training.grad_accum_steps * self.parallelism.data_parallel
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Valid but unusual choices the user should hear about (tp spanning nodes)."""
+        tp, per_node = self.strategy.tp, self.cluster.gpus_per_node
+        if tp > per_node:
+            return (
+                f"tp {tp} is more than the {per_node} GPUs of a node: every tensor-parallel collective crosses the "
+                f"inter-node link",
+            )
+        return ()
+
+
+def _require_model_parallel_shape(model: ModelSpec, training: TrainingSpec, strategy: Strategy) -> None:
+    """SpecError naming the values when tp does not divide the heads, the KV heads, the FFN width or the
+    vocabulary, or cp does not split the sequence into 2 x cp equal chunks (load-balanced ring attention)."""
+    if not model.has_shape:
+        raise SpecError(
+            f"Strategy.tp={strategy.tp}, cp={strategy.cp} needs the model's shape; {model.name!r} has only a "
+            f"parameter count (give --model or --config)"
+        )
+    tp = strategy.tp
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
+        value = getattr(model, name)
+        if value % tp:
+            raise SpecError(f"Strategy.tp={tp} must divide {model.name}'s {name}={value}")
+    cp, sequence = strategy.cp, training.sequence_length
+    if sequence % (2 * cp):
+        raise SpecError(
+            f"Strategy.cp={cp} must split sequence_length={sequence} into 2 x cp = {2 * cp} equal chunks "
+            f"(load-balanced ring attention)"
+        )
+    if strategy.uses_sequence_parallel and sequence % (tp * cp):
+        raise SpecError(
+            f"sequence parallelism splits each rank's {sequence // cp} tokens over tp={tp}: sequence_length={sequence} "
+            f"must be a multiple of cp x tp = {cp * tp}"
+        )

@@ -43,6 +43,10 @@ def test_rejected_in_json(capsys: pytest.CaptureFixture[str]) -> None:
         "4M",
         "--strategy",
         "ddp,zero3",
+        "--tp",
+        "1",
+        "--cp",
+        "1",
     ]
     args.append("--json")
     assert main(args) == 0

@@ -15,6 +15,7 @@ from shardscope.planner.space import (
     gpu_counts,
     make_scenario,
     micro_batches,
+    model_parallel_degrees,
     offloads_for,
     variants,
 )
@@ -32,12 +33,14 @@ def test_every_plan_fits_and_reaches_the_batch(big_request: PlanRequest) -> None
         error = abs(entry.global_batch_tokens - 4_000_000) / 4_000_000
         assert error <= big_request.batch_tolerance
         training = entry.scenario.training
-        assert entry.global_batch_tokens == training.micro_batch_size * training.grad_accum_steps * 4096 * entry.gpus
+        data_parallel = entry.gpus // (entry.scenario.strategy.tp * entry.scenario.strategy.cp)
+        assert entry.global_batch_tokens == training.micro_batch_size * training.grad_accum_steps * 4096 * data_parallel
     times = [entry.timing.step_time_s for entry in result.plans]
     assert times == sorted(times)
 
 
 def test_rejected_families_do_not_fit_and_say_by_how_much(big_request: PlanRequest) -> None:
+    big_request = dataclasses.replace(big_request, tensor_parallel=(1,), context_parallel=(1,))
     result = plan(big_request)
     rejected = {rejection.family: rejection for rejection in result.rejected}
     # 70B parameters in fp32 (torch keeps fp32 weights under autocast) are 282 GB on every DDP rank.
@@ -53,7 +56,7 @@ def _exhaustive_best(request: PlanRequest) -> float:
     hardware = default_profile(request.gpu)
     best = float("inf")
     for shape in batch_shapes(request):
-        for variant in variants(request, shape.gpus):
+        for variant in variants(request, shape.gpus, shape.tp, shape.cp):
             for offload in offloads_for(request, variant.family):
                 for checkpointing in checkpointing_options(request):
                     for size in micro_batches(request, shape.sequences_per_rank):
@@ -86,8 +89,15 @@ def test_min_gpus_is_the_smallest_count_that_fits(big_request: PlanRequest) -> N
     fewest = result.fewest_gpus
     assert fewest is not None and all(entry.gpus == fewest for entry in result.plans)
     # Nothing below it fits, even with every memory-saving setting at micro-batch 1.
-    for gpus in (count for count in gpu_counts(request) if count < fewest):
-        for variant in variants(request, gpus):
+    smaller = [
+        (gpus, tp, cp)
+        for gpus in gpu_counts(request)
+        if gpus < fewest
+        for tp, cp in model_parallel_degrees(request)
+        if gpus % (tp * cp) == 0
+    ]
+    for gpus, tp, cp in smaller:
+        for variant in variants(request, gpus, tp, cp):
             offload = offloads_for(request, variant.family)[-1]
             scenario = make_scenario(request, gpus, variant, offload, "full", 1, 1)
             assert estimate_memory(scenario).per_rank.peak_bytes > request.budget_bytes
@@ -95,7 +105,8 @@ def test_min_gpus_is_the_smallest_count_that_fits(big_request: PlanRequest) -> N
 
 def test_batch_shapes_stay_within_tolerance(big_request: PlanRequest) -> None:
     shapes = batch_shapes(big_request)
-    assert shapes and len({shape.sequences_per_rank for shape in shapes}) == len(shapes)
+    # one GPU count per work per rank and mesh: more GPUs at the same work per rank change only the batch
+    assert shapes and len({(shape.sequences_per_rank, shape.tp, shape.cp) for shape in shapes}) == len(shapes)
     for shape in shapes:
         assert shape.gpus % 8 == 0 or shape.gpus < 8
         assert abs(shape.global_batch_tokens - 4_000_000) <= 0.05 * 4_000_000

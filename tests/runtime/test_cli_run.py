@@ -86,6 +86,7 @@ def test_json_run(capsys: pytest.CaptureFixture[str], rejects_renamed_keys: Call
         "engine",
         "world_size",
         "parallelism",
+        "sequence_parallel",
         "per_rank",
         "ledger",
         "parity",

@@ -71,6 +71,8 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
     if any(e.host_bytes_per_node for e in estimates):
         rows.append(["host per node"] + [format_bytes(e.host_bytes_per_node, units) for e in estimates])
     rows.append(["fits"] + ["yes" if e.fits else "NO" for e in estimates])
+    if any(e.scenario.parallelism.splits_model for e in estimates):
+        rows.append(["mesh"] + [e.scenario.parallelism.described for e in estimates])
     lines = [header, "", render_table(["per rank", *columns], rows), ""]
     capacity = cluster.gpu.memory_bytes
     for column, estimate in zip(columns, estimates, strict=True):

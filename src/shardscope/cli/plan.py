@@ -61,6 +61,14 @@ def _choices(text: str, allowed: tuple[Word, ...], option: str) -> tuple[Word, .
     return tuple(values)
 
 
+def _degrees(text: str, option: str) -> tuple[int, ...]:
+    """A comma list of whole numbers of at least 1."""
+    words = [word.strip() for word in text.split(",") if word.strip()]
+    if not words or not all(word.isdigit() and 1 <= int(word) <= 1024 for word in words):
+        raise CliError(f"{option} {text!r} must be a comma list of whole numbers between 1 and 1024, e.g. 1,2,4,8")
+    return tuple(sorted({int(word) for word in words}))
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The planning question and the space to search (shared with `report --plan`)."""
     add_model_arguments(parser)
@@ -77,6 +85,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="all", help=f"families to search: {', '.join(FAMILIES)}, or all")
     parser.add_argument("--offload", default="all", help=f"offloads to search: {', '.join(OFFLOADS)}, or all")
     parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING_ORDER)}, or all")
+    parser.add_argument(
+        "--tp",
+        default="1,2,4,8",
+        help="tensor parallel degrees to search, a comma list (default %(default)s; those above a node or not "
+        "dividing the model's heads, KV heads, FFN width or vocabulary are skipped)",
+    )
+    parser.add_argument(
+        "--cp",
+        default="1,2,4,8",
+        help="context parallel degrees to search, a comma list (default %(default)s; those not splitting the "
+        "sequence into 2 x cp chunks are skipped)",
+    )
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
     parser.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
@@ -126,6 +146,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         offloads=_choices(args.offload, OFFLOADS, "--offload"),
         checkpointing=_choices(args.checkpointing, CHECKPOINTING_ORDER, "--checkpointing"),
         max_micro_batch=args.max_micro_batch,
+        tensor_parallel=_degrees(args.tp, "--tp"),
+        context_parallel=_degrees(args.cp, "--cp"),
         overheads=overheads_from_args(args),
         rank_by=rank_by,
         price_per_gpu_hour=price,
@@ -161,9 +183,12 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
         for index, entry in enumerate(result.plans, 1):
             peak = entry.memory.per_rank.peak_bytes
             lines.append(
-                f"{index:>3} {entry.label:<11} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
+                f"{index:>3} {entry.label:<16} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
                 f"  {bar(entry.timing.step_time_s, slowest, 24)} {entry.timing.step_time_s:.3f} s"
             )
+        reasons = [(index, entry.mesh_reason) for index, entry in enumerate(result.plans, 1) if entry.mesh_reason]
+        if reasons:
+            lines += ["", "why the model is split:"] + [f"{index:>3} {reason}" for index, reason in reasons]
         lines += ["", "what each plan runs into next:"]
         lines += [f"{index:>3} {entry.failure_mode.message}" for index, entry in enumerate(result.plans, 1)]
     if result.rejected:
@@ -172,7 +197,8 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
             closest = rejection.closest.scenario
             lines.append(
                 f"  {rejection.family}: {rejection.category.replace('_', ' ')} break the budget; the closest attempt "
-                f"is over by {format_bytes(rejection.over_by_bytes, units)} ({closest.cluster.world_size} GPUs, "
+                f"is over by {format_bytes(rejection.over_by_bytes, units)} ({closest.strategy.label} on "
+                f"{closest.cluster.world_size} GPUs, "
                 f"offload {closest.strategy.offload}, checkpointing {closest.training.checkpointing}, micro-batch "
                 f"{closest.training.micro_batch_size})"
             )

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from shardscope.cli.errors import CliError
+from shardscope.cli.scenario_args import add_model_parallel_arguments
 from shardscope.cli.tables import render_table
 
 DTYPES = {"float64": "fp64", "fp64": "fp64", "float32": "fp32", "fp32": "fp32"}
@@ -38,6 +39,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", default=None, help="float64 or float32 (sets --precision)")
     parser.add_argument("--precision", default=None, help="fp64, fp32 or bf16-mixed (default fp64)")
     parser.add_argument("--shard-group", type=int, default=0, help="hsdp: ranks per shard group")
+    add_model_parallel_arguments(parser)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--checkpointing", default="none", help="none, full, selective, op or every:N")
@@ -118,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
             checkpointing=args.checkpointing,
             attention=args.attention,
             shard_group=args.shard_group,
+            tp=args.tp,
+            cp=args.cp,
+            sequence_parallel=args.sequence_parallel,
             timeout_s=args.timeout,
             fault=args.inject_fault,
         )

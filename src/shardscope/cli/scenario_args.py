@@ -185,7 +185,28 @@ def add_strategy_arguments(parser: argparse.ArgumentParser, many: bool = True) -
         parser.add_argument("--strategy", default="zero3", help="ddp, zero1, zero2, zero3, fsdp or hsdp")
     parser.add_argument("--shard-group", type=positive_int, help="hsdp: ranks per shard group")
     parser.add_argument("--offload", choices=OFFLOADS, default="none", help="default %(default)s")
+    add_model_parallel_arguments(parser)
     add_rules_arguments(parser)
+
+
+def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tp, --cp and --sequence-parallel / --no-sequence-parallel."""
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor parallel degree: GPUs that split each layer's weights, innermost, inside a node (default 1); "
+        "the data-parallel strategy applies over --gpus / (tp x cp)",
+    )
+    parser.add_argument(
+        "--cp", type=positive_int, default=1, help="context parallel degree: GPUs that split each sequence (default 1)"
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism in the norms between tp ranks (default: on when --tp is more than 1)",
+    )
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -284,8 +305,9 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
     training = training_from_args(args, model)
     overheads = overheads_from_args(args)
     scenarios = []
-    group = args.shard_group or cluster.ranks_per_node
-    compared = Strategy(name="zero3", engine=args.engine, offload=args.offload)
+    degrees = {"tp": args.tp, "cp": args.cp, "sequence_parallel": args.sequence_parallel}
+    group = args.shard_group or max(cluster.ranks_per_node // (args.tp * args.cp), 1)
+    compared = Strategy(name="zero3", engine=args.engine, offload=args.offload, **degrees)
     for word in names or strategy_names(args, cluster):
         name = parse_choice("Strategy.name", word, STRATEGIES)
         if args.strategy == "all":  # a comparison: parameters are only offloaded where they are sharded
@@ -293,11 +315,17 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         else:
             preset = DATA_PARALLEL_PRESETS[name]
             strategy = Strategy(
-                name=name, engine=args.engine, shard_group=group if preset.groups_replicate else 0, offload=args.offload
+                name=name,
+                engine=args.engine,
+                shard_group=group if preset.groups_replicate else 0,
+                offload=args.offload,
+                **degrees,
             )
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
+    for warning in scenarios[0].warnings:
+        print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):
         raise CliError(
             f"--shard-group {args.shard_group} is used only by hsdp, and --strategy {args.strategy} does not include it"

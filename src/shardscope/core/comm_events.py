@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardscope.choices import CommGroup, Trigger
-from shardscope.core.params import ParamLayout, ParamTensor, param_layout
+from shardscope.core.params import ParamLayout, ParamTensor, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.specs import Scenario
@@ -123,7 +123,7 @@ def gradient_reductions(
     """Gradient buckets reduced over the world as they fill in backward (or all after the whole backward): an
     all-reduce of each (DDP), or a reduce-scatter of each padded to the world size in elements (ZeRO-1/2). Only the
     last micro-batch reduces, except under ZeRO-2, which keeps only a gradient shard and so reduces every one."""
-    world, steps = scenario.cluster.world_size, scenario.training.grad_accum_steps
+    world, steps = scenario.state_ranks, scenario.training.grad_accum_steps
     reduced = range(steps) if scenario.strategy.stage == 2 else range(steps - 1, steps)
     op = "all_reduce" if all_reduce else "reduce_scatter"
     events = []
@@ -139,7 +139,7 @@ def gradient_reductions(
 
 def step_gathers(scenario: Scenario, pieces: Sequence[tuple[int, str]], element: int) -> list[CommEvent]:
     """After the optimizer step, each updated piece's shards all-gathered over the world, padded to the world size."""
-    world = scenario.cluster.world_size
+    world = scenario.state_ranks
     after_step: Place = (scenario.training.grad_accum_steps - 1, -1, "after_step")
     return [
         event(
@@ -166,7 +166,7 @@ def sharded_events(
     group: CommGroup = "shard" if strategy.preset.groups_replicate else "world"
     offload_params = strategy.offload == "optimizer+params"
     reshard = strategy.reshard_after_forward and strategy.stage == 3
-    layout_units = fsdp_units(param_layout(scenario.model))
+    layout_units = fsdp_units(rank_layout(scenario))
     root_numel, block_numel = gathered_numels
     events: list[CommEvent] = []
 
@@ -206,7 +206,7 @@ def sharded_events(
 def optimizer_offload_events(scenario: Scenario, grad_bytes: int, param_bytes: int) -> list[CommEvent]:
     """ZeRO-Offload ("ZeRO-Offload: Democratizing Billion-Scale Model Training"): the reduced gradient shard goes to
     the host, the CPU optimizer steps, and the updated parameter shard comes back."""
-    shard_numel = flat_shard_numel(param_layout(scenario.model).total_numel, scenario.parallelism.dp_shard)
+    shard_numel = flat_shard_numel(rank_layout(scenario).total_numel, scenario.parallelism.dp_shard)
     last = scenario.training.grad_accum_steps - 1
     return [
         event(
@@ -232,8 +232,8 @@ def optimizer_offload_events(scenario: Scenario, grad_bytes: int, param_bytes: i
 
 def per_tensor_broadcasts(scenario: Scenario, element: int) -> list[CollectiveRow]:
     """Every parameter tensor broadcast from rank 0, one call each (the setup of every engine but torch's DDP)."""
-    world = scenario.cluster.world_size
+    world = scenario.state_ranks
     return [
         CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)
-        for t in param_layout(scenario.model).tensors()
+        for t in rank_layout(scenario).tensors()
     ]

@@ -4,6 +4,13 @@ The count equals what transformers builds (GPT2LMHeadModel, LlamaForCausalLM, Mi
 MixtralForCausalLM, Qwen2ForCausalLM) and what shardscope's own reference modules build; shapes follow torch's
 nn.Linear convention (out_features, in_features), which is what dim-0 sharding under FSDP2 pads.
 Tied embeddings are one tensor, counted once.
+
+Under tensor parallelism of degree tp a rank holds the local slice of each tensor that torch's `parallelize_module`
+plans give it, as torchtitan's Llama plan does: column-parallel q/k/v/gate/up and the vocabulary-parallel embedding
+and output head split dim 0 (with their biases), row-parallel o/down split dim 1 (their biases replicate), norms and
+learned positions replicate; an MoE's router replicates and every expert's SwiGLU splits as a dense MLP does
+(expert tensor parallelism). gpt2's fused c_attn splits by heads within q, k and v. FSDP2 then shards the local
+tensors' dim 0, so the per-rank layout is the whole story.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 
-from shardscope.specs import ModelSpec
+from shardscope.specs import ModelSpec, Scenario
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,13 +104,13 @@ def _linear(name: str, out_features: int, in_features: int, bias: bool) -> tuple
     return weight, ParamTensor(name=f"{name}.bias", shape=(out_features,))
 
 
-def _gpt2_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
-    hidden, ffn = model.hidden_size, model.ffn_hidden_size
+def _gpt2_block(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+    hidden, ffn, width = model.hidden_size, model.ffn_hidden_size // tp, model.hidden_size // tp
     return (
         ParamTensor(name="ln_1.weight", shape=(hidden,)),
         ParamTensor(name="ln_1.bias", shape=(hidden,)),
-        *_linear("attn.c_attn", 3 * hidden, hidden, bias=True),
-        *_linear("attn.c_proj", hidden, hidden, bias=True),
+        *_linear("attn.c_attn", 3 * width, hidden, bias=True),
+        *_linear("attn.c_proj", hidden, width, bias=True),
         ParamTensor(name="ln_2.weight", shape=(hidden,)),
         ParamTensor(name="ln_2.bias", shape=(hidden,)),
         *_linear("mlp.c_fc", ffn, hidden, bias=True),
@@ -111,10 +118,10 @@ def _gpt2_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
     )
 
 
-def _llama_attention(model: ModelSpec) -> tuple[ParamTensor, ...]:
+def _llama_attention(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
     hidden = model.hidden_size
-    q_width = model.num_heads * model.head_dim
-    kv_width = model.num_kv_heads * model.head_dim
+    q_width = model.num_heads // tp * model.head_dim
+    kv_width = model.num_kv_heads // tp * model.head_dim
     bias = model.attention_bias
     return (
         *_linear("attn.q_proj", q_width, hidden, bias),
@@ -132,8 +139,8 @@ def _swiglu(prefix: str, hidden: int, ffn: int) -> tuple[ParamTensor, ...]:
     )
 
 
-def _llama_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
-    hidden, ffn = model.hidden_size, model.ffn_hidden_size
+def _llama_block(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+    hidden, ffn = model.hidden_size, model.ffn_hidden_size // tp
     if model.family == "moe":
         # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts).
         mlp: tuple[ParamTensor, ...] = (
@@ -144,14 +151,14 @@ def _llama_block(model: ModelSpec) -> tuple[ParamTensor, ...]:
         mlp = _swiglu("mlp", hidden, ffn)
     return (
         ParamTensor(name="input_norm.weight", shape=(hidden,)),
-        *_llama_attention(model),
+        *_llama_attention(model, tp),
         ParamTensor(name="post_attention_norm.weight", shape=(hidden,)),
         *mlp,
     )
 
 
-def _root(model: ModelSpec) -> tuple[ParamTensor, ...]:
-    hidden, vocab = model.hidden_size, model.vocab_size
+def _root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+    hidden, vocab = model.hidden_size, model.vocab_size // tp
     tensors = [ParamTensor(name="embed_tokens.weight", shape=(vocab, hidden))]
     if model.family == "gpt2":
         tensors.append(ParamTensor(name="embed_positions.weight", shape=(model.max_positions, hidden)))
@@ -164,12 +171,32 @@ def _root(model: ModelSpec) -> tuple[ParamTensor, ...]:
 
 
 @cache
-def param_layout(model: ModelSpec) -> ParamLayout:
-    """The parameter tensors of a shaped model (not for family 'count')."""
+def param_layout(model: ModelSpec, tp: int = 1) -> ParamLayout:
+    """The parameter tensors of a shaped model (not for family 'count') that one of `tp` tensor-parallel ranks
+    holds (the whole model for tp 1); `Scenario` has checked that tp divides the widths it splits."""
     if not model.has_shape:
         raise ValueError(f"model {model.name!r} has only a parameter count, no shape")
-    block = _gpt2_block(model) if model.family == "gpt2" else _llama_block(model)
-    return ParamLayout(root=_root(model), block=block, num_blocks=model.num_layers)
+    block = _gpt2_block(model, tp) if model.family == "gpt2" else _llama_block(model, tp)
+    return ParamLayout(root=_root(model, tp), block=block, num_blocks=model.num_layers)
+
+
+def rank_layout(scenario: Scenario) -> ParamLayout:
+    """The parameter tensors one rank of the scenario holds before data-parallel sharding (its tp slice)."""
+    return param_layout(scenario.model, scenario.strategy.tp)
+
+
+@cache
+def _rank_facts(model: ModelSpec, tp: int) -> tuple[int, ParamLayout | None]:
+    if not model.has_shape:
+        return model.declared_parameters, None
+    layout = param_layout(model, tp)
+    return layout.total_numel, layout
+
+
+def rank_facts(scenario: Scenario) -> tuple[int, ParamLayout | None]:
+    """The parameters one tensor-parallel rank holds before data-parallel sharding, and their layout (None without
+    a shape), in one cache lookup for hot paths."""
+    return _rank_facts(scenario.model, scenario.strategy.tp)
 
 
 @cache
@@ -178,12 +205,6 @@ def count_parameters(model: ModelSpec) -> int:
     if not model.has_shape:
         return model.declared_parameters
     return param_layout(model).total_numel
-
-
-@cache
-def model_facts(model: ModelSpec) -> tuple[int, ParamLayout | None]:
-    """The parameter count and the layout (None without a shape), in one cache lookup for hot paths."""
-    return count_parameters(model), param_layout(model) if model.has_shape else None
 
 
 @cache

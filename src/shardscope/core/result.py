@@ -162,6 +162,7 @@ class MemoryEstimate:
             "world_size": scenario.cluster.world_size,
             "shard_group": scenario.shard_degree,
             "parallelism": scenario.parallelism.to_json(),
+            "sequence_parallel": scenario.strategy.uses_sequence_parallel,
             "offload": scenario.strategy.offload,
             "parameters": count_parameters(scenario.model),
             "per_rank": self.per_rank.to_json(),

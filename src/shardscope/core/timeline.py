@@ -32,7 +32,7 @@ from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, network_model
 from shardscope.core.overheads import async_slowdown_s
-from shardscope.core.params import param_layout
+from shardscope.core.params import rank_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile, default_profile
@@ -114,9 +114,7 @@ class TimeEstimate:
     @property
     def tokens_per_s(self) -> float:
         """Tokens the whole job trains per second."""
-        training = self.scenario.training
-        tokens = training.tokens_per_micro_batch * training.grad_accum_steps * self.scenario.cluster.world_size
-        return tokens / self.step_time_s
+        return self.scenario.tokens_per_step / self.step_time_s
 
     @property
     def mfu(self) -> float:
@@ -180,7 +178,7 @@ def _compute_tasks(
             if stages[index].recompute_flops:
                 add("recompute", micro_batch, index, recompute[index])
             add("backward", micro_batch, index, backward[index])
-    layout = param_layout(scenario.model)
+    layout = rank_layout(scenario)
     degree = scenario.parallelism.dp_shard
     shard_tensors = rules.optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)

@@ -133,16 +133,18 @@ def _zero3_cross_node(
         f"{timing.step_time_s:.3f} s step is exposed communication ({timing.wire_bytes_per_rank / 1e9:.1f} GB per "
         f"rank per step)"
     )
-    group = cluster.ranks_per_node
-    while group < cluster.world_size:
-        if cluster.world_size % group == 0:
+    per_node = max(cluster.ranks_per_node // (scenario.strategy.tp * scenario.strategy.cp), 1)
+    data_parallel = scenario.parallelism.data_parallel
+    group = per_node  # data-parallel ranks per shard group: whole nodes of them
+    while group < data_parallel:
+        if data_parallel % group == 0:
             strategy = dataclasses.replace(scenario.strategy, name="hsdp", shard_group=group)
             alternative = dataclasses.replace(scenario, strategy=strategy)
             if memory_of(alternative).per_rank.peak_bytes <= request.budget_bytes:
                 other = timing_of(alternative)
                 message += f"; hsdp with shard group {group} would take {other.step_time_s:.3f} s"
                 break
-        group += cluster.ranks_per_node
+        group += per_node
     else:
         message += "; no hsdp shard group smaller than the world fits"
     return FailureMode(kind="zero3-cross-node", severity=share, message=message)

@@ -80,6 +80,10 @@ class PlanRequest:
     """Answer 'the fewest GPUs that can train this': keep only plans at the smallest GPU count that fits."""
     hardware: HardwareProfile | None = None
     """Links and compute speed for the time model; None: the GPU's datasheet profile."""
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    """Tensor parallel degrees to search; those above a node or not dividing the model's widths are skipped."""
+    context_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    """Context parallel degrees to search; those not splitting the sequence into 2 x cp chunks are skipped."""
 
     def __post_init__(self) -> None:
         owner = "PlanRequest"
@@ -104,6 +108,10 @@ class PlanRequest:
             raise SpecError(f"{owner}.headroom={self.headroom} must be at least 0 and below 1")
         if self.host_memory_bytes < 0:
             raise SpecError(f"{owner}.host_memory_bytes={self.host_memory_bytes} must be zero or more")
+        for name in ("tensor_parallel", "context_parallel"):
+            degrees = getattr(self, name)
+            if not degrees or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 1024 for d in degrees):
+                raise SpecError(f"{owner}.{name}={degrees!r} must be whole numbers between 1 and 1024")
         _require_subset("families", self.families, FAMILIES)
         _require_subset("offloads", self.offloads, OFFLOADS)
         _require_subset("checkpointing", self.checkpointing, CHECKPOINTING_ORDER)

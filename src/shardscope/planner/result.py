@@ -30,6 +30,8 @@ class Plan:
     """Every risk found, failure_mode first."""
     cost_per_million_tokens: float | None
     """price_per_gpu_hour x gpus x hours per million tokens; None without a price."""
+    mesh_reason: str = ""
+    """Why the plan splits the model with tensor or context parallelism ('' when it does not)."""
 
     @property
     def scenario(self) -> Scenario:
@@ -43,9 +45,9 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """The strategy as printed: 'hsdp(8)' or the family."""
-        strategy = self.scenario.strategy
-        return strategy.label if strategy.preset.groups_replicate else self.family
+        """The strategy as printed: the family, an hsdp's shard group and the model-parallel degrees ('hsdp(8)',
+        'zero3+tp8')."""
+        return self.scenario.strategy.label
 
     @property
     def gpus(self) -> int:
@@ -55,8 +57,7 @@ class Plan:
     @property
     def global_batch_tokens(self) -> int:
         """Tokens per optimizer step across the job."""
-        training = self.scenario.training
-        return training.tokens_per_micro_batch * training.grad_accum_steps * self.gpus
+        return self.scenario.tokens_per_step
 
     def to_json(self) -> dict[str, Any]:
         """One plan of `shardscope.plan/v1`: the fields of an estimate, its time, and the plan's own fields."""
@@ -82,6 +83,7 @@ class Plan:
             mfu=timing.mfu,
             simulated_micro_batches=timing.simulated_micro_batches,
             cost_per_million_tokens=self.cost_per_million_tokens,
+            mesh_reason=self.mesh_reason,
             failure_mode=self.failure_mode.to_json(),
             risks=[risk.to_json() for risk in self.risks[1:]],
         )

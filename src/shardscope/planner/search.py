@@ -116,7 +116,7 @@ class _Search:
         """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating."""
         request, found = self.request, []
         sizes = micro_batches(request, shape.sequences_per_rank)
-        for variant in variants(request, shape.gpus):
+        for variant in variants(request, shape.gpus, shape.tp, shape.cp):
             fitted: list[tuple[int, int, int]] = []
             for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
@@ -147,8 +147,7 @@ class _Search:
     def metric(self, scenario: Scenario, step_time_s: float) -> float:
         """The ranking value, smaller is better."""
         request = self.request
-        training = scenario.training
-        tokens = training.tokens_per_micro_batch * training.grad_accum_steps * scenario.cluster.world_size
+        tokens = scenario.tokens_per_step
         if request.rank_by == "tokens-per-s":
             return -tokens / step_time_s
         if request.rank_by == "cost":
@@ -184,7 +183,7 @@ class _Search:
                 self.progress("simulating", done + 1, len(bounded))
         return kept
 
-    def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming) -> Plan:
+    def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming, reason: str = "") -> Plan:
         evaluator = self.evaluator
         risks = diagnose(memory.scenario, memory, timing, self.request, evaluator.memory, evaluator.timing)
         return Plan(
@@ -193,7 +192,51 @@ class _Search:
             failure_mode=risks[0],
             risks=risks,
             cost_per_million_tokens=self.cost(memory.scenario, timing.tokens_per_s),
+            mesh_reason=reason,
         )
+
+    def mesh_reasons(
+        self, fitting: list[MemoryEstimate], ranked: list[tuple[float, MemoryEstimate, PlanTiming]]
+    ) -> dict[Scenario, str]:
+        """Why each ranked plan that splits the model does: nothing fits without it, or the best plan without it
+        and how much slower that is (and where data parallelism alone stops, when it stops at fewer GPUs)."""
+        split = [item for item in ranked if _model_parallel(item[1].scenario) > 1]
+        if not split:
+            return {}
+        unsplit = self.rank([memory for memory in fitting if _model_parallel(memory.scenario) == 1])
+        reasons = {}
+        for _, memory, timing in split:
+            scenario = memory.scenario
+            degrees = _degrees_text(scenario)
+            if not unsplit:
+                reasons[scenario] = f"{degrees}: without tensor or context parallelism nothing fits in the space"
+                continue
+            _, other, other_timing = unsplit[0]
+            gpus = other.scenario.cluster.world_size
+            text = (
+                f"{degrees}: the best plan without it ({other.scenario.strategy.label} on {gpus} GPUs) takes "
+                f"{other_timing.step_time_s:.3f} s a step against {timing.step_time_s:.3f} s"
+            )
+            if gpus < scenario.cluster.world_size:
+                widest = max(m.scenario.cluster.world_size for m in fitting if _model_parallel(m.scenario) == 1)
+                text += f"; data parallelism alone reaches at most {widest} GPUs at this batch"
+            reasons[scenario] = text
+        return reasons
+
+
+def _model_parallel(scenario: Scenario) -> int:
+    return scenario.strategy.tp * scenario.strategy.cp
+
+
+def _degrees_text(scenario: Scenario) -> str:
+    """'TP 8 inside the node', 'CP 2', 'TP 4 x CP 2'."""
+    strategy, per_node = scenario.strategy, scenario.cluster.gpus_per_node
+    parts = []
+    if strategy.tp > 1:
+        parts.append(f"TP {strategy.tp}" + (" inside the node" if strategy.tp <= per_node else " across nodes"))
+    if strategy.cp > 1:
+        parts.append(f"CP {strategy.cp}")
+    return " x ".join(parts)
 
 
 @contextmanager
@@ -231,9 +274,13 @@ def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     best: dict[str, tuple[float, MemoryEstimate, PlanTiming]] = {}
     for item in ranked:
         best.setdefault(family_of(item[1].scenario), item)
-    plans = tuple(search.plan(*item) for item in ranked[: request.top])
+    reasons = search.mesh_reasons(fitting, ranked[: request.top] + list(best.values()))
+    plans = tuple(search.plan(*item, reasons.get(item[1].scenario, "")) for item in ranked[: request.top])
     by_scenario = {plan.scenario: plan for plan in plans}
-    best_plans = tuple(by_scenario.get(item[1].scenario) or search.plan(*item) for item in best.values())
+    best_plans = tuple(
+        by_scenario.get(item[1].scenario) or search.plan(*item, reasons.get(item[1].scenario, ""))
+        for item in best.values()
+    )
     fitting_families = set(best)
     rejected = tuple(
         Rejection(family=family, category=_overshoot(memory, request)[0], over_by_bytes=over, closest=memory)

@@ -1,4 +1,5 @@
-"""The search space: GPU counts, how each count reaches the global batch, and the strategies each count allows."""
+"""The search space: GPU counts and the tensor and context parallel degrees that split them, how each reaches the
+global batch, and the strategies each allows."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ class BatchShape:
     gpus: int
     """World size."""
     sequences_per_rank: int
-    """micro_batch x grad_accum on every rank."""
+    """micro_batch x grad_accum on every data-parallel rank (tp and cp ranks share their sequences)."""
     global_batch_tokens: int
-    """gpus x sequences_per_rank x sequence_length."""
+    """data-parallel ranks x sequences_per_rank x sequence_length."""
+    tp: int = 1
+    """Tensor parallel degree."""
+    cp: int = 1
+    """Context parallel degree."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,14 +34,27 @@ class Variant:
     family: StrategyName
     """'ddp', 'zero1', 'zero2', 'zero3' or 'hsdp'."""
     shard_group: int = 0
-    """hsdp: ranks per shard group."""
+    """hsdp: data-parallel ranks per shard group."""
+    tp: int = 1
+    """Tensor parallel degree."""
+    cp: int = 1
+    """Context parallel degree."""
 
-    @property
-    def label(self) -> str:
-        """'hsdp(8)', or the family name."""
-        return (
-            f"{self.family}({self.shard_group})" if DATA_PARALLEL_PRESETS[self.family].groups_replicate else self.family
-        )
+
+def model_parallel_degrees(request: PlanRequest) -> tuple[tuple[int, int], ...]:
+    """The (tp, cp) pairs the request searches that the model and sequence allow: tp within a node, dividing the
+    heads, the KV heads, the FFN width and the vocabulary; cp splitting the sequence into 2 x cp chunks (and, with
+    sequence parallelism, into cp x tp pieces). Smallest product first."""
+    model, sequence = request.model, request.sequence_length
+    widths = (model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size)
+    tps = [tp for tp in request.tensor_parallel if tp <= request.gpus_per_node and not any(w % tp for w in widths)]
+    pairs = [
+        (tp, cp)
+        for tp in tps
+        for cp in request.context_parallel
+        if sequence % (2 * cp) == 0 and sequence % (tp * cp) == 0
+    ]
+    return tuple(sorted(pairs, key=lambda pair: (pair[0] * pair[1], pair)))
 
 
 def gpu_counts(request: PlanRequest) -> tuple[int, ...]:
@@ -53,25 +71,27 @@ def batch_shapes(request: PlanRequest) -> tuple[BatchShape, ...]:
     Ranking plans keeps, for each number of sequences per rank, the GPU count closest to the target (more GPUs at the
     same work per rank change only the batch, not the step time); --min-gpus keeps every count.
     """
-    seq = request.sequence_length
-    if request.global_batch_tokens is None:
-        return tuple(BatchShape(gpus=g, sequences_per_rank=1, global_batch_tokens=g * seq) for g in gpu_counts(request))
-    target = request.global_batch_tokens
-    closest: dict[int, tuple[float, BatchShape]] = {}
+    seq, target = request.sequence_length, request.global_batch_tokens
+    closest: dict[tuple[int, int, int], tuple[float, BatchShape]] = {}
     shapes = []
     for gpus in gpu_counts(request):
-        per_rank = max(1, round(target / (seq * gpus)))
-        tokens = gpus * per_rank * seq
-        error = abs(tokens - target) / target
-        if error > request.batch_tolerance:
-            continue
-        shape = BatchShape(gpus=gpus, sequences_per_rank=per_rank, global_batch_tokens=tokens)
-        shapes.append(shape)
-        if per_rank not in closest or error < closest[per_rank][0]:
-            closest[per_rank] = (error, shape)
-    if request.min_gpus:
+        for tp, cp in model_parallel_degrees(request):
+            if gpus % (tp * cp):
+                continue
+            data_parallel = gpus // (tp * cp)
+            per_rank = 1 if target is None else max(1, round(target / (seq * data_parallel)))
+            tokens = data_parallel * per_rank * seq
+            error = 0.0 if target is None else abs(tokens - target) / target
+            if error > request.batch_tolerance:
+                continue
+            shape = BatchShape(gpus=gpus, sequences_per_rank=per_rank, global_batch_tokens=tokens, tp=tp, cp=cp)
+            shapes.append(shape)
+            key = (per_rank, tp, cp)
+            if key not in closest or error < closest[key][0]:
+                closest[key] = (error, shape)
+    if request.min_gpus or target is None:
         return tuple(shapes)
-    return tuple(sorted((shape for _, shape in closest.values()), key=lambda shape: shape.gpus))
+    return tuple(sorted((shape for _, shape in closest.values()), key=lambda shape: (shape.gpus, shape.tp, shape.cp)))
 
 
 def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, ...]:
@@ -82,20 +102,25 @@ def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, .
     return tuple(size for size in range(1, limit + 1) if sequences_per_rank % size == 0)
 
 
-def variants(request: PlanRequest, gpus: int) -> tuple[Variant, ...]:
-    """Strategy settings at a GPU count; hsdp with every shard group that divides it and stays node-aligned."""
-    if gpus == 1:  # nothing to shard: the first family that replicates, as all are the same on one GPU
+def variants(request: PlanRequest, gpus: int, tp: int = 1, cp: int = 1) -> tuple[Variant, ...]:
+    """Strategy settings at a GPU count split tp x cp; hsdp with every shard group that divides the data-parallel
+    ranks and whose GPUs (group x tp x cp) stay node-aligned."""
+    data_parallel = gpus // (tp * cp)
+    if data_parallel == 1:  # nothing to shard: the first family that replicates, as all are the same on one rank
         replicating = [family for family in request.families if not DATA_PARALLEL_PRESETS[family].shards]
-        return (Variant(family=(replicating or list(request.families))[0]),)
+        return (Variant(family=(replicating or list(request.families))[0], tp=tp, cp=cp),)
     found = [
-        Variant(family=family) for family in request.families if not DATA_PARALLEL_PRESETS[family].groups_replicate
+        Variant(family=family, tp=tp, cp=cp)
+        for family in request.families
+        if not DATA_PARALLEL_PRESETS[family].groups_replicate
     ]
     per_node = request.gpus_per_node
     for family in (family for family in request.families if DATA_PARALLEL_PRESETS[family].groups_replicate):
-        for group in range(2, gpus):
-            aligned = per_node % group == 0 if group < per_node else group % per_node == 0
-            if gpus % group == 0 and aligned:
-                found.append(Variant(family=family, shard_group=group))
+        for group in range(2, data_parallel):
+            span = group * tp * cp
+            aligned = per_node % span == 0 if span < per_node else span % per_node == 0
+            if data_parallel % group == 0 and aligned:
+                found.append(Variant(family=family, shard_group=group, tp=tp, cp=cp))
     return tuple(found)
 
 
@@ -126,7 +151,14 @@ def make_scenario(
         training=replace(
             request.training, micro_batch_size=micro_batch, grad_accum_steps=grad_accum, checkpointing=checkpointing
         ),
-        strategy=replace(request.strategy, name=variant.family, shard_group=variant.shard_group, offload=offload),
+        strategy=replace(
+            request.strategy,
+            name=variant.family,
+            shard_group=variant.shard_group,
+            offload=offload,
+            tp=variant.tp,
+            cp=variant.cp,
+        ),
         overheads=request.overheads,
     )
 

@@ -53,7 +53,7 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
     """Simulate at most two micro-batches and extend the line to the plan's count."""
     steps = scenario.training.grad_accum_steps
     model_flops = model_flops_per_step(scenario)
-    tokens = scenario.training.tokens_per_micro_batch * steps * scenario.cluster.world_size
+    tokens = scenario.tokens_per_step
     if steps <= SIMULATED_MICRO_BATCHES:
         exact = estimate_time(scenario, hardware)
         return PlanTiming(

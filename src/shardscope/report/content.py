@@ -108,7 +108,7 @@ def _timeline(scenario: Scenario, hardware: HardwareProfile) -> TimeEstimate | N
 
 def _describe(scenario: Scenario, hardware: HardwareProfile | None) -> tuple[tuple[str, str], ...]:
     model, cluster, training = scenario.model, scenario.cluster, scenario.training
-    tokens = training.tokens_per_micro_batch * training.grad_accum_steps * cluster.world_size
+    tokens = scenario.tokens_per_step
     lines = [
         ("model", f"{model.name} ({count_parameters(model):,} parameters, {model.family})"),
         (
@@ -123,6 +123,9 @@ def _describe(scenario: Scenario, hardware: HardwareProfile | None) -> tuple[tup
         ),
         ("checkpointing", training.checkpointing),
     ]
+    if scenario.parallelism.splits_model:
+        sequence_parallel = "on" if scenario.strategy.uses_sequence_parallel else "off"
+        lines.append(("mesh", f"{scenario.parallelism.described}, sequence parallelism {sequence_parallel}"))
     if hardware is not None:
         lines.append(
             (

@@ -9,7 +9,7 @@ from typing import Any
 
 from shardscope.core.params import count_parameters
 from shardscope.core.result import CollectiveRow, MemoryBreakdown
-from shardscope.mesh import Parallelism, data_parallel_mesh
+from shardscope.mesh import Parallelism
 from shardscope.runtime.config import RunConfig
 
 SCHEMA = "shardscope.run/v1"
@@ -58,9 +58,8 @@ class RunResult:
 
     @property
     def parallelism(self) -> Parallelism:
-        """The mesh the run's strategy made of its ranks."""
-        config = self.config
-        return data_parallel_mesh(config.strategy.name, config.world_size, config.strategy.shard_group)
+        """The mesh the run's strategy and degrees made of its ranks."""
+        return self.config.parallelism
 
     def to_json(self) -> dict[str, Any]:
         """The `shardscope.run/v1` document."""
@@ -72,6 +71,7 @@ class RunResult:
             "engine": self.config.strategy.engine,
             "world_size": self.config.world_size,
             "parallelism": self.parallelism.to_json(),
+            "sequence_parallel": self.config.strategy.uses_sequence_parallel,
             "per_rank": [breakdown.to_json() for breakdown in self.per_rank],
             "ledger": [row.to_json() for row in self.ledger],
             "parity": self.parity.to_json(),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardscope.choices import ENGINE_ALIASES, EngineName, engine_name, parse_choice
-from shardscope.mesh import data_parallel_mesh
+from shardscope.mesh import Parallelism, data_parallel_mesh
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
 from shardscope.specs import ClusterSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
@@ -31,7 +31,14 @@ TRAINING_OPTIONS = {
     "attention": "attention",
     "optimizer": "optimizer",
 }
-STRATEGY_OPTIONS = {"strategy": "name", "engine": "engine", "shard_group": "shard_group"}
+STRATEGY_OPTIONS = {
+    "strategy": "name",
+    "engine": "engine",
+    "shard_group": "shard_group",
+    "tp": "tp",
+    "cp": "cp",
+    "sequence_parallel": "sequence_parallel",
+}
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
@@ -87,7 +94,19 @@ class RunConfig:
             raise SpecError(f"RunConfig.world_size={self.world_size} must be at least 1")
         if self.steps < 1:
             raise SpecError(f"RunConfig.steps={self.steps} must be at least 1")
-        data_parallel_mesh(self.strategy.name, self.world_size, self.strategy.shard_group)
+        mesh = self.parallelism
+        if mesh.splits_model:
+            self.scenario()  # tp and cp must divide the model's widths and split the sequence
+            if self.strategy.engine == "pytorch":
+                raise SpecError(
+                    f"RunConfig.strategy.engine='pytorch' with tp={self.strategy.tp}, cp={self.strategy.cp}: runs of "
+                    "torch's tensor and context parallel engines are not built yet; give engine paper (teaching)"
+                )
+            if self.strategy.engine == "paper" and self.strategy.stage:
+                raise SpecError(
+                    f"RunConfig.strategy={self.strategy.name!r} with tp={self.strategy.tp}, cp={self.strategy.cp}: the "
+                    "teaching tensor and context parallelism runs inside ddp; give strategy ddp, or engine pytorch"
+                )
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -136,12 +155,19 @@ class RunConfig:
         own = {name: getattr(self, name) for name in OWN_OPTIONS}
         training = {option: getattr(self.training, name) for option, name in TRAINING_OPTIONS.items()}
         strategy = {option: getattr(self.strategy, name) for option, name in STRATEGY_OPTIONS.items()}
+        strategy["sequence_parallel"] = self.strategy.uses_sequence_parallel
         return {**own, **strategy, **training}
 
     @property
     def model_spec(self) -> ModelSpec:
         """The preset's ModelSpec."""
         return model_preset(self.model)
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The mesh the run's strategy and degrees make of its ranks."""
+        strategy = self.strategy
+        return data_parallel_mesh(strategy.name, self.world_size, strategy.shard_group, tp=strategy.tp, cp=strategy.cp)
 
     def resolved_backend(self) -> str:
         """The backend the ranks use: 'auto' is nccl where CUDA is available, else gloo (asks torch: slow to import)."""

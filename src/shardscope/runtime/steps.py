@@ -30,6 +30,8 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     from shardscope.runtime.teaching.zero import Zero1, Zero2
 
     training, strategy, shard_group = config.training, config.strategy.canonical_name, config.strategy.shard_group
+    if config.parallelism.splits_model:
+        return _model_parallel_trainer(config, module)
     if config.strategy.engine == "pytorch":
         if strategy in ("ddp", "zero1"):
             return TorchDDP(module, training, zero1=strategy == "zero1")
@@ -44,6 +46,19 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     return teaching[strategy]()
 
 
+def _model_parallel_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
+    """Tensor and context parallelism: the teaching grid inside ddp (RunConfig allows no other teaching strategy
+    with them)."""
+    from shardscope.reference_models import TransformerLM
+    from shardscope.runtime.teaching.model_parallel import ModelParallelTeaching
+
+    strategy = config.strategy
+    assert isinstance(module, TransformerLM)
+    return ModelParallelTeaching(
+        module, config.training, tp=strategy.tp, cp=strategy.cp, sequence_parallel=strategy.uses_sequence_parallel
+    )
+
+
 def model_dtype(config: RunConfig) -> torch.dtype:
     """Teaching strategies store 16-bit weights under mixed precision; torch's engines keep fp32 and cast."""
     if is_mixed(config.training) and config.strategy.engine == "pytorch":
@@ -52,12 +67,14 @@ def model_dtype(config: RunConfig) -> torch.dtype:
 
 
 def rank_batch(config: RunConfig, step: int, rank: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the step's global batch."""
-    size = config.training.micro_batch_size
+    """This rank's slice of the step's global batch: its data-parallel rank's sequences (the tp and cp ranks of one
+    data-parallel rank share them; a cp rank keeps its chunks of them)."""
+    size, mesh = config.training.micro_batch_size, config.parallelism
     inputs, targets = sample_batch(
-        config.model_spec, config.training, num_sequences=size * config.world_size, step=step
+        config.model_spec, config.training, num_sequences=size * mesh.data_parallel, step=step
     )
-    return inputs[rank * size : (rank + 1) * size].to(device), targets[rank * size : (rank + 1) * size].to(device)
+    index = rank // (mesh.tp * mesh.cp)
+    return inputs[index * size : (index + 1) * size].to(device), targets[index * size : (index + 1) * size].to(device)
 
 
 def _measured_step(
@@ -174,7 +191,7 @@ def reference_parameters(config: RunConfig, device: str) -> dict[str, torch.Tens
         inputs, targets = sample_batch(
             config.model_spec,
             config.training,
-            num_sequences=config.training.micro_batch_size * config.world_size,
+            num_sequences=config.training.micro_batch_size * config.parallelism.data_parallel,
             step=step,
         )
         lm_loss(module(inputs.to(device)), targets.to(device)).backward()

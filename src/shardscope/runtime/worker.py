@@ -30,7 +30,8 @@ def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
     parser = argparse.ArgumentParser(prog="python -m shardscope.runtime.worker")
     defaults = RunConfig().options()
     for name, default in defaults.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+        kind = _flag_bool if isinstance(default, bool) else type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     parser.add_argument("--run-dir", type=Path, default=Path("shardscope-run"))
     parser.add_argument("--suite", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -39,6 +40,13 @@ def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
     values = {name: getattr(args, name) for name in defaults}
     values["world_size"] = int(os.environ.get("WORLD_SIZE", values["world_size"]))
     return [RunConfig.from_options(**values)], args.run_dir
+
+
+def _flag_bool(text: str) -> bool:
+    """A bool flag's value as options() writes it ('True' or 'False')."""
+    if text not in ("True", "False"):
+        raise SpecError(f"{text!r} is not True or False")
+    return text == "True"
 
 
 def inject_fault(config: RunConfig, rank: int) -> None:

@@ -23,7 +23,7 @@ from shardscope.core.comm_events import (
 )
 from shardscope.core.engines.base import RankMemory, RulesDefaults, shared_memory
 from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments
-from shardscope.core.params import ParamTensor, model_facts, param_layout
+from shardscope.core.params import ParamTensor, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import ceil_div, flat_shard_numel, largest_module_numel
 from shardscope.specs import Scenario
@@ -47,12 +47,12 @@ class DeepSpeedRules(RulesDefaults):
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """The 5e8-element reduce bucket, filled walking the parameters in reverse."""
         element = self.grad_comm_bytes(scenario)
-        return size_buckets(param_layout(scenario.model), element, [DEEPSPEED_BUCKET_NUMEL * element])
+        return size_buckets(rank_layout(scenario), element, [DEEPSPEED_BUCKET_NUMEL * element])
 
     def step_events(self, scenario: Scenario) -> list[CommEvent]:
         """ZeRO-1/2: buckets reduce-scattered as they fill, then the flat partition all-gathered in allgather buckets;
         ZeRO-3: per-unit all-gathers (the root again for backward) and reduce-scatters."""
-        stage, layout = scenario.strategy.stage, param_layout(scenario.model)
+        stage, layout = scenario.strategy.stage, rank_layout(scenario)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
         if stage == 3:
             degree = scenario.shard_degree
@@ -79,7 +79,7 @@ class DeepSpeedRules(RulesDefaults):
 
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """Flat partitions, counted as the tensors of the rank's shard."""
-        tensors = param_layout(scenario.model).tensor_count
+        tensors = rank_layout(scenario).tensor_count
         degree = scenario.parallelism.dp_shard
         return tensors if degree == 1 else -(-tensors // degree)
 
@@ -87,7 +87,7 @@ class DeepSpeedRules(RulesDefaults):
 def _states(scenario: Scenario) -> ModelStates:
     """Model states of one rank (every rank holds the same) and host memory under offload."""
     training, strategy, cluster = scenario.training, scenario.strategy, scenario.cluster
-    total, layout = model_facts(scenario.model)
+    total, layout = rank_facts(scenario)
     weight = dtype_bytes(training.precision)
     fp32_grads = 4 if training.is_mixed else 0
     master = 4 if training.is_mixed else 0

@@ -28,7 +28,7 @@ from shardscope.core.engines.base import (
     shared_moments,
 )
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import head_numel, model_facts
+from shardscope.core.params import head_numel, rank_facts
 from shardscope.core.sharding import dim0_shards, dim0_unit_sizes, flat_shard_numel
 from shardscope.specs import Scenario
 
@@ -155,7 +155,7 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
 
 def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
     training, strategy = scenario.training, scenario.strategy
-    total, layout = model_facts(scenario.model)
+    total, layout = rank_facts(scenario)
     stored = 4 if training.is_mixed else dtype_bytes(training.precision)
     compute = dtype_bytes(training.precision)
     degree = scenario.shard_degree

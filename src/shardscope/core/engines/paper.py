@@ -29,7 +29,7 @@ from shardscope.core.engines.base import (
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import ParamLayout, head_numel, model_facts, param_layout
+from shardscope.core.params import ParamLayout, head_numel, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import flat_shard_numel, flat_units
 from shardscope.presets.hardware import HardwareProfile
@@ -58,7 +58,7 @@ class PaperRules(RulesDefaults):
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """One flat bucket per unit: the blocks in reverse, then the root."""
-        layout = param_layout(scenario.model)
+        layout = rank_layout(scenario)
         element = self.grad_comm_bytes(scenario)
         blocks = [(layout.block_numel * element, index + 1) for index in reversed(range(layout.num_blocks))]
         return (*blocks, (layout.root_numel * element, 0))
@@ -67,7 +67,7 @@ class PaperRules(RulesDefaults):
         """DDP all-reduces each unit's bucket as it fills; ZeRO-1 reduce-scatters every unit after the whole backward
         and ZeRO-2 as each fills, then both all-gather each unit's padded flat buffer (root, then blocks); ZeRO-3
         gathers and reduce-scatters per unit, keeping the root gathered from forward into backward."""
-        stage, layout = scenario.strategy.stage, param_layout(scenario.model)
+        stage, layout = scenario.strategy.stage, rank_layout(scenario)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
         if stage == 3:
             degree = scenario.shard_degree
@@ -102,7 +102,7 @@ class PaperRules(RulesDefaults):
 
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """One flat buffer (or shard) per unit."""
-        return param_layout(scenario.model).num_blocks + 1
+        return rank_layout(scenario).num_blocks + 1
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward."""
@@ -113,7 +113,7 @@ def _states(scenario: Scenario) -> tuple[ModelStates, int]:
     """Model states, gathered units and in-flight gradients of one rank (every rank holds the same), and the buffers
     of ZeRO-1's reduce-scatters after backward (0 for the other stages)."""
     training, stage = scenario.training, scenario.strategy.stage
-    total, layout = model_facts(scenario.model)
+    total, layout = rank_facts(scenario)
     degree = scenario.shard_degree if stage else 1
     units = flat_units(layout if layout is not None else total, degree)
     weight = dtype_bytes(training.precision)

@@ -4,7 +4,7 @@ calibrate`); this module only places them by the compute task they run beside, f
 
 from __future__ import annotations
 
-from shardscope.core.params import param_layout
+from shardscope.core.params import rank_layout
 from shardscope.presets.hardware import PythonOps
 from shardscope.specs import Scenario
 
@@ -13,7 +13,7 @@ def hook_calls(scenario: Scenario, counts: PythonOps) -> dict[tuple[str, int], i
     """Python hook calls per micro-batch by (kind, stage) they fire in: per parameter tensor in the backward of the
     stage that uses it (the root's embeddings at stage 0, its other tensors at the head), per unit and per block in
     forward, per block in backward. Recomputation's second forward hook calls are not counted."""
-    layout = param_layout(scenario.model)
+    layout = rank_layout(scenario)
     blocks = layout.num_blocks
     embed = sum(1 for tensor in layout.root if tensor.name.startswith("embed"))
     per_tensor = counts.backward_hooks_per_tensor
@@ -31,7 +31,7 @@ def hook_calls(scenario: Scenario, counts: PythonOps) -> dict[tuple[str, int], i
 def bookkeeping_ops(scenario: Scenario, counts: PythonOps) -> dict[tuple[str, int], int]:
     """Bookkeeping ops by (kind, stage): ('backward', stage) per micro-batch when the unit's last gradient lands (a
     block in its own backward, the root in the embeddings'), ('optimizer', -1) once per step."""
-    layout = param_layout(scenario.model)
+    layout = rank_layout(scenario)
     units = layout.num_blocks + 1
     in_step = counts.step_ops_per_unit + (counts.mixed_step_ops_per_unit if scenario.training.is_mixed else 0)
     ops = {("optimizer", -1): units * in_step}

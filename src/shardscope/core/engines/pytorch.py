@@ -28,7 +28,7 @@ from shardscope.core.engines.base import (
 )
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import head_numel, model_facts, param_layout
+from shardscope.core.params import head_numel, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
 from shardscope.presets.hardware import HardwareProfile
@@ -66,7 +66,7 @@ class PyTorchRules(RulesDefaults):
         """ZeroRedundancyOptimizer gives whole tensors to ranks, so ranks hold different amounts."""
         if scenario.strategy.stage != 1 or not scenario.model.has_shape:
             return None
-        return whole_tensor_shards(param_layout(scenario.model), scenario.cluster.world_size).numel_per_rank
+        return whole_tensor_shards(rank_layout(scenario), scenario.state_ranks).numel_per_rank
 
     def param_comm_bytes(self, scenario: Scenario) -> int:
         """DDP and ZeroRedundancyOptimizer under autocast keep fp32 parameters; FSDP2's MixedPrecisionPolicy
@@ -85,13 +85,13 @@ class PyTorchRules(RulesDefaults):
         holds at least the limit: 1 MiB for the first bucket, then bucket_bytes."""
         element = self.grad_comm_bytes(scenario)
         limits = [DDP_FIRST_BUCKET_BYTES, scenario.strategy.bucket_bytes]
-        return size_buckets(param_layout(scenario.model), element, limits)
+        return size_buckets(rank_layout(scenario), element, limits)
 
     def step_events(self, scenario: Scenario) -> list[CommEvent]:
         """DDP all-reduces its buckets as they fill (zero1 too, then ZeroRedundancyOptimizer.step broadcasts every
         tensor from the rank that updated it, one call per tensor: parameters_as_bucket_view=False, torch's
         default); FSDP2 gathers and reduce-scatters per unit, regathering the root for backward."""
-        layout = param_layout(scenario.model)
+        layout = rank_layout(scenario)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
         if not runs_on_ddp(scenario):
             gathered = dim0_unit_sizes(layout, scenario.shard_degree)  # FSDP2 pads each tensor's dim 0 to the degree
@@ -100,7 +100,7 @@ class PyTorchRules(RulesDefaults):
         events = gradient_reductions(scenario, buckets, grad, all_reduce=True, after_whole_backward=False)
         if scenario.strategy.stage == 0:
             return events
-        world = scenario.cluster.world_size
+        world = scenario.state_ranks
         after_step: Place = (scenario.training.grad_accum_steps - 1, -1, "after_step")
         for tensor in layout.tensors():
             label = f"broadcast {tensor.name}"
@@ -116,8 +116,8 @@ class PyTorchRules(RulesDefaults):
         stored = 4 if scenario.training.is_mixed else dtype_bytes(scenario.training.precision)
         if not runs_on_ddp(scenario):
             return per_tensor_broadcasts(scenario, stored)
-        world = scenario.cluster.world_size
-        tensors = param_layout(scenario.model).tensors()
+        world = scenario.state_ranks
+        tensors = rank_layout(scenario).tensors()
         metadata = 8 * sum(2 * len(t.shape) for t in tensors)
         rows = [
             CollectiveRow(phase="setup", op="all_gather", group_size=world, payload_bytes=8 * world, count=1),
@@ -148,15 +148,15 @@ class PyTorchRules(RulesDefaults):
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """DDP every parameter; ZeroRedundancyOptimizer about 1/world of them; FSDP2 every parameter, as a DTensor
         shard."""
-        tensors = param_layout(scenario.model).tensor_count
-        return -(-tensors // scenario.cluster.world_size) if scenario.strategy.stage == 1 else tensors
+        tensors = rank_layout(scenario).tensor_count
+        return -(-tensors // scenario.state_ranks) if scenario.strategy.stage == 1 else tensors
 
     def optimizer_overhead_s(self, scenario: Scenario, profile: HardwareProfile, shard_tensors: int) -> float:
         """FSDP2's per-tensor work around the step; ZeroRedundancyOptimizer's over every tensor."""
         if not runs_on_ddp(scenario):
             return shard_tensors * profile.host_terms.fsdp_optimizer_tensor_overhead_s
         if scenario.strategy.stage == 1:
-            return param_layout(scenario.model).tensor_count * profile.host_terms.zero_tensor_overhead_s
+            return rank_layout(scenario).tensor_count * profile.host_terms.zero_tensor_overhead_s
         return 0.0
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
@@ -168,14 +168,14 @@ class PyTorchRules(RulesDefaults):
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:
     """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
     training, strategy = scenario.training, scenario.strategy
-    total, layout = model_facts(scenario.model)
+    total, layout = rank_facts(scenario)
     stored = 4 if training.is_mixed else dtype_bytes(training.precision)  # mixed keeps fp32 weights
     moments = optimizer_moments(training.optimizer)
     if strategy.stage == 0:
         optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
         largest = layout.largest_tensor_numel if layout else total
     elif layout is not None:
-        shards = whole_tensor_shards(layout, scenario.cluster.world_size)
+        shards = whole_tensor_shards(layout, scenario.state_ranks)
         optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
         largest = shards.largest_per_rank[rank]
     else:  # a bare parameter count: an even split is the best available assumption
