@@ -2,7 +2,8 @@
 
 4 gloo ranks train a tiny llama (or gpt2) for 3 AdamW steps in float64 on a dp x cp x tp grid; every rank compares
 each of its parameters with its slice of the same model trained in one process on the whole batch (DESIGN.md:
-parity in float64 within 1e-10), and the whole parameters gathered over tp with the whole model.
+parity in float64 within 1e-10), and the whole parameters gathered over tp with the whole model. Each rank holds
+the tensors and shapes the core predicts for a tp rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
 from shardscope.procs.functions import run_function
 
@@ -75,29 +77,13 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
             {
                 "max_abs_diff": largest,
                 "max_abs_diff_whole": largest_whole,
-                "numel": sum(p.numel() for p in model.parameters()),
+                "shapes": {name: list(p.shape) for name, p in model.named_parameters()},
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, single_losses, strict=True)),
             }
         )
     dist.barrier()
     dist.destroy_process_group()
     return {"cases": reports}
-
-
-def numel_per_rank(model: str, tp: int) -> int:
-    """Parameter elements on one tp rank, from the shapes: vocabulary-split embedding and head, column-parallel
-    weights and biases and row-parallel weights split by tp; norms, row-parallel biases and gpt2's position
-    embeddings whole (what DTensor's colwise/rowwise plan keeps)."""
-    spec = model_preset(model)
-    hidden, ffn, vocab = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
-    if spec.family == "gpt2":  # tied head; c_attn, c_fc column-parallel with biases; c_proj row-parallel
-        split = 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden * ffn + ffn + ffn * hidden
-        block = split // tp + 2 * hidden + 2 * hidden + 2 * hidden  # ln_1, ln_2, the two c_proj biases
-        return vocab * hidden // tp + spec.max_positions * hidden + spec.num_layers * block + 2 * hidden
-    q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    split = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * ffn
-    block = split // tp + 2 * hidden
-    return 2 * vocab * hidden // tp + spec.num_layers * block + hidden
 
 
 def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,7 +97,9 @@ def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch
             assert report["max_abs_diff"] <= 1e-10, (cases[index], rank, report)
             assert report["max_abs_diff_whole"] <= 1e-10, (cases[index], rank, report)
             assert report["loss_diff"] <= 1e-10, (cases[index], rank, report)
-            assert report["numel"] == numel_per_rank(model, tp)
+            # the tensors and shapes the core predicts a tp rank holds (torch's DTensor plan)
+            predicted = {t.name: list(t.shape) for t in param_layout(model_preset(model), tp).tensors()}
+            assert report["shapes"] == predicted, (cases[index], rank)
 
 
 def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
