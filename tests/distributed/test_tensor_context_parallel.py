@@ -3,16 +3,19 @@
 4 gloo ranks train a tiny llama (or gpt2) for 3 AdamW steps in float64 on a dp x cp x tp grid; every rank compares
 each of its parameters with its slice of the same model trained in one process on the whole batch (DESIGN.md:
 parity in float64 within 1e-10), and the whole parameters gathered over tp with the whole model. Each rank holds
-the tensors and shapes the core predicts for a tp rank.
+the tensors and shapes the core predicts for a tp rank, and ring attention sends and receives what it should.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
@@ -23,12 +26,30 @@ WORLD = 4
 STEPS = 3
 MICRO_BATCH = 2
 SEQUENCE = 16
+FP64 = 8
+
+
+class PointToPoint(TorchDispatchMode):
+    """(phase, op, group size, bytes) of every c10d send and recv while active (the ledger counts collectives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "setup"
+        self.rows: list[tuple[str, str, int, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name in ("c10d.send.default", "c10d.recv_.default"):
+            group = next(a for a in args if isinstance(a, torch.ScriptObject))
+            size = torch.distributed.ProcessGroup.unbox(group).size()
+            payload = sum(t.numel() * t.element_size() for t in args[0])
+            self.rows.append((self.phase, name.split(".")[1].rstrip("_"), size, payload))
+        return func(*args, **(kwargs or {}))
 
 
 def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
     """Each case of options['cases'] (model, tp, cp, sequence_parallel) in turn; per case this rank's largest difference
     from one process, its parameter elements and its losses."""
-    import torch
     import torch.distributed as dist
 
     from shardscope.reference_models import build_model, lm_loss, sample_batch
@@ -58,10 +79,14 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
         model = build_model(spec, training, dtype=torch.float64, seed=rank)
         trainer = ModelParallelTeaching(model, training, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
         mine = slice(trainer.grid.dp_index * MICRO_BATCH, (trainer.grid.dp_index + 1) * MICRO_BATCH)
-        losses = []
+        losses, sent = [], PointToPoint()
         for inputs, targets in batches:
-            loss = trainer.loss(inputs[mine], targets[mine])
-            trainer.backward(loss)
+            sent.rows.clear()  # keep the last step's
+            with sent:
+                sent.phase = "forward"
+                loss = trainer.loss(inputs[mine], targets[mine])
+                sent.phase = "backward"
+                trainer.backward(loss)
             trainer.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # the tp ranks of a cell hold the same loss: the world mean is the batch's
@@ -78,6 +103,7 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
                 "max_abs_diff": largest,
                 "max_abs_diff_whole": largest_whole,
                 "shapes": {name: list(p.shape) for name, p in model.named_parameters()},
+                "point_to_point": [[*row, count] for row, count in Counter(sent.rows).items()],
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, single_losses, strict=True)),
             }
         )
@@ -86,12 +112,28 @@ def parity_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> di
     return {"cases": reports}
 
 
+def ring_passes(model: str, tp: int, cp: int) -> list[list[Any]]:
+    """Ring attention's sends and receives in one step, per layer: K and V (the rank's KV heads, not repeated for
+    grouped-query attention) passed on cp - 1 times in forward; in backward K and V again cp - 1 times and their
+    gradients cp times (the last pass takes each home). Nothing for cp 1."""
+    if cp == 1:
+        return []
+    spec = model_preset(model)
+    kv_bytes = 2 * MICRO_BATCH * spec.num_kv_heads // tp * SEQUENCE // cp * spec.head_dim * FP64
+    layers = spec.num_layers
+    return sorted(
+        [phase, op, cp, kv_bytes, count * layers]
+        for phase, count in (("forward", cp - 1), ("backward", 2 * cp - 1))
+        for op in ("send", "recv")
+    )
+
+
 def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """One launch of `cases` with a hard deadline; the ranks import parity_rank from this file's directory."""
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     reports = run_function(parity_rank, WORLD, {"cases": cases}, timeout_s=timeout_s)
-    for index, (model, tp, _cp, _sp) in enumerate(cases):
+    for index, (model, tp, cp, _sp) in enumerate(cases):
         for rank in range(WORLD):
             report = reports[rank]["cases"][index]
             assert report["max_abs_diff"] <= 1e-10, (cases[index], rank, report)
@@ -100,6 +142,7 @@ def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch
             # the tensors and shapes the core predicts a tp rank holds (torch's DTensor plan)
             predicted = {t.name: list(t.shape) for t in param_layout(model_preset(model), tp).tensors()}
             assert report["shapes"] == predicted, (cases[index], rank)
+            assert sorted(report["point_to_point"]) == ring_passes(model, tp, cp), (cases[index], rank)
 
 
 def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
