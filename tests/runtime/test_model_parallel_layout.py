@@ -20,6 +20,10 @@ def test_zigzag_chunks_cover_the_sequence_once_and_give_every_rank_the_same_caus
     assert sorted(torch.cat(held).tolist()) == list(range(seq_len))
     visible_keys = [int((positions + 1).sum()) for positions in held]  # a query at position p sees p + 1 keys
     assert len(set(visible_keys)) == 1
+    for mine in range(cp):  # every other rank's block is half seen, half hidden (context_parallel._hidden_keys)
+        for theirs in set(range(cp)) - {mine}:
+            seen = held[theirs][None, :] <= held[mine][:, None]
+            assert 2 * int(seen.sum()) == seen.numel()
     with pytest.raises(ValueError, match=r"2 x cp\(3\) must divide the sequence length\(8\)"):
         zigzag_positions(8, 3, 0)
 

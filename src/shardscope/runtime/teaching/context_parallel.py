@@ -38,6 +38,19 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     )
 
 
+def _hidden_keys(q: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+    """The causal mask, by true position, of this rank's queries against the block it holds at `step` of the ring
+    (rank - step's K and V): True where the key comes after the query. With the zig-zag split, both query chunks
+    see all of an earlier rank's early chunk and nothing of its late one, and only the late query chunk sees a later
+    rank's block, all of it: every block but the rank's own is half work, half hidden, on every rank. (A faster
+    kernel would skip the hidden halves; here the mask shows them.)"""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    seq_len = q.shape[SEQ_DIM_OF_HEADS] * size
+    mine = zigzag_positions(seq_len, size, rank).to(q.device)
+    theirs = zigzag_positions(seq_len, size, (rank - step) % size).to(q.device)
+    return theirs[None, :] > mine[:, None]
+
+
 def _start_ring_pass(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[Any]]:
     """Send tensor to the next rank of the ring and receive the previous rank's into a new buffer (not yet
     arrived: wait on the returned requests)."""
@@ -82,18 +95,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        seq_len, repeat = q.shape[SEQ_DIM_OF_HEADS] * size, q.shape[1] // k.shape[1]
-        mine = zigzag_positions(seq_len, size, rank).to(q.device)
+        size, repeat = dist.get_world_size(group), q.shape[1] // k.shape[1]
         out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:  # the next block travels while this one is computed
                 next_kv, requests = _start_ring_pass(kv, group)
-            theirs = zigzag_positions(seq_len, size, (rank - step) % size).to(q.device)
-            hidden = theirs[None, :] > mine[:, None]
             keys, values = (_heads_for_queries(t, repeat) for t in kv)
-            probs, block_lse = _block_probabilities(q, keys, hidden, None)
+            probs, block_lse = _block_probabilities(q, keys, _hidden_keys(q, group, step), None)
             merged = torch.logaddexp(lse, block_lse)  # step 0 is the rank's own block: every query sees itself
             out = out * (lse - merged).exp()[..., None] + (probs @ values) * (block_lse - merged).exp()[..., None]
             lse = merged
@@ -108,22 +117,15 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        seq_len, repeat, scale = (
-            q.shape[SEQ_DIM_OF_HEADS] * size,
-            q.shape[1] // k.shape[1],
-            1.0 / math.sqrt(q.shape[-1]),
-        )
-        mine = zigzag_positions(seq_len, size, rank).to(q.device)
+        size, repeat, scale = dist.get_world_size(group), q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
         delta = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O), FlashAttention's D
         grad_q = torch.zeros_like(q)
         kv, grad_kv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
         for step in range(size):
             if step < size - 1:
                 next_kv, requests = _start_ring_pass(kv, group)
-            theirs = zigzag_positions(seq_len, size, (rank - step) % size).to(q.device)
             keys, values = (_heads_for_queries(t, repeat) for t in kv)
-            probs, _ = _block_probabilities(q, keys, theirs[None, :] > mine[:, None], lse)
+            probs, _ = _block_probabilities(q, keys, _hidden_keys(q, group, step), lse)
             grad_scores = probs * (grad_out @ values.transpose(-2, -1) - delta)
             grad_q += (grad_scores @ keys) * scale
             grad_keys = (grad_scores.transpose(-2, -1) @ q) * scale
