@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,9 +175,13 @@ class TensorParallelLM:
             assert isinstance(block, Block)
             block.attn.heads //= self.size
             block.attn.kv_heads //= self.size
-            for region in (block.attn, block.mlp):
-                region.register_forward_pre_hook(lambda _module, args: (self.enter(args[0]), *args[1:]))
+            block.attn.register_forward_pre_hook(self._enter_region)
+            block.mlp.register_forward_pre_hook(self._enter_region)
         self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
+
+    def _enter_region(self, _module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Before attention or the MLP: f (or the all-gather) once on its input; its row-parallel linear leaves."""
+        return (self.enter(args[0]), *args[1:])
 
     def _piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return shard_of(name, whole.detach(), self.rank, self.size).clone()
