@@ -13,7 +13,9 @@ Context parallelism splits every sequence cp ways: each rank holds seq/cp tokens
 chunks (load-balanced, so each rank's causal attention work is 1/cp of the whole). Attention runs as ring attention
 ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et al. 2023; torch's
 context_parallel): for backward each rank saves only its own q, k, v, output and log-sum-exp, and in backward the K/V
-chunks travel the ring again with their gradients.
+chunks travel the ring again with their gradients (`ring_attention_backward_bytes`). In forward the received K/V pair
+and the running output and log-sum-exp are live only inside one block's attention, at no moment the engines compare
+(nor are the other transients of a block's forward), so they are not counted.
 """
 
 from __future__ import annotations
