@@ -164,6 +164,18 @@ def test_loss_parallel_splits_the_logits_and_the_boundary_gradient_follows_seque
     assert split.head_bytes == (256 * H * 2 + 256 * 4) + 1024 * H * 2 + 1024 * VOCAB // 4 * 4
 
 
+def test_ring_attention_saves_no_score_matrix_even_for_eager_attention() -> None:
+    # Under context parallelism attention runs as ring attention (torch's context_parallel needs SDPA; the teaching
+    # ring, runtime/teaching/context_parallel.py, saves q, k, v, the output and the log-sum-exp of its own tokens).
+    model = model_preset("llama-3-8b")
+    eager, sdpa = (TrainingSpec(sequence_length=S, attention=kind) for kind in ("eager", "sdpa"))
+    share = RankShare(cp=2)
+    assert estimate_activations(model, eager, share=share).block_bytes == (
+        estimate_activations(model, sdpa, share=share).block_bytes
+    )
+    assert estimate_activations(model, eager).block_bytes > estimate_activations(model, sdpa).block_bytes
+
+
 def test_ring_attention_holds_one_kv_pair_and_its_gradients() -> None:
     model, training = model_preset("llama-3-8b"), TrainingSpec(sequence_length=S)
     share = RankShare(cp=4)

@@ -91,16 +91,16 @@ def _attention_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes) -> 
     # gpt2's fused c_attn output holds q, k and v in one storage; llama keeps rotated q and k, and v. gpt2's q, k
     # and v are each as wide as its hidden size.
     projections = 3 * sizes.query if model.family == "gpt2" else sizes.query + 2 * sizes.kv
-    if training.attention == "eager":
+    if training.attention == "eager" and not sizes.ring:
         # The batched matmuls save contiguous copies of q, k and v (k and v repeated to every head), and the
-        # softmax output; the head-major output is copied back to token-major for the output projection. Under
-        # context parallelism the keys and values multiplied are the whole sequence's, each chunk saved as it passes.
-        core = sizes.query + 2 * sizes.keys + sizes.probs
+        # softmax output; the head-major output is copied back to token-major for the output projection.
+        core = 3 * sizes.query + sizes.probs
         kept_by_selective = projections
         full = core + sizes.query
     else:
         # Fused kernels save q, k, v (views of the projections), the output and a log-sum-exp; the output is laid
-        # out token-major already, so the output projection's input is a view of it.
+        # out token-major already, so the output projection's input is a view of it. Ring attention (context
+        # parallelism, whatever the attention kind) saves the same of the rank's own tokens.
         core = projections + sizes.lse
         kept_by_selective = projections
         full = core + sizes.query
@@ -214,7 +214,7 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, sha
         for tensor, saved in saved_linears(model, share.tp)
         if saved
     )
-    attention = sizes.query + (sizes.lse if training.attention == "sdpa" else sizes.probs)
+    attention = sizes.query + (sizes.lse if training.attention == "sdpa" or sizes.ring else sizes.probs)
     # Under sequence parallelism the policy also saves the reduce-scatters of the attention's and the MLP's output.
     scattered = 2 * sizes.boundary if share.sequence_parallel else 0
     return linears + attention + routed * (sizes.element + INDEX_BYTES) + scattered

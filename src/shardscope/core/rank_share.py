@@ -13,7 +13,9 @@ Context parallelism splits every sequence cp ways: each rank holds seq/cp tokens
 chunks (load-balanced, so each rank's causal attention work is 1/cp of the whole). Attention runs as ring attention
 ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et al. 2023; torch's
 context_parallel): for backward each rank saves only its own q, k, v, output and log-sum-exp, and in backward the K/V
-chunks travel the ring again with their gradients (`ring_attention_backward_bytes`). In forward the received K/V pair
+chunks travel the ring again with their gradients (`ring_attention_backward_bytes`). Ring attention replaces eager
+attention too (torch's context_parallel runs only on SDPA; the teaching ring computes its blocks itself), so no
+score matrix is saved under context parallelism. In forward the received K/V pair
 and the running output and log-sum-exp are live only inside one block's attention, at no moment the engines compare
 (nor are the other transients of a block's forward), so they are not counted.
 """
@@ -90,10 +92,10 @@ class Sizes:
     gathered: int  # what a column-parallel linear saves as its input (see RankShare.gathered_split)
     query: int  # tokens x heads/tp x head_dim
     kv: int  # tokens x kv_heads/tp x head_dim
-    keys: int  # the keys one rank's eager attention multiplies by: tokens x cp (the whole sequence) x heads/tp x hd
     lse: int  # a log-sum-exp per row and head (fused attention)
-    probs: int  # the batch x heads/tp x seq/cp x seq softmax output (eager attention)
+    probs: int  # the batch x heads/tp x seq x seq softmax output (eager attention, without ring attention)
     ffn: int  # the FFN width one rank holds: ffn_hidden_size / tp
+    ring: bool  # attention runs as ring attention (context parallelism), which never holds a score matrix
 
 
 def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Sizes:
@@ -112,10 +114,10 @@ def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Size
         gathered=tokens // share.gathered_split * model.hidden_size * element,
         query=tokens * heads * model.head_dim * element,
         kv=tokens * (model.num_kv_heads // share.tp) * model.head_dim * element,
-        keys=tokens * share.cp * heads * model.head_dim * element,
         lse=batch * heads * rows * stat,
-        probs=batch * heads * rows * seq * element,
+        probs=batch * heads * seq * seq * element,
         ffn=model.ffn_hidden_size // share.tp,
+        ring=share.cp > 1,
     )
 
 
