@@ -168,12 +168,13 @@ def _block_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, norm: i
 
 
 def _shared_bytes(model: ModelSpec, training: TrainingSpec, share: RankShare) -> int:
-    """Tensors every block uses, saved once: RoPE's cos and sin, the causal mask of eager or recomputed attention;
-    under context parallelism the rows of the rank's own positions."""
+    """Tensors every block uses, saved once: RoPE's cos and sin, the causal mask of eager (not ring: it masks by
+    position itself) or recomputed attention; under context parallelism the rows of the rank's own positions."""
     seq = training.sequence_length
     rows = seq // share.cp
     rope = 2 * rows * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
-    mask = rows * seq if training.attention == "eager" or training.checkpointing == "selective" else 0
+    eager = training.attention == "eager" and share.cp == 1
+    mask = rows * seq if eager or training.checkpointing == "selective" else 0
     return rope + mask
 
 
