@@ -8,6 +8,8 @@ kernels of "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Aw
 log-sum-exp per row instead of the s x s score matrix. Full checkpointing keeps each block's input and recomputes one
 block at a time in backward ('every:N' does so for every N-th block only); selective checkpointing recomputes only
 the attention core (the paper's Section 4); 'op' keeps what torchtitan's op policy saves (core/op_checkpointing.py).
+Under tensor, sequence and context parallelism every term is the rank's share of the tensor (core/rank_share.py): the
+paper's Table 2 with its dropout terms removed as above.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from functools import cache
 from shardscope.choices import checkpoint_every, checkpoints_block
 from shardscope.core.op_checkpointing import saved_linears
 from shardscope.core.params import param_layout
+from shardscope.core.rank_share import (
+    WHOLE,
+    RankShare,
+    Sizes,
+    activation_bytes_per_element,
+    ring_attention_backward_bytes,
+    sizes_of,
+)
 from shardscope.specs import ModelSpec, TrainingSpec
 
 INDEX_BYTES = 8  # token ids and targets are int64
@@ -63,66 +73,25 @@ class ActivationEstimate:
     """What all the blocks keep together."""
 
 
-def activation_bytes_per_element(training: TrainingSpec) -> int:
-    """Bytes per activation element: the compute dtype."""
-    return {"fp32": 4, "fp64": 8}.get(training.precision, 2)
-
-
-def _stat_bytes(training: TrainingSpec) -> int:
-    # Norm statistics, RMSNorm's upcast copies and the loss are computed in fp32 (fp64 when computing in fp64).
-    return 8 if training.precision == "fp64" else 4
-
-
-@dataclass(frozen=True, slots=True)
-class _Sizes:
-    """Byte sizes of the tensors one block saves, for one micro-batch."""
-
-    tokens: int
-    element: int
-    stat: int
-    hidden: int  # tokens x hidden_size in the compute dtype
-    query: int  # tokens x heads x head_dim
-    kv: int  # tokens x kv_heads x head_dim
-    lse: int  # a log-sum-exp per row and head (fused attention)
-    probs: int  # the batch x heads x seq x seq softmax output (eager attention)
-
-
-def _sizes(model: ModelSpec, training: TrainingSpec) -> _Sizes:
-    element, stat, tokens = (
-        activation_bytes_per_element(training),
-        _stat_bytes(training),
-        training.tokens_per_micro_batch,
-    )
-    seq, batch, heads = training.sequence_length, training.micro_batch_size, model.num_heads
-    return _Sizes(
-        tokens=tokens,
-        element=element,
-        stat=stat,
-        hidden=tokens * model.hidden_size * element,
-        query=tokens * heads * model.head_dim * element,
-        kv=tokens * model.num_kv_heads * model.head_dim * element,
-        lse=batch * heads * seq * stat,
-        probs=batch * heads * seq * seq * element,
-    )
-
-
-def _norm_bytes(model: ModelSpec, sizes: _Sizes, fused_rms: bool, input_element: int) -> int:
+def _norm_bytes(model: ModelSpec, sizes: Sizes, fused_rms: bool, input_element: int) -> int:
     """What a norm saves besides its output: LayerNorm (fused) its input, mean and 1/std (in the input's dtype, as
     torch's CPU kernel keeps them); RMSNorm on a CPU (composite, in fp32) its upcast input, the normalised tensor and
     1/rms; RMSNorm on a GPU (CUDA's fused kernel, shardscope.trace.gpu_kernels) its input (input_element bytes each)
-    and 1/rms."""
+    and 1/rms. A norm sits at the block boundary: its tokens are split tp ways under sequence parallelism."""
+    tokens = sizes.boundary_tokens
     if model.family == "gpt2":
-        return sizes.hidden + 2 * sizes.tokens * sizes.element
+        return sizes.boundary + 2 * tokens * sizes.element
     if fused_rms:
-        return sizes.tokens * model.hidden_size * input_element + sizes.tokens * sizes.stat
-    return 2 * sizes.tokens * model.hidden_size * sizes.stat + sizes.tokens * sizes.stat
+        return tokens * model.hidden_size * input_element + tokens * sizes.stat
+    return 2 * tokens * model.hidden_size * sizes.stat + tokens * sizes.stat
 
 
-def _attention_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> tuple[int, int]:
+def _attention_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes) -> tuple[int, int]:
     """(bytes the attention saves from its input projection's input on, the part selective checkpointing drops)."""
-    # gpt2's fused c_attn output holds q, k and v in one storage; llama keeps rotated q and k, and v.
-    projections = 3 * sizes.hidden if model.family == "gpt2" else sizes.query + 2 * sizes.kv
-    if training.attention == "eager":
+    # gpt2's fused c_attn output holds q, k and v in one storage; llama keeps rotated q and k, and v. gpt2's q, k
+    # and v are each as wide as its hidden size.
+    projections = 3 * sizes.query if model.family == "gpt2" else sizes.query + 2 * sizes.kv
+    if training.attention == "eager" and not sizes.ring:
         # The batched matmuls save contiguous copies of q, k and v (k and v repeated to every head), and the
         # softmax output; the head-major output is copied back to token-major for the output projection.
         core = 3 * sizes.query + sizes.probs
@@ -130,31 +99,34 @@ def _attention_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) ->
         full = core + sizes.query
     else:
         # Fused kernels save q, k, v (views of the projections), the output and a log-sum-exp; the output is laid
-        # out token-major already, so the output projection's input is a view of it.
+        # out token-major already, so the output projection's input is a view of it. Ring attention (context
+        # parallelism, whatever the attention kind) saves the same of the rank's own tokens.
         core = projections + sizes.lse
         kept_by_selective = projections
         full = core + sizes.query
     selective = kept_by_selective + sizes.query
-    return sizes.hidden + full, full - selective
+    # The input projections save their (all-gathered) input once, shared by q, k and v.
+    return sizes.gathered + full, full - selective
 
 
-def _mlp_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+def _mlp_bytes(model: ModelSpec, sizes: Sizes) -> int:
     """What the MLP saves from its input on."""
     tokens, element, hidden = sizes.tokens, sizes.element, model.hidden_size
     if model.family == "gpt2":
-        return sizes.hidden + 2 * tokens * model.ffn_hidden_size * element  # fc input, GELU input, proj input
+        return sizes.gathered + 2 * tokens * sizes.ffn * element  # fc input, GELU input, proj input
     if model.family == "llama":
         # SwiGLU: shared gate/up input, gate output, SiLU output, up output, down input.
-        return sizes.hidden + 4 * tokens * model.ffn_hidden_size * element
+        return sizes.gathered + 4 * tokens * sizes.ffn * element
     routed, experts = tokens * model.experts_per_token, model.num_experts
     # Mixtral of Experts: router input and probabilities, top-k indices and renormalised weights, then per routed
     # token: its gathered input, SwiGLU's four tensors, its output and weight, and the nonzero() row index pairs.
-    router = sizes.hidden + tokens * experts * element + routed * (8 + element) + tokens * element
-    per_routed = 3 * hidden * element + 4 * model.ffn_hidden_size * element + 16 + element
+    # Under tensor parallelism the router runs on every rank over the gathered tokens; each expert's FFN is split.
+    router = sizes.gathered + tokens * experts * element + routed * (8 + element) + tokens * element
+    per_routed = 3 * hidden * element + 4 * sizes.ffn * element + 16 + element
     return router + routed * per_routed
 
 
-def _mlp_backward_bytes(model: ModelSpec, sizes: _Sizes) -> int:
+def _mlp_backward_bytes(model: ModelSpec, sizes: Sizes) -> int:
     """Bytes a block's MLP backward adds at its peak, beyond the block's saved tensors. The output projection's
     backward frees its saved input (tokens x ffn) and makes its weight (and bias) gradient and its input's gradient;
     then gpt2's GELU backward makes one more tokens x ffn tensor, and SwiGLU's product backward two (the gate's and
@@ -162,8 +134,8 @@ def _mlp_backward_bytes(model: ModelSpec, sizes: _Sizes) -> int:
     (`shardscope trace --model tiny-gpt2 --gpus 4 --gpus-per-node 4 --checkpointing full --strategy zero3 --engine
     pytorch --micro-batch 2 --seq-len 32`: peak at gelu_backward of the bottom block; tiny-llama's at the SwiGLU
     product's backward)."""
-    ffn = sizes.tokens * model.ffn_hidden_size * sizes.element
-    weight = model.ffn_hidden_size * model.hidden_size * sizes.element
+    ffn = sizes.tokens * sizes.ffn * sizes.element
+    weight = sizes.ffn * model.hidden_size * sizes.element
     if model.family == "gpt2":
         return weight + model.hidden_size * sizes.element + ffn
     if model.family == "moe":
@@ -171,7 +143,7 @@ def _mlp_backward_bytes(model: ModelSpec, sizes: _Sizes) -> int:
     return weight + 2 * ffn
 
 
-def _moe_backward_bytes(model: ModelSpec, sizes: _Sizes, weight: int) -> int:
+def _moe_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int) -> int:
     """MoE's MLP backward peaks in the SwiGLU product's backward of the last expert to run backward (the first in
     forward): every routed token's output and weighted output are freed, the other experts have freed what they
     saved (gathered input, SwiGLU's four tensors, nonzero() row pairs) and hold their three weight gradients, the
@@ -179,7 +151,7 @@ def _moe_backward_bytes(model: ModelSpec, sizes: _Sizes, weight: int) -> int:
     weight gradient and two of its tokens x ffn gradients. Routing is data-dependent: the core assumes each expert
     gets tokens x top-k / experts rows; tests/core/test_backend_peak.py pins how far under a measured uneven routing
     that puts it."""
-    element, hidden, ffn = sizes.element, model.hidden_size, model.ffn_hidden_size
+    element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
     routed = sizes.tokens * model.experts_per_token
     per_expert = -(-routed // model.num_experts)
     others = model.num_experts - 1
@@ -189,48 +161,49 @@ def _moe_backward_bytes(model: ModelSpec, sizes: _Sizes, weight: int) -> int:
     return made - freed
 
 
-def _block_bytes(model: ModelSpec, training: TrainingSpec, norm: int) -> tuple[int, int]:
+def _block_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, norm: int) -> tuple[int, int]:
     """(bytes one block saves, bytes that selective checkpointing does not keep), given what one norm saves."""
-    sizes = _sizes(model, training)
     attention, dropped = _attention_bytes(model, training, sizes)
     return 2 * norm + attention + _mlp_bytes(model, sizes), dropped
 
 
-def _shared_bytes(model: ModelSpec, training: TrainingSpec) -> int:
-    """Tensors every block uses, saved once: RoPE's cos and sin, the causal mask of eager or recomputed attention."""
+def _shared_bytes(model: ModelSpec, training: TrainingSpec, share: RankShare) -> int:
+    """Tensors every block uses, saved once: RoPE's cos and sin, the causal mask of eager (not ring: it masks by
+    position itself) or recomputed attention; under context parallelism the rows of the rank's own positions."""
     seq = training.sequence_length
-    rope = 2 * seq * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
-    mask = seq * seq if training.attention == "eager" or training.checkpointing == "selective" else 0
+    rows = seq // share.cp
+    rope = 2 * rows * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
+    eager = training.attention == "eager" and share.cp == 1
+    mask = rows * seq if eager or training.checkpointing == "selective" else 0
     return rope + mask
 
 
-def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> tuple[int, int, int]:
+def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, share: RankShare) -> tuple[int, int, int]:
     """What torch.autocast saves beyond 16-bit compute: (per block, per checkpointed block input, head and shared).
 
     Autocast keeps fp32 weights and an fp32 residual stream: every matmul saves a 16-bit copy of its weight, the
     norms see fp32 inputs, RoPE's tables stay fp32 and llama's rotated q and k are made in fp32 and cast again
     (three more tokens x hidden 16-bit tensors per block, measured).
     """
-    layout = param_layout(model)
-    head_weight = model.vocab_size * model.hidden_size * sizes.element  # lm_head's copy, tied or not
+    layout = param_layout(model, share.tp)
+    head_weight = model.vocab_size // share.tp * model.hidden_size * sizes.element  # lm_head's copy, tied or not
     block_weights = sum(t.numel for t in layout.block if len(t.shape) == 2) * sizes.element
     widen = 4 - sizes.element
+    boundary = sizes.boundary_tokens * model.hidden_size * widen  # the fp32 residual stream a block starts from
     if model.family == "gpt2":
-        norm = sizes.tokens * model.hidden_size * widen + 2 * sizes.tokens * widen  # fp32 input and statistics
-        return block_weights + 2 * norm, sizes.tokens * model.hidden_size * widen, head_weight + norm
-    rope = 2 * training.sequence_length * model.head_dim * widen if _keeps_shared(training) else 0
+        norm = boundary + 2 * sizes.boundary_tokens * widen  # fp32 input and statistics
+        return block_weights + 2 * norm, boundary, head_weight + norm
+    rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if _keeps_shared(training) else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
     routed = sizes.tokens * model.experts_per_token * model.hidden_size * 3 * widen // 2
-    return (
-        block_weights + 3 * sizes.hidden + selective + routed,
-        sizes.tokens * model.hidden_size * widen,
-        head_weight + rope,
-    )
+    # Three more tokens x hidden 16-bit tensors around the rotated q and k: split with the heads.
+    rotary = 3 * sizes.tokens * (model.hidden_size // share.tp) * sizes.element
+    return block_weights + rotary + selective + routed, boundary, head_weight + rope
 
 
-def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) -> int:
+def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, share: RankShare) -> int:
     """What torchtitan's op policy keeps of one block besides its input (core/op_checkpointing.py): the outputs of
     the matmuls it saves, of the attention kernel (sdpa: the output and a log-sum-exp per row; eager: the two batched
     matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
@@ -239,11 +212,13 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: _Sizes) ->
     per_expert = -(-routed // max(1, model.num_experts))
     linears = sum(
         (per_expert if ".experts." in tensor.name else sizes.tokens) * tensor.shape[0] * sizes.element
-        for tensor, saved in saved_linears(model)
+        for tensor, saved in saved_linears(model, share.tp)
         if saved
     )
-    attention = sizes.query + (sizes.lse if training.attention == "sdpa" else sizes.probs)
-    return linears + attention + routed * (sizes.element + INDEX_BYTES)
+    attention = sizes.query + (sizes.lse if training.attention == "sdpa" or sizes.ring else sizes.probs)
+    # Under sequence parallelism the policy also saves the reduce-scatters of the attention's and the MLP's output.
+    scattered = 2 * sizes.boundary if share.sequence_parallel else 0
+    return linears + attention + routed * (sizes.element + INDEX_BYTES) + scattered
 
 
 def _keeps_shared(training: TrainingSpec) -> bool:
@@ -264,28 +239,33 @@ class _BlockTerms:
 
 @cache
 def estimate_activations(
-    model: ModelSpec, training: TrainingSpec, autocast: bool = False, gpu_kernels: bool = False
+    model: ModelSpec,
+    training: TrainingSpec,
+    autocast: bool = False,
+    gpu_kernels: bool = False,
+    share: RankShare = WHOLE,
 ) -> ActivationEstimate:
-    """Saved activations of one micro-batch; requires a shaped model. `autocast`: torch.autocast over fp32 weights
-    (torch's DDP under mixed precision) rather than 16-bit weights. `gpu_kernels`: the ranks are GPUs, whose fused
-    RMSNorm saves its input instead of fp32 copies (ClusterSpec.gpu_kernels)."""
-    sizes = _sizes(model, training)
+    """Saved activations of one micro-batch on one rank; requires a shaped model. `autocast`: torch.autocast over fp32
+    weights (torch's DDP under mixed precision) rather than 16-bit weights. `gpu_kernels`: the ranks are GPUs, whose
+    fused RMSNorm saves its input instead of fp32 copies (ClusterSpec.gpu_kernels). `share`: the rank's cut of the
+    tensors under tensor, sequence and context parallelism (core/rank_share.py)."""
+    sizes = sizes_of(model, training, share)
     widened = autocast and training.is_mixed
     norm = _norm_bytes(model, sizes, gpu_kernels, 4 if widened else sizes.element)
-    block, selective_dropped = _block_bytes(model, training, norm)
-    shared = _shared_bytes(model, training) if _keeps_shared(training) else 0
+    block, selective_dropped = _block_bytes(model, training, sizes, norm)
+    shared = _shared_bytes(model, training, share) if _keeps_shared(training) else 0
     block_extra = input_extra = head_extra = 0
     if widened:
-        block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes)
+        block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes, share)
         block += block_extra
     # gpt2's first LayerNorm saves the block's input itself, as do llama's fused RMSNorm and its composite in fp32
     # (its upcast is a no-op): under full checkpointing that tensor is the one stored, not recomputed.
-    input_reused = sizes.hidden if model.family == "gpt2" or gpu_kernels or sizes.element == sizes.stat else 0
+    input_reused = sizes.boundary if model.family == "gpt2" or gpu_kernels or sizes.element == sizes.stat else 0
     # A block checkpointed whole keeps only its input and recreates the rest one block at a time in backward; the op
     # policy keeps its input and what it saves, and recomputes the rest (what it saved is handed back, not made
     # again, and what backward does not need is freed as the recomputation passes it).
-    whole = _BlockTerms(sizes.hidden + input_extra, block, block - input_reused)
-    cached = _op_cached_bytes(model, training, sizes) if training.checkpointing == "op" else 0
+    whole = _BlockTerms(sizes.boundary + input_extra, block, block - input_reused)
+    cached = _op_cached_bytes(model, training, sizes, share) if training.checkpointing == "op" else 0
     terms = {
         "none": _BlockTerms(block, 0, 0),
         "selective": _BlockTerms(block - selective_dropped, selective_dropped, selective_dropped),
@@ -297,19 +277,25 @@ def estimate_activations(
     every = checkpoint_every(training.checkpointing)
     whole_blocks = model.num_layers // every if every else 0  # torchtitan's rule: blocks N-1, 2N-1, ...
     stored_blocks = whole_blocks * whole.stored + (model.num_layers - whole_blocks) * mode.stored
+    # A block's backward peaks in its MLP's backward or, under context parallelism, in ring attention's backward
+    # with a K/V chunk pair and its gradients in flight, whichever holds more.
     mlp_backward = _mlp_backward_bytes(model, sizes)
+    ring = ring_attention_backward_bytes(sizes, share)
+    own_backward = max(mlp_backward, ring) if ring else mlp_backward
     loss_element = sizes.stat
     tokens = sizes.tokens
-    logits = tokens * model.vocab_size * sizes.element
+    vocab = model.vocab_size // share.tp  # loss parallel: lm_head's output, the logits and the loss split by vocabulary
+    logits = tokens * vocab * sizes.element
     # The head: the final norm, lm_head's input, and the log-softmax output the loss keeps; token ids (embedding),
     # gpt2's position ids, targets and the loss's total weight.
-    head = norm + sizes.hidden
-    log_softmax = tokens * model.vocab_size * loss_element
-    ids = 2 * tokens * INDEX_BYTES + (training.sequence_length * INDEX_BYTES if model.family == "gpt2" else 0)
+    head = norm + sizes.gathered
+    log_softmax = tokens * vocab * loss_element
+    positions = training.sequence_length // share.cp * INDEX_BYTES if model.family == "gpt2" else 0
+    ids = 2 * tokens * INDEX_BYTES + positions
     head += head_extra
     saved = stored_blocks + shared + head + log_softmax + ids + loss_element
-    forward_spike = logits + (tokens * model.vocab_size * loss_element if sizes.element != loss_element else 0)
-    backward_spike = 2 * tokens * model.vocab_size * loss_element
+    forward_spike = logits + (tokens * vocab * loss_element if sizes.element != loss_element else 0)
+    backward_spike = 2 * tokens * vocab * loss_element
     return ActivationEstimate(
         saved_bytes=saved,
         block_bytes=block,
@@ -320,10 +306,10 @@ def estimate_activations(
         loss_backward_spike_bytes=backward_spike,
         head_bytes=head + log_softmax,
         head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
-        hidden_bytes=sizes.hidden,
+        hidden_bytes=sizes.boundary,
         log_softmax_bytes=log_softmax,
-        block_backward_bytes=top.backward + mlp_backward,
+        block_backward_bytes=top.backward + own_backward,
         first_stored_block_bytes=first.stored,
-        first_block_backward_bytes=first.backward + mlp_backward,
+        first_block_backward_bytes=first.backward + own_backward,
         stored_blocks_bytes=stored_blocks,
     )

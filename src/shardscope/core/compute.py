@@ -9,6 +9,11 @@ Selective recomputation recomputes only the attention core ("Reducing Activation
 Models", Section 4). Elementwise ops (norms, activations, residual adds) are not counted as FLOPs; they cost time
 through the per-kernel overhead.
 
+FLOPs are one rank's: tensor parallelism divides every matmul of a block and the vocabulary-split head by tp (each
+rank multiplies by its slice of the weights, core.params), and context parallelism divides the tokens by cp. Under
+context parallelism each rank's queries attend to the whole sequence; with the load-balanced chunks (two of 2 x cp
+per rank) every rank does 1/cp of the attention core.
+
 On a GPU preset whose architecture has kernel ceilings (presets/gpu_kernels.json), time is priced per op by
 core.kernels. Otherwise, and whenever an efficiency is given (--efficiency, a profile file): time = FLOPs / (peak x
 efficiency) + kernels x overhead per kernel. That efficiency is an assumption: 0.5 by default, the fraction of peak
@@ -137,28 +142,30 @@ def _matmul_flops(tensors: tuple[ParamTensor, ...], tokens: int, experts_per_tok
     return flops
 
 
-def _attention_core_flops(model: ModelSpec, training: TrainingSpec) -> float:
-    """QK^T and attention x V: 2 x 2bs^2 x (heads x head_dim), the full square (Megatron-LM's 4bs^2h)."""
+def _attention_core_flops(model: ModelSpec, training: TrainingSpec, tp: int, cp: int) -> float:
+    """QK^T and attention x V: 2 x 2bs^2 x (heads x head_dim), the full square (Megatron-LM's 4bs^2h); one rank's
+    share is its heads (1/tp) and its query rows (1/cp)."""
     seq = training.sequence_length
-    return 4.0 * training.micro_batch_size * seq * seq * model.num_heads * model.head_dim
+    return 4.0 * training.micro_batch_size * seq * seq * (model.num_heads // tp) * model.head_dim / cp
 
 
-def head_matrices(model: ModelSpec) -> tuple[tuple[int, int], ...]:
-    """(out, in) of the matmuls after the blocks: the head's own weights, or the embedding matrix used a second time
-    when tied."""
-    layout = param_layout(model)
+def head_matrices(model: ModelSpec, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """(out, in) of the matmuls after the blocks on one of `tp` tensor-parallel ranks (the vocabulary split): the
+    head's own weights, or the embedding matrix used a second time when tied."""
+    layout = param_layout(model, tp)
     own = tuple(t.shape for t in layout.root if len(t.shape) == 2 and not t.name.startswith("embed"))
-    tied = ((model.vocab_size, model.hidden_size),) if model.tie_embeddings else ()
+    tied = ((model.vocab_size // tp, model.hidden_size),) if model.tie_embeddings else ()
     return tuple((shape[0], shape[1]) for shape in own) + tied
 
 
 @cache
-def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, ...]:
-    """FLOPs of every stage in forward order: embeddings, the blocks, then final norm, head and loss."""
-    layout = param_layout(model)
-    tokens = training.tokens_per_micro_batch
+def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int = 1) -> tuple[StageFlops, ...]:
+    """FLOPs of every stage in forward order on one rank of `tp` x `cp`: embeddings, the blocks, then final norm,
+    head and loss."""
+    layout = param_layout(model, tp)
+    tokens = training.tokens_per_micro_batch // cp
     block_matmuls = _matmul_flops(layout.block, tokens, model.experts_per_token, max(1, model.num_experts))
-    attention = _attention_core_flops(model, training)
+    attention = _attention_core_flops(model, training, tp, cp)
     block_forward = block_matmuls + attention
     block_kernels, block_backward = (float(count) for count in OPS_PER_BLOCK[(model.family, training.attention)])
     # Recomputed in backward, per block: everything under 'full' (and on the blocks 'every:N' checkpoints), the
@@ -168,7 +175,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
     partial = {
         "selective": (attention, 1.0),
         "op": (
-            _matmul_flops(recomputed_linears(model), tokens, model.experts_per_token, max(1, model.num_experts)),
+            _matmul_flops(recomputed_linears(model, tp), tokens, model.experts_per_token, max(1, model.num_experts)),
             block_kernels - op_saved,
         ),
     }.get(training.checkpointing, (0.0, 0.0))
@@ -176,7 +183,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
         (block_forward, block_kernels) if checkpoints_block(training.checkpointing, index) else partial
         for index in range(model.num_layers)
     ]
-    head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model))
+    head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model, tp))
     stages = [
         StageFlops(
             name="embed",
@@ -214,17 +221,20 @@ def stage_flops(model: ModelSpec, training: TrainingSpec) -> tuple[StageFlops, .
     return tuple(stages)
 
 
+def rank_stage_flops(scenario: Scenario) -> tuple[StageFlops, ...]:
+    """`stage_flops` of one rank of the scenario: its tensor- and context-parallel share."""
+    return stage_flops(scenario.model, scenario.training, scenario.strategy.tp, scenario.strategy.cp)
+
+
 def model_flops_per_step(scenario: Scenario) -> float:
     """FLOPs one rank's step needs without recomputation: what MFU counts (PaLM, Appendix B)."""
-    per_micro_batch = sum(
-        stage.forward_flops + stage.backward_flops for stage in stage_flops(scenario.model, scenario.training)
-    )
+    per_micro_batch = sum(stage.forward_flops + stage.backward_flops for stage in rank_stage_flops(scenario))
     return per_micro_batch * scenario.training.grad_accum_steps
 
 
 def hardware_flops_per_step(scenario: Scenario) -> float:
     """FLOPs one rank's step executes, recomputation included (hardware FLOPs utilisation counts these)."""
-    recompute = sum(stage.recompute_flops for stage in stage_flops(scenario.model, scenario.training))
+    recompute = sum(stage.recompute_flops for stage in rank_stage_flops(scenario))
     return model_flops_per_step(scenario) + recompute * scenario.training.grad_accum_steps
 
 

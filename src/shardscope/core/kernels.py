@@ -11,6 +11,9 @@
 - Memory-bound ops (norms, activations, residual adds, rotary embeddings, the cross-entropy's log-softmax): the bytes
   they read and write over the memory bandwidth at its achievable (copy) fraction. A backward elementwise op reads
   its saved input and the incoming gradient and writes one gradient: twice its forward's bytes.
+Under tensor and context parallelism each op is one rank's: its slice of every weight (core.params), its tokens
+(1/cp), its heads (1/tp), and the norms and residual adds on 1/tp of the tokens under sequence parallelism; ring
+attention runs the flash kernel on the rank's query chunks against every K/V chunk, causal half, 1/cp of the whole.
 The ceilings per architecture, each with its source, are presets/gpu_kernels.json; core.compute.compute_model picks
 this model for a GPU preset that has them (--efficiency brings back FLOPs / (peak x efficiency)).
 """
@@ -21,9 +24,10 @@ import math
 from bisect import bisect_left
 
 from shardscope.choices import checkpoints_block
-from shardscope.core.compute import ComputeModel, head_matrices, stage_flops
+from shardscope.core.compute import ComputeModel, head_matrices, rank_stage_flops
 from shardscope.core.op_checkpointing import recomputed_linears
 from shardscope.core.params import ParamTensor, param_layout
+from shardscope.core.rank_share import WHOLE, RankShare, rank_share
 from shardscope.presets.kernels import KernelCeilings
 from shardscope.specs import ModelSpec, Scenario
 
@@ -69,48 +73,54 @@ def _flash_fractions(ceilings: KernelCeilings, head_dim: int, seq: int) -> tuple
 
 
 def attention_core_s(scenario: Scenario, compute: ComputeModel, ceilings: KernelCeilings) -> tuple[float, float]:
-    """(forward, backward) of the attention core of one block for one micro-batch."""
-    model, training = scenario.model, scenario.training
-    batch, seq, heads, head_dim = training.micro_batch_size, training.sequence_length, model.num_heads, model.head_dim
+    """(forward, backward) of the attention core of one block for one micro-batch on one rank: its heads (1/tp) and
+    its query rows (1/cp) against the whole sequence."""
+    model, training, strategy = scenario.model, scenario.training, scenario.strategy
+    batch, seq, head_dim = training.micro_batch_size, training.sequence_length, model.head_dim
+    heads, rows = model.num_heads // strategy.tp, seq // strategy.cp
     peak = compute.peak_flops_per_s
     if training.attention == "sdpa":
-        flops = 4.0 * batch * seq * seq * heads * head_dim / 2  # the causal half
-        forward_fraction, backward_fraction = _flash_fractions(ceilings, head_dim, seq)
+        flops = 4.0 * batch * seq * seq * heads * head_dim / 2 / strategy.cp  # the causal half, the rank's share
+        # Ring attention runs the kernel on the rank's seq/cp query rows against one seq/cp K/V chunk at a time.
+        forward_fraction, backward_fraction = _flash_fractions(ceilings, head_dim, rows)
         return flops / (peak * forward_fraction), FLASH_BACKWARD_FLOPS * flops / (peak * backward_fraction)
     rate = peak * ceilings.matmul_fraction
     pairs = batch * heads
-    forward = gemm_s(seq, seq, head_dim, ceilings, rate, pairs) + gemm_s(seq, head_dim, seq, ceilings, rate, pairs)
-    backward = 2 * gemm_s(seq, head_dim, seq, ceilings, rate, pairs) + 2 * gemm_s(
-        seq, seq, head_dim, ceilings, rate, pairs
+    forward = gemm_s(rows, seq, head_dim, ceilings, rate, pairs) + gemm_s(rows, head_dim, seq, ceilings, rate, pairs)
+    # Backward: two GEMMs the size of each forward one.
+    backward = 2 * gemm_s(rows, head_dim, seq, ceilings, rate, pairs) + 2 * gemm_s(
+        rows, seq, head_dim, ceilings, rate, pairs
     )
-    scores_bytes = 3 * 2 * pairs * seq * seq * ACTIVATION_BYTES  # scale, mask, softmax: each reads and writes
+    scores_bytes = 3 * 2 * pairs * rows * seq * ACTIVATION_BYTES  # scale, mask, softmax: each reads and writes
     streaming = compute.memory_bandwidth_bytes_per_s * ceilings.memory_fraction
     return forward + scores_bytes / streaming, backward + 2 * scores_bytes / streaming
 
 
-def block_elementwise_bytes(model: ModelSpec, tokens: int) -> float:
+def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare = WHOLE) -> float:
     """Bytes the memory-bound ops of one block move in forward: two norms (read and write h), two residual adds
     (read 2h, write h), and the MLP's activation (GELU: read and write the ffn width; SwiGLU: read gate and up,
     write one); llama-family blocks add rotary embeddings on q and k, and MoE blocks run the activation once per
-    routed expert and combine the experts' outputs."""
-    hidden, ffn = model.hidden_size, model.ffn_hidden_size
-    elements = 4 * hidden + 6 * hidden
+    routed expert and combine the experts' outputs. `tokens` are the rank's; its norms and residual adds run on
+    1/tp of them under sequence parallelism, and its activation and rotary embeddings on 1/tp of the widths."""
+    hidden, ffn, tp = model.hidden_size, model.ffn_hidden_size // share.tp, share.tp
+    boundary = (4 * hidden + 6 * hidden) * (tokens // share.boundary_split)
+    elements = 0
     if model.family == "gpt2":
         elements += 2 * ffn
     else:
-        elements += 2 * (model.num_heads + model.num_kv_heads) * model.head_dim
+        elements += 2 * (model.num_heads // tp + model.num_kv_heads // tp) * model.head_dim
         elements += 3 * ffn * (model.experts_per_token if model.num_experts else 1)
         if model.num_experts:
             elements += (model.experts_per_token + 1) * hidden
-    return float(elements * tokens * ACTIVATION_BYTES)
+    return float((boundary + elements * tokens) * ACTIVATION_BYTES)
 
 
 def _linears_s(
     tensors: tuple[ParamTensor, ...], scenario: Scenario, ceilings: KernelCeilings, rate: float
 ) -> tuple[float, float]:
     """(forward, backward) of the linears among `tensors`; an expert's see its share of the tokens (balanced
-    routing)."""
-    model, tokens = scenario.model, scenario.training.tokens_per_micro_batch
+    routing). `tensors` are one tensor-parallel rank's slices; the tokens are the rank's (1/cp)."""
+    model, tokens = scenario.model, scenario.training.tokens_per_micro_batch // scenario.strategy.cp
     routed = math.ceil(tokens * model.experts_per_token / max(1, model.num_experts))
     forward = backward = 0.0
     for tensor in tensors:
@@ -122,12 +132,11 @@ def _linears_s(
 
 
 def _head_s(scenario: Scenario, ceilings: KernelCeilings, rate: float) -> tuple[float, float]:
-    """(forward, backward) of the head's matmuls."""
+    """(forward, backward) of the head's matmuls on one rank: its vocabulary slice, its tokens."""
     forward = backward = 0.0
-    for out_features, in_features in head_matrices(scenario.model):
-        one_forward, one_backward = linear_s(
-            scenario.training.tokens_per_micro_batch, out_features, in_features, ceilings, rate
-        )
+    tokens = scenario.training.tokens_per_micro_batch // scenario.strategy.cp
+    for out_features, in_features in head_matrices(scenario.model, scenario.strategy.tp):
+        one_forward, one_backward = linear_s(tokens, out_features, in_features, ceilings, rate)
         forward, backward = forward + one_forward, backward + one_backward
     return forward, backward
 
@@ -135,7 +144,7 @@ def _head_s(scenario: Scenario, ceilings: KernelCeilings, rate: float) -> tuple[
 def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float], list[float], list[float]]:
     """(forward, recompute, backward) seconds of every stage of one micro-batch, in core.compute.stage_flops order:
     per op when the compute model has kernel ceilings, else FLOPs / (peak x efficiency)."""
-    stages = stage_flops(scenario.model, scenario.training)
+    stages = rank_stage_flops(scenario)
     ceilings = compute.kernels
     if ceilings is None:
         return (
@@ -143,29 +152,29 @@ def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float
             [compute.seconds(stage.recompute_flops, stage.recompute_kernels) for stage in stages],
             [compute.backward_seconds(stage.backward_flops, stage.backward_kernels) for stage in stages],
         )
-    model, training = scenario.model, scenario.training
-    tokens = training.tokens_per_micro_batch
+    model, training, share = scenario.model, scenario.training, rank_share(scenario)
+    tokens = training.tokens_per_micro_batch // share.cp
     streaming = compute.memory_bandwidth_bytes_per_s * ceilings.memory_fraction
     rate = compute.peak_flops_per_s * ceilings.matmul_fraction
-    block_forward, block_backward = _linears_s(param_layout(model).block, scenario, ceilings, rate)
+    block_forward, block_backward = _linears_s(param_layout(model, share.tp).block, scenario, ceilings, rate)
     head_forward, head_backward = _head_s(scenario, ceilings, rate)
     attention_forward, attention_backward = attention_core_s(scenario, compute, ceilings)
-    elementwise = block_elementwise_bytes(model, tokens) / streaming
+    elementwise = block_elementwise_bytes(model, tokens, share) / streaming
     block_forward += attention_forward + elementwise
     block_backward += attention_backward + 2 * elementwise
     embed = 2.0 * tokens * model.hidden_size * ACTIVATION_BYTES / streaming  # gather: read and write h per token
+    # The final norm (on 1/tp of the tokens under sequence parallelism) and the loss over the rank's vocabulary.
     head_elementwise = (
-        (2 * model.hidden_size * ACTIVATION_BYTES + model.vocab_size * (ACTIVATION_BYTES + LOG_SOFTMAX_BYTES))
-        * tokens
-        / streaming
-    )
+        2 * model.hidden_size * ACTIVATION_BYTES * (tokens // share.boundary_split)
+        + model.vocab_size // share.tp * (ACTIVATION_BYTES + LOG_SOFTMAX_BYTES) * tokens
+    ) / streaming
     forward = [embed] + [block_forward] * model.num_layers + [head_forward + head_elementwise]
     backward = [2 * embed] + [block_backward] * model.num_layers + [head_backward + 2 * head_elementwise]
     # Recomputed per block as core.compute.stage_flops counts it: the whole block where it is checkpointed ('full',
     # 'every:N'), the attention core under 'selective', the linears torchtitan's op policy does not save under 'op'.
     partial = {
         "selective": attention_forward,
-        "op": _linears_s(recomputed_linears(model), scenario, ceilings, rate)[0],
+        "op": _linears_s(recomputed_linears(model, share.tp), scenario, ceilings, rate)[0],
     }.get(training.checkpointing, 0.0)
     checkpointing = training.checkpointing
     recompute = [0.0]

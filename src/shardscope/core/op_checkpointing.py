@@ -18,10 +18,11 @@ from shardscope.specs import ModelSpec
 
 
 @cache
-def saved_linears(model: ModelSpec) -> tuple[tuple[ParamTensor, bool], ...]:
-    """Each weight matrix of a block in forward order (its creation order), and whether the policy saves the output of
-    its matmul. MoE: every expert is assumed to receive tokens, so each runs its three matmuls."""
-    block = param_layout(model).block
+def saved_linears(model: ModelSpec, tp: int = 1) -> tuple[tuple[ParamTensor, bool], ...]:
+    """Each weight matrix of a block in forward order (its creation order), as one of `tp` tensor-parallel ranks holds
+    it, and whether the policy saves the output of its matmul. MoE: every expert is assumed to receive tokens, so each
+    runs its three matmuls."""
+    block = param_layout(model, tp).block
     names = {tensor.name for tensor in block}
     mm_count = 0
     linears = []
@@ -39,6 +40,6 @@ def saved_linears(model: ModelSpec) -> tuple[tuple[ParamTensor, bool], ...]:
     return tuple(linears)
 
 
-def recomputed_linears(model: ModelSpec) -> tuple[ParamTensor, ...]:
-    """The weight matrices whose matmuls the policy recomputes in backward."""
-    return tuple(tensor for tensor, saved in saved_linears(model) if not saved)
+def recomputed_linears(model: ModelSpec, tp: int = 1) -> tuple[ParamTensor, ...]:
+    """The weight matrices (one tensor-parallel rank's slices) whose matmuls the policy recomputes in backward."""
+    return tuple(tensor for tensor, saved in saved_linears(model, tp) if not saved)

@@ -26,7 +26,7 @@ from shardscope.core.compute import (
     compute_model,
     model_flops_per_step,
     optimizer_step_s,
-    stage_flops,
+    rank_stage_flops,
 )
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
@@ -156,7 +156,7 @@ def _compute_tasks(
     scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
 ) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
     """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
-    stages = stage_flops(scenario.model, scenario.training)
+    stages = rank_stage_flops(scenario)
     rules = rules_for(scenario)
     framework = rules.framework_s(scenario, profile)
     tasks: list[_Task] = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from shardscope.choices import Checkpointing, checkpoint_every
 from shardscope.core.activations import estimate_activations
 from shardscope.core.engines import rules_for
+from shardscope.core.rank_share import rank_share
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import PlanTiming
@@ -106,7 +107,9 @@ def _activations(scenario: Scenario, memory: MemoryEstimate, budget: int, memory
 def _logits(scenario: Scenario, memory: MemoryEstimate) -> FailureMode | None:
     if memory.peak_moment not in ("end of forward", "start of backward"):
         return None
-    acts = estimate_activations(scenario.model, scenario.training, gpu_kernels=scenario.cluster.gpu_kernels)
+    acts = estimate_activations(
+        scenario.model, scenario.training, gpu_kernels=scenario.cluster.gpu_kernels, share=rank_share(scenario)
+    )
     spike = max(acts.loss_forward_spike_bytes, acts.loss_backward_spike_bytes)
     share = spike / memory.per_rank.peak_bytes
     if share < LOGITS_SHARE:

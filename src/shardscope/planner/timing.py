@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardscope.core.compute import compute_model, model_flops_per_step, stage_flops
+from shardscope.core.compute import compute_model, model_flops_per_step, rank_stage_flops
 from shardscope.core.timeline import estimate_time
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -93,7 +93,7 @@ def compute_lower_bound_s(scenario: Scenario, hardware: HardwareProfile) -> floa
     """The compute stream's forward, recompute and backward time: no step of this scenario is shorter."""
     compute = compute_model(scenario, hardware)
     per_micro_batch = 0.0
-    for stage in stage_flops(scenario.model, scenario.training):
+    for stage in rank_stage_flops(scenario):
         per_micro_batch += compute.seconds(stage.forward_flops, stage.forward_kernels)
         per_micro_batch += compute.seconds(stage.recompute_flops, stage.recompute_kernels)
         per_micro_batch += compute.backward_seconds(stage.backward_flops, stage.backward_kernels)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardscope.choices import ENGINE_ALIASES, EngineName, engine_name, parse_choice
-from shardscope.mesh import Parallelism, data_parallel_mesh
+from shardscope.mesh import DATA_PARALLEL_PRESETS, Parallelism, data_parallel_mesh
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
 from shardscope.specs import ClusterSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
@@ -39,6 +39,9 @@ STRATEGY_OPTIONS = {
     "cp": "cp",
     "sequence_parallel": "sequence_parallel",
 }
+MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0,), "pytorch": ()}
+"""The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
+runs inside ddp; torch's DTensor engine is not wired into runs yet."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
@@ -97,15 +100,13 @@ class RunConfig:
         mesh = self.parallelism
         if mesh.splits_model:
             self.scenario()  # tp and cp must divide the model's widths and split the sequence
-            if self.strategy.engine == "pytorch":
+            stages = MODEL_PARALLEL_STAGES[self.strategy.engine]
+            if self.strategy.stage not in stages:
+                allowed = [name for name, preset in DATA_PARALLEL_PRESETS.items() if preset.zero_stage in stages]
                 raise SpecError(
-                    f"RunConfig.strategy.engine='pytorch' with tp={self.strategy.tp}, cp={self.strategy.cp}: runs of "
-                    "torch's tensor and context parallel engines are not built yet; give engine paper (teaching)"
-                )
-            if self.strategy.engine == "paper" and self.strategy.stage:
-                raise SpecError(
-                    f"RunConfig.strategy={self.strategy.name!r} with tp={self.strategy.tp}, cp={self.strategy.cp}: the "
-                    "teaching tensor and context parallelism runs inside ddp; give strategy ddp, or engine pytorch"
+                    f"RunConfig.strategy={self.strategy.name!r} with tp={self.strategy.tp}, cp={self.strategy.cp}: "
+                    f"engine {self.strategy.engine} runs tensor and context parallelism with "
+                    f"{', '.join(allowed) or 'no strategy yet (not built)'}"
                 )
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")

@@ -23,6 +23,7 @@ from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.model_states import ModelStates, dtype_bytes
+from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -172,12 +173,14 @@ class RulesDefaults:
         return False
 
 
-def activations_for(scenario: Scenario, autocast: bool) -> ActivationEstimate:
-    """The activations of one micro-batch (none without a shape); `autocast` saves the 16-bit weight copies too."""
+def activations_for(scenario: Scenario, autocast: bool, regathers_in_backward: bool = False) -> ActivationEstimate:
+    """The activations of one micro-batch on one rank (none without a shape); `autocast` saves the 16-bit weight
+    copies too; `regathers_in_backward`: sequence parallelism as Megatron-LM runs it (core.rank_share)."""
     model = scenario.model
     if not model.has_shape:
         return NO_ACTIVATIONS
-    return estimate_activations(model, scenario.training, autocast, scenario.cluster.gpu_kernels)
+    share = rank_share(scenario, regathers_in_backward)
+    return estimate_activations(model, scenario.training, autocast, scenario.cluster.gpu_kernels, share)
 
 
 def gradients_in_base(scenario: Scenario, states: ModelStates) -> bool:
@@ -270,9 +273,11 @@ def shared_moments(
     ]
 
 
-def shared_memory(scenario: Scenario, states: ModelStates, *extra: Moment) -> RankMemory:
+def shared_memory(
+    scenario: Scenario, states: ModelStates, *extra: Moment, regathers_in_backward: bool = False
+) -> RankMemory:
     """A rank's memory for an engine whose moments are the shared ones, with `extra` after them."""
-    acts = activations_for(scenario, states.autocast)
+    acts = activations_for(scenario, states.autocast, regathers_in_backward)
     return RankMemory(states=states, activations=acts, moments=(*shared_moments(scenario, states, acts), *extra))
 
 

@@ -47,13 +47,18 @@ class PaperRules(RulesDefaults):
     torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward."""
+        """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward. Sequence
+        parallelism is Megatron-LM's, as the paper's Table 2 counts it: the column-parallel linears keep their
+        sequence-sharded input and all-gather it again in backward."""
         states, after_backward = _states(scenario)
         states = offload(scenario, states)
         if not after_backward:
-            return shared_memory(scenario, states)
+            return shared_memory(scenario, states, regathers_in_backward=True)
         return shared_memory(
-            scenario, states, ("reduce-scatter after backward", plus(held(states, True), buffers=after_backward))
+            scenario,
+            states,
+            ("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)),
+            regathers_in_backward=True,
         )
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
