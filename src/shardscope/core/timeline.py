@@ -38,7 +38,9 @@ from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
-STREAMS = ("compute", "comm", "host")
+STREAMS = ("compute", "comm", "host", "model_parallel")
+MODEL_PARALLEL_GROUPS = ("tp", "cp")
+"""Groups whose calls run on the model-parallel stream (their own process groups, hence their own NCCL streams)."""
 EXACT_MICRO_BATCHES = 16
 """Steps of up to this many micro-batches are simulated whole; longer ones are extended from it (`estimate_time`)."""
 
@@ -50,7 +52,7 @@ class Span:
     name: str
     """What it is, e.g. 'forward block 3' or 'all_gather block 3'."""
     stream: str
-    """'compute', 'comm' or 'host'."""
+    """'compute', 'comm' (data-parallel collectives), 'host' or 'model_parallel' (tp and cp calls)."""
     category: str
     """'forward', 'backward', 'recompute', 'optimizer', or the collective's op."""
     start_s: float
@@ -190,10 +192,12 @@ def _compute_tasks(
 
 
 def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
-    """The compute task a gather must precede (the recompute when there is one)."""
-    kind = "forward" if event.trigger == "before_forward" else "backward"
+    """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
+    stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
+    trigger = event.trigger
+    kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
     recompute = where.get(("recompute", event.micro_batch, event.stage))
-    if kind == "backward" and recompute is not None:
+    if recompute is not None and trigger in ("before_backward", "during_recompute"):
         return recompute
     return where[(kind, event.micro_batch, event.stage)]
 
@@ -212,6 +216,16 @@ def _event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: Network
     return tuple(costs)
 
 
+INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
+
+
+def _stream(event: CommEvent) -> str:
+    """The stream an event runs on."""
+    if event.group == "host":
+        return "host"
+    return "model_parallel" if event.group in MODEL_PARALLEL_GROUPS else "comm"
+
+
 def _comm_tasks(
     events: tuple[CommEvent, ...],
     costs: tuple[CollectiveCost, ...],
@@ -221,6 +235,9 @@ def _comm_tasks(
     asynchronous: tuple[bool, ...],
 ) -> tuple[list[_Task], dict[int, list[int]]]:
     """Communication tasks with their issue keys, and the gathers each compute task waits for.
+
+    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
+    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
 
     The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
@@ -233,10 +250,15 @@ def _comm_tasks(
     waited_async = False
     for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
-        stream = "host" if event.group == "host" else "comm"
+        stream = _stream(event)
         trigger = event.trigger
         after: list[int]
-        if trigger == "before_forward" or trigger == "before_backward":
+        if trigger in INSIDE_STAGE:
+            consumer = _consumer(event, where)
+            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
+            after = [consumer - 1] if consumer >= 1 else []
+            waits.setdefault(consumer, []).append(position)
+        elif trigger == "before_forward" or trigger == "before_backward":
             consumer = _consumer(event, where)
             key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
             after = [consumer - 2] if consumer >= 2 else []
@@ -256,6 +278,39 @@ def _comm_tasks(
         tasks.append(_Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
         previous = place
     return tasks, waits
+
+
+def _attention_forward_s(scenario: Scenario, compute: ComputeModel) -> float:
+    """One block's attention core in forward on one rank, read off the compute model as the re-forward of selective
+    checkpointing, which recomputes exactly the attention core (core.compute, core.kernels)."""
+    training = dataclasses.replace(scenario.training, checkpointing="selective")
+    return stage_seconds(dataclasses.replace(scenario, training=training), compute)[1][1]
+
+
+def _hidden_exchange(
+    scenario: Scenario, compute: ComputeModel, events: tuple[CommEvent, ...], costs: tuple[CollectiveCost, ...]
+) -> dict[int, float]:
+    """Seconds of each stage's ring-attention exchange hidden behind its attention, by event index.
+
+    Ring attention computes on the K/V chunk in hand while the next one travels, so every step but the last overlaps
+    one chunk's attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Section 3): of a
+    stage's exchange, min(exchange, (cp - 1) / cp x the stage's attention core) is hidden (backward's attention taken
+    as twice forward's, as its FLOPs are); the rest delays the stage's compute like a tensor-parallel call."""
+    cp = scenario.strategy.cp
+    if cp == 1:
+        return {}
+    forward = _attention_forward_s(scenario, compute)
+    window = {"during_forward": forward, "during_recompute": forward, "during_backward": 2 * forward}
+    stages: dict[tuple[int, int, str], list[int]] = {}
+    for index, event in enumerate(events):
+        if event.group == "cp":
+            stages.setdefault((event.micro_batch, event.stage, event.trigger), []).append(index)
+    hidden: dict[int, float] = {}
+    for (_, _, trigger), members in stages.items():
+        exchange = sum(costs[index].time_s for index in members)
+        allowance = min(exchange, window[trigger] * (cp - 1) / cp)
+        hidden.update(dict.fromkeys(members, allowance))
+    return hidden
 
 
 def _slow_beside_async(
@@ -295,6 +350,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)
+    hidden = {computes + index: s for index, s in _hidden_exchange(scenario, compute, events, costs).items()}
     waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
@@ -309,7 +365,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
         for dep in task.after:
             start = max(start, finish[dep])
         for dep in waits.get(index, ()):
-            start = max(start, finish[dep])
+            start = max(start, finish[dep] - hidden.get(dep, 0.0))
         finish[index] = free[stream] = start + task.duration_s
         schedule.append((task.name, task.stream, task.category, start, task.duration_s, task.payload_bytes))
     step = max(finish, default=0.0)

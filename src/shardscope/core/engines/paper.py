@@ -111,7 +111,7 @@ class PaperRules(RulesDefaults):
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward."""
-        return scenario.strategy.stage == 0 and event.trigger == "after_backward"
+        return scenario.strategy.stage == 0 and event.trigger == "after_backward" and event.group == "world"
 
 
 def _states(scenario: Scenario) -> tuple[ModelStates, int]:

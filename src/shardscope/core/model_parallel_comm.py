@@ -1,0 +1,170 @@
+"""Tensor and context parallelism's calls in a step: what moves between the ranks that split one layer or one sequence.
+
+Tensor parallelism ("Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", Section
+3): each block's attention and MLP are a column-parallel then a row-parallel linear, joined by two conjugate
+operators. Without sequence parallelism, g all-reduces the row-parallel output in forward (after o_proj and after
+down_proj) and f all-reduces the input gradient in backward (before q/k/v and before gate/up): two all-reduces of
+b x s x h each way per block. With sequence parallelism ("Reducing Activation Recomputation in Large Transformer
+Models", Section 4.2.2) g becomes a reduce-scatter and f an all-gather: per block an all-gather before attention and
+before the MLP and a reduce-scatter after each in forward, and their conjugates (a reduce-scatter for each all-gather,
+an all-gather for each reduce-scatter) in backward. torch's DTensor plan (torchtitan's `apply_tp`) adds:
+- the vocabulary-parallel embedding (RowwiseParallel): its output all-reduced, or reduce-scattered to the sequence
+  shards under sequence parallelism (an all-gather of the gradient in backward);
+- the column-parallel head: its input all-gathered under sequence parallelism (reduce-scattered back in backward),
+  or its input gradient all-reduced without it;
+- loss parallel (torch.distributed.tensor.parallel.loss_parallel): the log-softmax over vocabulary shards all-reduces
+  the max and the sum of exponentials, and the loss the target's logit, each b x s fp32 values (the logits are
+  upcast to fp32 for the loss); its backward is local;
+- under sequence parallelism the weights every tp rank holds whole (norms, row-parallel biases, the MoE router,
+  learned positions) see only their sequence shard, so their gradients are all-reduced over tp after each stage's
+  backward, in the dtype the gathered weight has (the engine's `param_comm_bytes`).
+Payloads are b x (s / cp) x h in the working dtype: the unsharded buffer for all-gather and reduce-scatter, as
+everywhere in the ledger.
+
+Context parallelism is ring attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et
+al.), as zhuzilin/ring-flash-attention implements it (`ring_flash_attn_forward` / `_backward`): per attention layer
+the rank's K and V chunk (b x s/cp tokens x the rank's kv heads x head_dim) goes round the ring in cp - 1 send/recv
+steps in forward; backward sends K and V cp - 1 times again and the accumulated dK and dV cp times (fp32 buffers,
+`dk = block_dk_buffer.to(torch.float32)`) so that each rank's gradient ends where its chunk started. A send and its
+recv are two ledger rows of the same payload (what torch's batch_isend_irecv issues).
+
+The re-forward repeats what it recomputes: under full checkpointing (and on the blocks every:N checkpoints) the
+block's tensor-parallel calls and its exchange; under 'selective' the attention core, so the exchange only; under
+'op' (torchtitan's policy, core.op_checkpointing) the all-gathers (or all-reduces) whose outputs it does not save,
+while the reduce-scatters and the attention kernels are in its save list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardscope.choices import Trigger, checkpoints_block
+from shardscope.core.comm_events import CommEvent, Place, event, stage_of
+from shardscope.core.model_states import dtype_bytes
+from shardscope.core.params import param_layout, rank_layout
+from shardscope.specs import Scenario
+
+DKV_BYTES = 4  # ring-flash-attention accumulates and sends dK and dV in fp32
+LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
+
+Call = Callable[[str, str, int, int, Trigger, str], None]
+"""Adds one call: (phase, op, payload bytes, stage, trigger, what it is for)."""
+
+
+def model_parallel_events(scenario: Scenario, weight_bytes: int) -> list[CommEvent]:
+    """Every tp and cp call of one step (none when tp and cp are 1); `weight_bytes` is the element size of the
+    gathered weights, whose replicated gradients sequence parallelism reduces."""
+    strategy = scenario.strategy
+    if strategy.tp == 1 and strategy.cp == 1:
+        return []
+    events: list[CommEvent] = []
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        events += _tensor_parallel(scenario, micro_batch, weight_bytes)
+        events += _context_parallel(scenario, micro_batch)
+    return events
+
+
+def _recomputes(scenario: Scenario, block: int) -> str:
+    """What block `block`'s re-forward runs again: 'block' (all of it), 'attention' (the core), 'linears' (the op
+    policy's unsaved matmuls) or '' (nothing)."""
+    checkpointing = scenario.training.checkpointing
+    if checkpoints_block(checkpointing, block):
+        return "block"
+    return {"selective": "attention", "op": "linears"}.get(checkpointing, "")
+
+
+def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) -> list[CommEvent]:
+    tp = scenario.strategy.tp
+    if tp == 1:
+        return []
+    model, training = scenario.model, scenario.training
+    sequence_parallel = scenario.strategy.uses_sequence_parallel
+    tokens = training.micro_batch_size * training.sequence_length // scenario.strategy.cp
+    activation = tokens * model.hidden_size * dtype_bytes(training.precision)
+    head = model.num_layers + 1
+    events: list[CommEvent] = []
+
+    def call(phase: str, op: str, payload: int, stage: int, trigger: Trigger, what: str) -> None:
+        events.append(event(phase, op, tp, payload, "tp", (micro_batch, stage, trigger), f"{op} tp {what}"))
+
+    # Per block, forward and backward alike: g and f (attention, then MLP), each a gather and a scatter under
+    # sequence parallelism (backward's are the conjugates, in reverse order: the same four calls).
+    block_calls = ("all_gather", "reduce_scatter") * 2 if sequence_parallel else ("all_reduce",) * 2
+    recomputed_linears = ("all_gather",) * 2 if sequence_parallel else ("all_reduce",) * 2
+
+    call("forward", "reduce_scatter" if sequence_parallel else "all_reduce", activation, 0, "during_forward", "embed")
+    for block in range(1, model.num_layers + 1):
+        for op in block_calls:
+            call("forward", op, activation, block, "during_forward", f"block {block - 1}")
+    if sequence_parallel:
+        call("forward", "all_gather", activation, head, "during_forward", "head")
+    loss_values = tokens * 4  # fp32
+    for _ in range(LOSS_PARALLEL_ALL_REDUCES):
+        call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
+
+    replicated = _replicated_numels(scenario) if sequence_parallel else {}
+    head_input = "reduce_scatter" if sequence_parallel else "all_reduce"  # the all-gather's conjugate, or f
+    call("backward", head_input, activation, head, "during_backward", "head")
+    _replicated_grads(call, replicated, head, weight_bytes)
+    for block in reversed(range(1, model.num_layers + 1)):
+        recomputed = _recomputes(scenario, block - 1)
+        again = {"block": block_calls, "linears": recomputed_linears}.get(recomputed, ())
+        for op in again:
+            call("forward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
+        for op in block_calls:
+            call("backward", op, activation, block, "during_backward", f"block {block - 1}")
+        _replicated_grads(call, replicated, block, weight_bytes)
+    if sequence_parallel:
+        call("backward", "all_gather", activation, 0, "during_backward", "embed")
+    _replicated_grads(call, replicated, 0, weight_bytes)
+    return events
+
+
+def _replicated_grads(call: Call, replicated: dict[int, int], stage: int, weight_bytes: int) -> None:
+    """Sequence parallelism: the stage's replicated weights' gradients all-reduced over tp once its backward is done."""
+    numel = replicated.get(stage, 0)
+    if numel:
+        call("backward", "all_reduce", numel * weight_bytes, stage, "after_backward", "replicated gradients")
+
+
+def _replicated_numels(scenario: Scenario) -> dict[int, int]:
+    """Elements per stage of the weights every tp rank holds whole (the same shape in its slice as in the model)."""
+    whole, sliced = param_layout(scenario.model), rank_layout(scenario)
+    blocks = whole.num_blocks
+    numels: dict[int, int] = {}
+    block_numel = sum(t.numel for t, s in zip(whole.block, sliced.block, strict=True) if t.shape == s.shape)
+    for index in range(1, blocks + 1):
+        numels[index] = block_numel
+    for tensor, mine in zip(whole.root, sliced.root, strict=True):
+        if tensor.shape == mine.shape:
+            stage = stage_of(tensor.name, blocks)
+            numels[stage] = numels.get(stage, 0) + tensor.numel
+    return numels
+
+
+def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
+    """Ring attention's K/V exchange in every block."""
+    cp, tp = scenario.strategy.cp, scenario.strategy.tp
+    if cp == 1:
+        return []
+    model, training = scenario.model, scenario.training
+    kv_elements = 2 * training.micro_batch_size * training.sequence_length // cp * model.num_kv_heads // tp
+    kv_elements *= model.head_dim
+    kv, dkv = kv_elements * dtype_bytes(training.precision), kv_elements * DKV_BYTES
+    events: list[CommEvent] = []
+
+    def exchange(phase: str, payload: int, steps: int, at: Place, what: str) -> None:
+        for _ in range(steps):
+            for op in ("send", "recv"):
+                events.append(event(phase, op, cp, payload, "cp", at, f"{op} cp {what}"))
+
+    for block in range(1, model.num_layers + 1):
+        exchange("forward", kv, cp - 1, (micro_batch, block, "during_forward"), f"K/V block {block - 1}")
+    for block in reversed(range(1, model.num_layers + 1)):
+        if _recomputes(scenario, block - 1) in ("block", "attention"):
+            at: Place = (micro_batch, block, "during_recompute")
+            exchange("forward", kv, cp - 1, at, f"K/V block {block - 1} (recompute)")
+        at = (micro_batch, block, "during_backward")
+        exchange("backward", kv, cp - 1, at, f"K/V block {block - 1}")
+        exchange("backward", dkv, cp, at, f"dK/dV block {block - 1}")
+    return events
