@@ -85,7 +85,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     events: list[CommEvent] = []
 
     def call(phase: str, op: str, payload: int, stage: int, trigger: Trigger, what: str) -> None:
-        events.append(event(phase, op, tp, payload, "tp", (micro_batch, stage, trigger), f"{op} tp {what}"))
+        events.append(event(phase, op, tp, payload, "tp", (micro_batch, stage, trigger), f"{op} tp {phase} {what}"))
 
     # Per block, forward and backward alike: g and f (attention, then MLP), each a gather and a scatter under
     # sequence parallelism (backward's are the conjugates, in reverse order: the same four calls).
@@ -156,7 +156,7 @@ def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
     def exchange(phase: str, payload: int, steps: int, at: Place, what: str) -> None:
         for _ in range(steps):
             for op in ("send", "recv"):
-                events.append(event(phase, op, cp, payload, "cp", at, f"{op} cp {what}"))
+                events.append(event(phase, op, cp, payload, "cp", at, f"{op} cp {phase} {what}"))
 
     for block in range(1, model.num_layers + 1):
         exchange("forward", kv, cp - 1, (micro_batch, block, "during_forward"), f"K/V block {block - 1}")
