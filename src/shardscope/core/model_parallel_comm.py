@@ -16,17 +16,20 @@ an all-gather for each reduce-scatter) in backward. torch's DTensor plan (torcht
   the max and the sum of exponentials, and the loss the target's logit, each b x s fp32 values (the logits are
   upcast to fp32 for the loss); its backward is local;
 - under sequence parallelism the weights every tp rank holds whole (norms, row-parallel biases, the MoE router,
-  learned positions) see only their sequence shard, so their gradients are all-reduced over tp after each stage's
-  backward, in the dtype the gathered weight has (the engine's `param_comm_bytes`).
+  learned positions) see only their sequence shard, so each one's gradient is all-reduced over tp after its stage's
+  backward (the teaching `sum_replicated_gradients` reduces them one tensor at a time, after the whole backward), in
+  the dtype the gathered weight has (the engine's `param_comm_bytes`).
 Payloads are b x (s / cp) x h in the working dtype: the unsharded buffer for all-gather and reduce-scatter, as
 everywhere in the ledger.
 
 Context parallelism is ring attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et
-al.), as zhuzilin/ring-flash-attention implements it (`ring_flash_attn_forward` / `_backward`): per attention layer
-the rank's K and V chunk (b x s/cp tokens x the rank's kv heads x head_dim) goes round the ring in cp - 1 send/recv
-steps in forward; backward sends K and V cp - 1 times again and the accumulated dK and dV cp times (fp32 buffers,
-`dk = block_dk_buffer.to(torch.float32)`) so that each rank's gradient ends where its chunk started. A send and its
-recv are two ledger rows of the same payload (what torch's batch_isend_irecv issues).
+al.), as the teaching implementation (runtime/teaching/context_parallel.py) and zhuzilin/ring-flash-attention
+(`ring_flash_attn_forward` / `_backward`) run it: per attention layer the rank's K and V chunk (b x s/cp tokens x the
+rank's kv heads x head_dim) goes round the ring in cp - 1 send/recv steps in forward; backward sends K and V cp - 1
+times again and the accumulated dK and dV cp times, so that each chunk's gradient ends where the chunk started. dK
+and dV travel in the working dtype, as the teaching implementation sends them (ring-flash-attention accumulates them
+in fp32, which would double those sends under 16-bit training). A send and its recv are two ledger rows of the same
+payload (the pair batch_isend_irecv issues).
 
 The re-forward repeats what it recomputes: under full checkpointing (and on the blocks every:N checkpoints) the
 block's tensor-parallel calls and its exchange; under 'selective' the attention core, so the exchange only; under
@@ -44,7 +47,6 @@ from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import param_layout, rank_layout
 from shardscope.specs import Scenario
 
-DKV_BYTES = 4  # ring-flash-attention accumulates and sends dK and dV in fp32
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
 
 Call = Callable[[str, str, int, int, Trigger, str], None]
@@ -98,7 +100,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
             call("forward", op, activation, block, "during_forward", f"block {block - 1}")
     if sequence_parallel:
         call("forward", "all_gather", activation, head, "during_forward", "head")
-    loss_values = tokens * 4  # fp32
+    loss_values = tokens * (8 if training.precision == "fp64" else 4)  # the logits upcast to fp32 (fp64 kept)
     for _ in range(LOSS_PARALLEL_ALL_REDUCES):
         call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
 
@@ -120,25 +122,22 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     return events
 
 
-def _replicated_grads(call: Call, replicated: dict[int, int], stage: int, weight_bytes: int) -> None:
-    """Sequence parallelism: the stage's replicated weights' gradients all-reduced over tp once its backward is done."""
-    numel = replicated.get(stage, 0)
-    if numel:
-        call("backward", "all_reduce", numel * weight_bytes, stage, "after_backward", "replicated gradients")
+def _replicated_grads(call: Call, replicated: dict[int, list[int]], stage: int, weight_bytes: int) -> None:
+    """Sequence parallelism: each of the stage's replicated weights has its gradient all-reduced over tp once the
+    stage's backward is done."""
+    for numel in replicated.get(stage, ()):
+        call("backward", "all_reduce", numel * weight_bytes, stage, "after_backward", "replicated gradient")
 
 
-def _replicated_numels(scenario: Scenario) -> dict[int, int]:
-    """Elements per stage of the weights every tp rank holds whole (the same shape in its slice as in the model)."""
+def _replicated_numels(scenario: Scenario) -> dict[int, list[int]]:
+    """Elements of each weight every tp rank holds whole (the same shape in its slice as in the model), by stage."""
     whole, sliced = param_layout(scenario.model), rank_layout(scenario)
     blocks = whole.num_blocks
-    numels: dict[int, int] = {}
-    block_numel = sum(t.numel for t, s in zip(whole.block, sliced.block, strict=True) if t.shape == s.shape)
-    for index in range(1, blocks + 1):
-        numels[index] = block_numel
+    block = [t.numel for t, mine in zip(whole.block, sliced.block, strict=True) if t.shape == mine.shape]
+    numels: dict[int, list[int]] = {index: block for index in range(1, blocks + 1)}
     for tensor, mine in zip(whole.root, sliced.root, strict=True):
         if tensor.shape == mine.shape:
-            stage = stage_of(tensor.name, blocks)
-            numels[stage] = numels.get(stage, 0) + tensor.numel
+            numels.setdefault(stage_of(tensor.name, blocks), []).append(tensor.numel)
     return numels
 
 
@@ -150,7 +149,7 @@ def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
     model, training = scenario.model, scenario.training
     kv_elements = 2 * training.micro_batch_size * training.sequence_length // cp * model.num_kv_heads // tp
     kv_elements *= model.head_dim
-    kv, dkv = kv_elements * dtype_bytes(training.precision), kv_elements * DKV_BYTES
+    kv = kv_elements * dtype_bytes(training.precision)  # dK and dV are the same size, in the same dtype
     events: list[CommEvent] = []
 
     def exchange(phase: str, payload: int, steps: int, at: Place, what: str) -> None:
@@ -166,5 +165,5 @@ def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
             exchange("forward", kv, cp - 1, at, f"K/V block {block - 1} (recompute)")
         at = (micro_batch, block, "during_backward")
         exchange("backward", kv, cp - 1, at, f"K/V block {block - 1}")
-        exchange("backward", dkv, cp, at, f"dK/dV block {block - 1}")
+        exchange("backward", kv, cp, at, f"dK/dV block {block - 1}")
     return events
