@@ -14,6 +14,9 @@ CS-2" (Hockney): t = steps x alpha + bytes / beta, with a fixed cost per call ad
   inside the node.
 A ring that crosses nodes runs one channel per GPU's NIC, so its bus bandwidth is min(intra, g x inter) for g ranks of
 the group per node (NCCL: busBw = nChannels x speedInter).
+Ring attention's send is one hop: the payload over the intra-node link, or the inter-node one once the ring spans
+nodes; its recv costs nothing of its own. Groups lie on the mesh pp x dp_replicate x dp_shard x cp x tp, tp innermost
+(`placement`): a tp group of at most a node's GPUs stays on the intra-node link.
 Bus bandwidth is as "NCCL Tests: PERFORMANCE.md" defines it: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for
 reduce-scatter and all-gather, x 1 for broadcast.
 """

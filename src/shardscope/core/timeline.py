@@ -1,12 +1,15 @@
-"""One training step of one rank, simulated event by event on a compute stream, a communication stream and a host
-copy stream, so overlap (FSDP prefetch, DDP buckets reduced during backward) is counted, not assumed.
+"""One training step of one rank, simulated event by event on a compute stream, a communication stream, a host copy
+stream and a model-parallel stream (tp and cp calls, on process groups of their own), so overlap (FSDP prefetch, DDP
+buckets reduced during backward, ring attention's exchange behind its attention) is counted, not assumed.
 
 Streams run their work in issue order, as CUDA streams do. Every piece of work starts when its stream is free and the
 work it depends on has finished: a gather finishes before the stage that uses it, a gradient reduction starts after
 the backward that produced it, the optimizer waits for every reduction. Prefetch is FSDP2's: a unit's all-gather is
 issued while the previous unit computes, at most one ahead ("PyTorch FSDP: Experiences on Scaling Fully Sharded
-Data Parallel", Section 3.3: backward and forward prefetching). Without overlap (CPU gloo, where torch runs every
-collective on the caller's thread) all three streams are one.
+Data Parallel", Section 3.3: backward and forward prefetching). A tensor-parallel call sits between two matmuls of
+its stage, so it blocks that stage's compute (on the critical path); ring attention's exchange overlaps the attention
+of the chunk in hand (`core.ring_overlap`). Without overlap (CPU gloo, where torch runs every collective on the
+caller's thread) all the streams are one.
 
 Outputs: step time, exposed communication (the step's time beyond its compute), tokens per second, MFU as PaLM
 defines it ("PaLM: Scaling Language Modeling with Pathways", Appendix B: model FLOPs / (time x peak)), and the spans
@@ -34,13 +37,15 @@ from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, ne
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import rank_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.ring_overlap import hidden_exchange
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
 STREAMS = ("compute", "comm", "host", "model_parallel")
-MODEL_PARALLEL_GROUPS = ("tp", "cp")
-"""Groups whose calls run on the model-parallel stream (their own process groups, hence their own NCCL streams)."""
+STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel"}
+"""Streams other than 'comm' (the data-parallel collectives): tp and cp run on process groups, so NCCL streams, of
+their own."""
 EXACT_MICRO_BATCHES = 16
 """Steps of up to this many micro-batches are simulated whole; longer ones are extended from it (`estimate_time`)."""
 
@@ -219,13 +224,6 @@ def _event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: Network
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
 
 
-def _stream(event: CommEvent) -> str:
-    """The stream an event runs on."""
-    if event.group == "host":
-        return "host"
-    return "model_parallel" if event.group in MODEL_PARALLEL_GROUPS else "comm"
-
-
 def _comm_tasks(
     events: tuple[CommEvent, ...],
     costs: tuple[CollectiveCost, ...],
@@ -250,7 +248,7 @@ def _comm_tasks(
     waited_async = False
     for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
-        stream = _stream(event)
+        stream = STREAM_OF_GROUP.get(event.group, "comm")
         trigger = event.trigger
         after: list[int]
         if trigger in INSIDE_STAGE:
@@ -278,39 +276,6 @@ def _comm_tasks(
         tasks.append(_Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
         previous = place
     return tasks, waits
-
-
-def _attention_forward_s(scenario: Scenario, compute: ComputeModel) -> float:
-    """One block's attention core in forward on one rank, read off the compute model as the re-forward of selective
-    checkpointing, which recomputes exactly the attention core (core.compute, core.kernels)."""
-    training = dataclasses.replace(scenario.training, checkpointing="selective")
-    return stage_seconds(dataclasses.replace(scenario, training=training), compute)[1][1]
-
-
-def _hidden_exchange(
-    scenario: Scenario, compute: ComputeModel, events: tuple[CommEvent, ...], costs: tuple[CollectiveCost, ...]
-) -> dict[int, float]:
-    """Seconds of each stage's ring-attention exchange hidden behind its attention, by event index.
-
-    Ring attention computes on the K/V chunk in hand while the next one travels, so every step but the last overlaps
-    one chunk's attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Section 3): of a
-    stage's exchange, min(exchange, (cp - 1) / cp x the stage's attention core) is hidden (backward's attention taken
-    as twice forward's, as its FLOPs are); the rest delays the stage's compute like a tensor-parallel call."""
-    cp = scenario.strategy.cp
-    if cp == 1:
-        return {}
-    forward = _attention_forward_s(scenario, compute)
-    window = {"during_forward": forward, "during_recompute": forward, "during_backward": 2 * forward}
-    stages: dict[tuple[int, int, str], list[int]] = {}
-    for index, event in enumerate(events):
-        if event.group == "cp":
-            stages.setdefault((event.micro_batch, event.stage, event.trigger), []).append(index)
-    hidden: dict[int, float] = {}
-    for (_, _, trigger), members in stages.items():
-        exchange = sum(costs[index].time_s for index in members)
-        allowance = min(exchange, window[trigger] * (cp - 1) / cp)
-        hidden.update(dict.fromkeys(members, allowance))
-    return hidden
 
 
 def _slow_beside_async(
@@ -350,7 +315,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)
-    hidden = {computes + index: s for index, s in _hidden_exchange(scenario, compute, events, costs).items()}
+    hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
     waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
