@@ -269,7 +269,7 @@ def _comm_tasks(
         place = (event.micro_batch, event.stage, trigger)
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after.append(position - 1)
-        elif stream == "comm" and not (waited_async and asynchronous[position - first]):
+        elif stream != "host" and not (waited_async and asynchronous[position - first]):
             duration += sync_wait_s  # the first collective after compute waits for the later rank
             waited_async = waited_async or asynchronous[position - first]
         row = event.row
