@@ -192,3 +192,15 @@ def test_an_exchange_longer_than_the_attention_delays_the_block_by_the_rest() ->
     assert send.duration_s > attention / 2  # more than the one chunk's attention it overlaps
     assert block.start_s > previous.end_s
     assert block.start_s == pytest.approx(send.end_s - attention / 2, rel=1e-12)
+
+
+def test_sequence_parallelism_reduces_every_replicated_weight_of_gpt2() -> None:
+    # tiny-gpt2 (hidden 64, 2 blocks, 64 positions) in bf16 under FSDP2: per block ln_1 and ln_2 weight and bias and
+    # the two row-parallel biases (attn.c_proj, mlp.c_proj), 6 tensors of 64; the root's learned positions (64 x 64)
+    # and final norm weight and bias, as the teaching TensorParallelLM.sum_replicated_gradients reduces them
+    case = dataclasses.replace(
+        scenario(2, tp=2), model=model_preset("tiny-gpt2"), training=TrainingSpec(sequence_length=64)
+    )
+    reduced = rows(case, "tp")
+    assert reduced[("backward", "all_reduce", 64 * 2)] == 6 * 2 + 2
+    assert reduced[("backward", "all_reduce", 64 * 64 * 2)] == 1
