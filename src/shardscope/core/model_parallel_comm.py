@@ -31,10 +31,11 @@ and dV travel in the working dtype, as the teaching implementation sends them (r
 in fp32, which would double those sends under 16-bit training). A send and its recv are two ledger rows of the same
 payload (the pair batch_isend_irecv issues).
 
-The re-forward repeats what it recomputes: under full checkpointing (and on the blocks every:N checkpoints) the
-block's tensor-parallel calls and its exchange; under 'selective' the attention core, so the exchange only; under
-'op' (torchtitan's policy, core.op_checkpointing) the all-gathers (or all-reduces) whose outputs it does not save,
-while the reduce-scatters and the attention kernels are in its save list.
+The re-forward repeats what it recomputes, in the backward phase (when it runs, as a run's ledger records it):
+under full checkpointing (and on the blocks every:N checkpoints) the block's tensor-parallel calls and its exchange;
+under 'selective' the attention core, so the exchange only; under 'op' (torchtitan's policy, core.op_checkpointing)
+the all-gathers (or all-reduces) whose outputs it does not save, while the reduce-scatters and the attention kernels
+are in its save list.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
         recomputed = _recomputes(scenario, block - 1)
         again = {"block": block_calls, "linears": recomputed_linears}.get(recomputed, ())
         for op in again:
-            call("forward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
+            call("backward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
         for op in block_calls:
             call("backward", op, activation, block, "during_backward", f"block {block - 1}")
         _replicated_grads(call, replicated, block, weight_bytes)
@@ -162,7 +163,7 @@ def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
     for block in reversed(range(1, model.num_layers + 1)):
         if _recomputes(scenario, block - 1) in ("block", "attention"):
             at: Place = (micro_batch, block, "during_recompute")
-            exchange("forward", kv, cp - 1, at, f"K/V block {block - 1} (recompute)")
+            exchange("backward", kv, cp - 1, at, f"K/V block {block - 1} (recompute)")
         at = (micro_batch, block, "during_backward")
         exchange("backward", kv, cp - 1, at, f"K/V block {block - 1}")
         exchange("backward", kv, cp, at, f"dK/dV block {block - 1}")
