@@ -10,10 +10,11 @@ import dataclasses
 
 import pytest
 
-from shardscope.core.comm import collective_ledger, comm_events
+from shardscope.core.comm import collective_ledger, comm_events, setup_ledger
 from shardscope.core.compute import compute_model
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import event_cost, network_model, placement
+from shardscope.core.params import param_layout, rank_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.timeline import estimate_time
 from shardscope.presets import gpu_preset, model_preset
@@ -207,3 +208,23 @@ def test_sequence_parallelism_reduces_every_replicated_weight_of_gpt2() -> None:
     reduced = rows(case, "tp")
     assert reduced[("backward", "all_reduce", 64 * 2)] == 6 * 2 + 2
     assert reduced[("backward", "all_reduce", 64 * 64 * 2)] == 1
+
+
+def test_the_paper_engine_follows_the_teaching_grid_under_tp() -> None:
+    # ModelParallelTeaching (runtime/teaching/model_parallel.py): rank 0's whole model broadcast to the 4 ranks tensor
+    # by tensor, then every micro-batch one all-reduce of each tensor's tp slice over the dp ranks holding it
+    model = model_preset("tiny-llama")
+    case = Scenario(
+        model=model,
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=4, gpus_per_node=4),
+        training=TrainingSpec(sequence_length=32, grad_accum_steps=2, precision="fp32"),
+        strategy=Strategy(name="ddp", engine="paper", tp=2),
+    )
+    dp = [row for row in collective_ledger(case) if row.group == "dp"]
+    sliced = rank_layout(case)
+    assert {(row.op, row.group_size) for row in dp} == {("all_reduce", 2)}
+    assert sum(row.count for row in dp) == 2 * sliced.tensor_count
+    assert sum(row.total_payload_bytes for row in dp) == 2 * sliced.total_numel * 4
+    setup = setup_ledger(case)
+    assert {(row.op, row.group_size) for row in setup} == {("broadcast", 4)}
+    assert sum(row.total_payload_bytes for row in setup) == param_layout(model).total_numel * 4
