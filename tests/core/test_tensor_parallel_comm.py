@@ -228,3 +228,10 @@ def test_the_paper_engine_follows_the_teaching_grid_under_tp() -> None:
     setup = setup_ledger(case)
     assert {(row.op, row.group_size) for row in setup} == {("broadcast", 4)}
     assert sum(row.total_payload_bytes for row in setup) == param_layout(model).total_numel * 4
+
+
+def test_one_rank_per_tp_slice_sends_no_data_parallel_calls() -> None:
+    # 8 GPUs, tp 8: dp_shard x cp = 1, so FSDP's groups are single ranks; only the tp calls remain
+    case = scenario(8, tp=8)
+    assert {row.group for row in collective_ledger(case)} == {"tp"}
+    assert all(row.group_size > 1 for row in setup_ledger(case))

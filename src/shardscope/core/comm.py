@@ -49,8 +49,8 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     events = rules.step_events(scenario) + model_parallel_events(scenario, rules.param_comm_bytes(scenario))
     if scenario.strategy.offload == "optimizer":
         events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
-    if scenario.cluster.world_size == 1:  # a single rank sends nothing; host copies remain
-        events = [event for event in events if event.group == "host"]
+    if scenario.state_ranks == 1:  # data-parallel groups of one rank send nothing; host copies and tp calls remain
+        events = [event for event in events if event.group in ("host", "tp", "cp")]
     return tuple(events)
 
 
@@ -93,7 +93,7 @@ def setup_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
     """Collectives made once, before the first step, so that every rank starts from rank 0's weights."""
     if scenario.cluster.world_size == 1 or not scenario.model.has_shape:
         return ()
-    return merge_ledger(rules_for(scenario).setup_rows(scenario))
+    return merge_ledger([row for row in rules_for(scenario).setup_rows(scenario) if row.group_size > 1])
 
 
 def run_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
