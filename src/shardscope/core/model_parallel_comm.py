@@ -16,9 +16,10 @@ an all-gather for each reduce-scatter) in backward. torch's DTensor plan (torcht
   the max and the sum of exponentials, and the loss the target's logit, each b x s fp32 values (the logits are
   upcast to fp32 for the loss); its backward is local;
 - under sequence parallelism the weights every tp rank holds whole (norms, row-parallel biases, the MoE router,
-  learned positions) see only their sequence shard, so each one's gradient is all-reduced over tp after its stage's
-  backward (the teaching `sum_replicated_gradients` reduces them one tensor at a time, after the whole backward), in
-  the dtype the gathered weight has (the engine's `param_comm_bytes`).
+  learned positions) see only their sequence shard, so each one's gradient is all-reduced over tp, one tensor at a
+  time after the whole backward (the teaching `TensorParallelLM.sum_replicated_gradients`; Megatron-LM's
+  finalize_model_grads reduces them after backward too), in the dtype the gathered weight has (the engine's
+  `param_comm_bytes`).
 Payloads are b x (s / cp) x h in the working dtype: the unsharded buffer for all-gather and reduce-scatter, as
 everywhere in the ledger.
 
@@ -40,18 +41,13 @@ are in its save list.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from shardscope.choices import Trigger, checkpoints_block
-from shardscope.core.comm_events import CommEvent, Place, event, stage_of
+from shardscope.core.comm_events import CommEvent, Place, event
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import param_layout, rank_layout
 from shardscope.specs import Scenario
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
-
-Call = Callable[[str, str, int, int, Trigger, str], None]
-"""Adds one call: (phase, op, payload bytes, stage, trigger, what it is for)."""
 
 
 def model_parallel_events(scenario: Scenario, weight_bytes: int) -> list[CommEvent]:
@@ -105,10 +101,8 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     for _ in range(LOSS_PARALLEL_ALL_REDUCES):
         call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
 
-    replicated = _replicated_numels(scenario) if sequence_parallel else {}
     head_input = "reduce_scatter" if sequence_parallel else "all_reduce"  # the all-gather's conjugate, or f
     call("backward", head_input, activation, head, "during_backward", "head")
-    _replicated_grads(call, replicated, head, weight_bytes)
     for block in reversed(range(1, model.num_layers + 1)):
         recomputed = _recomputes(scenario, block - 1)
         again = {"block": block_calls, "linears": recomputed_linears}.get(recomputed, ())
@@ -116,30 +110,18 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
             call("backward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
         for op in block_calls:
             call("backward", op, activation, block, "during_backward", f"block {block - 1}")
-        _replicated_grads(call, replicated, block, weight_bytes)
     if sequence_parallel:
         call("backward", "all_gather", activation, 0, "during_backward", "embed")
-    _replicated_grads(call, replicated, 0, weight_bytes)
+        for name, numel in _replicated(scenario):
+            call("backward", "all_reduce", numel * weight_bytes, 0, "after_backward", f"gradient of {name}")
     return events
 
 
-def _replicated_grads(call: Call, replicated: dict[int, list[int]], stage: int, weight_bytes: int) -> None:
-    """Sequence parallelism: each of the stage's replicated weights has its gradient all-reduced over tp once the
-    stage's backward is done."""
-    for numel in replicated.get(stage, ()):
-        call("backward", "all_reduce", numel * weight_bytes, stage, "after_backward", "replicated gradient")
-
-
-def _replicated_numels(scenario: Scenario) -> dict[int, list[int]]:
-    """Elements of each weight every tp rank holds whole (the same shape in its slice as in the model), by stage."""
+def _replicated(scenario: Scenario) -> list[tuple[str, int]]:
+    """(name, elements) of each weight every tp rank holds whole: the same shape in its slice as in the model."""
     whole, sliced = param_layout(scenario.model), rank_layout(scenario)
-    blocks = whole.num_blocks
-    block = [t.numel for t, mine in zip(whole.block, sliced.block, strict=True) if t.shape == mine.shape]
-    numels: dict[int, list[int]] = {index: block for index in range(1, blocks + 1)}
-    for tensor, mine in zip(whole.root, sliced.root, strict=True):
-        if tensor.shape == mine.shape:
-            numels.setdefault(stage_of(tensor.name, blocks), []).append(tensor.numel)
-    return numels
+    pairs = zip(whole.tensors(), sliced.tensors(), strict=True)
+    return [(tensor.name, tensor.numel) for tensor, mine in pairs if tensor.shape == mine.shape]
 
 
 def _context_parallel(scenario: Scenario, micro_batch: int) -> list[CommEvent]:
