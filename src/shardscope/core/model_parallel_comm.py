@@ -64,12 +64,12 @@ def model_parallel_events(scenario: Scenario, weight_bytes: int) -> list[CommEve
 
 
 def _recomputes(scenario: Scenario, block: int) -> str:
-    """What block `block`'s re-forward runs again: 'block' (all of it), 'attention' (the core), 'linears' (the op
-    policy's unsaved matmuls) or '' (nothing)."""
+    """What block `block`'s re-forward runs again: 'block' (all of it), 'attention' (the core), 'unsaved' (every op
+    outside the op policy's save list; it replays the block and serves saved ops from its cache) or '' (nothing)."""
     checkpointing = scenario.training.checkpointing
     if checkpoints_block(checkpointing, block):
         return "block"
-    return {"selective": "attention", "op": "linears"}.get(checkpointing, "")
+    return {"selective": "attention", "op": "unsaved"}.get(checkpointing, "")
 
 
 def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) -> list[CommEvent]:
@@ -89,7 +89,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     # Per block, forward and backward alike: g and f (attention, then MLP), each a gather and a scatter under
     # sequence parallelism (backward's are the conjugates, in reverse order: the same four calls).
     block_calls = ("all_gather", "reduce_scatter") * 2 if sequence_parallel else ("all_reduce",) * 2
-    recomputed_linears = ("all_gather",) * 2 if sequence_parallel else ("all_reduce",) * 2
+    unsaved = ("all_gather",) * 2 if sequence_parallel else ("all_reduce",) * 2  # reduce-scatters are in the save list
 
     call("forward", "reduce_scatter" if sequence_parallel else "all_reduce", activation, 0, "during_forward", "embed")
     for block in range(1, model.num_layers + 1):
@@ -105,7 +105,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     call("backward", head_input, activation, head, "during_backward", "head")
     for block in reversed(range(1, model.num_layers + 1)):
         recomputed = _recomputes(scenario, block - 1)
-        again = {"block": block_calls, "linears": recomputed_linears}.get(recomputed, ())
+        again = {"block": block_calls, "unsaved": unsaved}.get(recomputed, ())
         for op in again:
             call("backward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
         for op in block_calls:
