@@ -61,7 +61,10 @@ def test_plan_report_compares_families_at_the_best_plan(planned: PlanResult, pla
     data = build(planned)
     best = planned.plans[0].scenario
     assert data.rows[data.chosen].memory.scenario == best
-    assert {row.label.split("(")[0] for row in data.rows} == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
+    families = {row.memory.scenario.strategy.canonical_name for row in data.rows}
+    assert families == {"ddp", "zero1", "zero2", "zero3", "hsdp"}
+    # every sibling keeps the chosen plan's mesh (its tensor and context parallel degrees)
+    assert {row.memory.scenario.parallelism.tp for row in data.rows} == {best.parallelism.tp}
     assert all(row.memory.scenario.cluster == best.cluster for row in data.rows)
     html = plan_report.read_text(encoding="utf-8")
     assert "Plans that fit, fastest first" in html and "Families that do not fit" in html

@@ -93,9 +93,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cp",
-        default="1,2,4,8",
-        help="context parallel degrees to search, a comma list (default %(default)s; those not splitting the "
-        "sequence into 2 x cp chunks are skipped)",
+        default="1",
+        help="context parallel degrees to search, a comma list, e.g. 1,2,4,8 for long sequences (default 1; those "
+        "not splitting the sequence into 2 x cp chunks are skipped)",
     )
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")

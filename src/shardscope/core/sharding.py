@@ -92,17 +92,23 @@ class WholeTensorShards:
 
 
 @cache
+def _numels_largest_first(layout: ParamLayout) -> tuple[int, ...]:
+    """Every tensor's elements, largest first (a stable sort: equal tensors keep their creation order)."""
+    return tuple(sorted((tensor.numel for tensor in layout.tensors()), reverse=True))
+
+
+@cache
 def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShards:
     """Greedy largest-first assignment, ties to the lowest rank (ZeroRedundancyOptimizer._partition_parameters)."""
     sizes = [0] * world_size
     counts = [0] * world_size
     largest = [0] * world_size
     heap = [(0, rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest rank first
-    for tensor in sorted(layout.tensors(), key=lambda t: t.numel, reverse=True):
+    for numel in _numels_largest_first(layout):
         size, rank = heapq.heappop(heap)
-        sizes[rank] = size + tensor.numel
+        sizes[rank] = size + numel
         counts[rank] += 1
-        largest[rank] = max(largest[rank], tensor.numel)
+        largest[rank] = max(largest[rank], numel)
         heapq.heappush(heap, (sizes[rank], rank))
     return WholeTensorShards(
         numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts), largest_per_rank=tuple(largest)

@@ -82,8 +82,9 @@ class PlanRequest:
     """Links and compute speed for the time model; None: the GPU's datasheet profile."""
     tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
     """Tensor parallel degrees to search; those above a node or not dividing the model's widths are skipped."""
-    context_parallel: tuple[int, ...] = (1, 2, 4, 8)
-    """Context parallel degrees to search; those not splitting the sequence into 2 x cp chunks are skipped."""
+    context_parallel: tuple[int, ...] = (1,)
+    """Context parallel degrees to search; those not splitting the sequence into 2 x cp chunks are skipped. Only cp 1
+    unless asked: context parallelism is for long sequences, and each degree multiplies the space searched."""
 
     def __post_init__(self) -> None:
         owner = "PlanRequest"

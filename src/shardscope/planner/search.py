@@ -33,7 +33,7 @@ from shardscope.planner.space import (
     offloads_for,
     variants,
 )
-from shardscope.planner.timing import PlanTiming, compute_lower_bound_s, plan_timing
+from shardscope.planner.timing import PlanTiming, compute_lower_bound_s, plan_timing, tensor_parallel_floor_s
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
 
@@ -49,7 +49,8 @@ class _Evaluator:
         self.hardware = request.hardware or default_profile(request.gpu)
         self._memory: dict[Scenario, MemoryEstimate] = {}
         self._timing: dict[Scenario, PlanTiming] = {}
-        self._bound: dict[tuple[int, str, int], float] = {}
+        self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
+        self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
 
     def memory(self, scenario: Scenario) -> MemoryEstimate:
         found = self._memory.get(scenario)
@@ -64,11 +65,17 @@ class _Evaluator:
         return found
 
     def lower_bound_s(self, scenario: Scenario) -> float:
-        training = scenario.training
-        key = (training.micro_batch_size, training.checkpointing, training.grad_accum_steps)
+        training, strategy = scenario.training, scenario.strategy
+        # what the compute stream does: the batch shape, the recompute, and each rank's share of the model
+        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
+        key = (training.micro_batch_size, training.grad_accum_steps, *shape)
         found = self._bound.get(key)
         if found is None:
-            found = self._bound[key] = compute_lower_bound_s(scenario, self.hardware)
+            floor = self._tp_floor.get(shape)
+            if floor is None:
+                floor = self._tp_floor[shape] = tensor_parallel_floor_s(scenario, self.hardware)
+            compute = compute_lower_bound_s(scenario, self.hardware)
+            found = self._bound[key] = compute + floor * training.grad_accum_steps
         return found
 
     @property

@@ -13,8 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardscope.core.compute import compute_model, model_flops_per_step, rank_stage_flops
-from shardscope.core.timeline import estimate_time
+from shardscope.core.comm_events import CommEvent
+from shardscope.core.compute import compute_model, model_flops_per_step
+from shardscope.core.kernels import stage_seconds
+from shardscope.core.model_parallel_comm import model_parallel_events
+from shardscope.core.network import event_cost, network_model
+from shardscope.core.timeline import INSIDE_STAGE, estimate_time
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -90,11 +94,26 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
 
 
 def compute_lower_bound_s(scenario: Scenario, hardware: HardwareProfile) -> float:
-    """The compute stream's forward, recompute and backward time: no step of this scenario is shorter."""
-    compute = compute_model(scenario, hardware)
-    per_micro_batch = 0.0
-    for stage in rank_stage_flops(scenario):
-        per_micro_batch += compute.seconds(stage.forward_flops, stage.forward_kernels)
-        per_micro_batch += compute.seconds(stage.recompute_flops, stage.recompute_kernels)
-        per_micro_batch += compute.backward_seconds(stage.backward_flops, stage.backward_kernels)
-    return per_micro_batch * scenario.training.grad_accum_steps
+    """The compute stream's forward, recompute and backward time as the time model prices it (core.kernels): no
+    step of this scenario is shorter."""
+    forward, recompute, backward = stage_seconds(scenario, compute_model(scenario, hardware))
+    return (sum(forward) + sum(recompute) + sum(backward)) * scenario.training.grad_accum_steps
+
+
+def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile) -> float:
+    """A floor under one micro-batch's tensor-parallel calls inside its stages: the time model puts each on the
+    critical path (a stage waits for it), so they add to the compute stream's time. Priced at one sequence per
+    micro-batch, so the floor holds for every micro-batch size (a call's time grows with its payload) and one value
+    serves them all."""
+    if scenario.strategy.tp == 1:
+        return 0.0
+    once = dataclasses.replace(
+        scenario, training=dataclasses.replace(scenario.training, micro_batch_size=1, grad_accum_steps=1)
+    )
+    net = network_model(hardware)
+    calls: dict[tuple[str, int], tuple[CommEvent, int]] = {}  # each distinct call priced once
+    for event in model_parallel_events(once, weight_bytes=1):
+        if event.group == "tp" and event.trigger in INSIDE_STAGE:
+            key = (event.row.op, event.row.payload_bytes)
+            calls[key] = (event, calls[key][1] + 1 if key in calls else 1)
+    return sum(event_cost(event, once, net).time_s * count for event, count in calls.values())

@@ -80,7 +80,11 @@ def _siblings(scenario: Scenario) -> list[Scenario]:
         if name == chosen.canonical_name:
             found.append(scenario)
             continue
-        strategy = chosen.sibling(name, chosen.shard_group or cluster.ranks_per_node)
+        # an hsdp sibling's shard group: the chosen one's, or one node's data-parallel ranks
+        group = chosen.shard_group or max(cluster.ranks_per_node // (chosen.tp * chosen.cp), 1)
+        if scenario.parallelism.data_parallel % group:
+            continue
+        strategy = chosen.sibling(name, group)
         found.append(dataclasses.replace(scenario, strategy=strategy))
     return found
 
