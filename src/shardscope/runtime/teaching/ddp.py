@@ -56,6 +56,13 @@ class DataParallelBucket(Trainer):
     def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
         self.module, self.world_size = module, dist.get_world_size()
         broadcast_module(module)
+        self._bucket(training, dist.group.WORLD)
+
+    def _bucket(self, training: TrainingSpec, group: dist.ProcessGroup | None) -> None:
+        """Flat buffers for self.module's units, whose gradients `group` (ranks holding the same parameters)
+        averages."""
+        module = self.module
+        self.group, self.replicas = group, dist.get_world_size(group)
         self.layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
         with measured_as("parameters"):
             self.flat_params = [layout.flatten(layout.unit.params) for layout in self.layouts]
@@ -75,8 +82,8 @@ class DataParallelBucket(Trainer):
 
     def _landed(self, index: int) -> None:
         self.pending[index] -= 1
-        if self.pending[index] == 0:  # the unit's bucket is complete: start its all-reduce, don't wait
-            work = dist.all_reduce(self.flat_grads[index], async_op=True)
+        if self.pending[index] == 0 and self.replicas > 1:  # the unit's bucket is complete: all-reduce, don't wait
+            work = dist.all_reduce(self.flat_grads[index], group=self.group, async_op=True)
             assert work is not None
             self.works.append(work)
 
@@ -87,7 +94,7 @@ class DataParallelBucket(Trainer):
         self.works.clear()
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         for grads in self.flat_grads:
-            grads.div_(self.world_size)
+            grads.div_(self.replicas)
 
     def step(self) -> None:
         self.optimizer.step(self.flat_grads)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
-from shardscope.runtime.teaching.flat import ShardOptimizer
+from shardscope.runtime.teaching.ddp import DataParallelBucket
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -46,8 +46,9 @@ class ProcessGrid:
         return mine
 
 
-class ModelParallelTeaching(Trainer):
-    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives."""
+class ModelParallelTeaching(DataParallelBucket):
+    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives: the
+    rank's shard in DataParallelBucket's flat per-unit buffers, whose gradients the data group averages."""
 
     def __init__(
         self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int = 1, sequence_parallel: bool = False
@@ -62,8 +63,7 @@ class ModelParallelTeaching(Trainer):
         self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
         if cp > 1:
             use_ring_attention(module, self.grid.cp_group)
-        self.params: list[torch.Tensor] = list(module.parameters())
-        self.optimizer = ShardOptimizer(self.params, training)  # under mixed precision, on an fp32 master copy
+        self._bucket(training, self.grid.data_group)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
@@ -71,26 +71,10 @@ class ModelParallelTeaching(Trainer):
         return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """The data group's average as the buckets fill, then, with sequence parallelism, the sum over tp of the
+        replicated weights' gradients (the two commute; Megatron-LM's order)."""
         super().backward(loss)
         self.parallel.sum_replicated_gradients()
-        data_ranks = self.grid.dp * self.grid.cp
-        for param in self.params:
-            if param.grad is not None and data_ranks > 1:
-                dist.all_reduce(param.grad, group=self.grid.data_group)
-                param.grad.div_(data_ranks)
-
-    def step(self) -> None:
-        self.optimizer.step([p.grad for p in self.params])  # type: ignore[misc]
-        for param in self.params:
-            param.grad = None
-
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            "parameters": list(self.params),
-            "gradients": [p.grad for p in self.params if p.grad is not None],
-            "optimizer_state": self.optimizer.state(),
-            "buffers": [],
-        }
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardscope.reference_models import Block, TransformerLM
+from shardscope.reference_models import Block, TransformerLM, lm_loss
 from shardscope.runtime.teaching.tp_ops import all_reduce_sum, reduce_from_parallel, region_entry, scatter_sequence
 
 COLUMN, ROW = 0, 1  # the weight dim a column- or row-parallel nn.Linear shards (its output or input features)
@@ -178,17 +178,22 @@ class TensorParallelLM:
         self.leave: Region = partial(scatter_sequence if sequence_parallel else reduce_from_parallel, group=group)
         self.vocab_start = self.rank * model.spec.vocab_size // self.size
         self._shard_linears()
-        tied = model.lm_head.weight is model.embed_tokens.weight
-        embedding = self._piece("embed_tokens.weight", model.embed_tokens.weight)
-        model.add_module("embed_tokens", VocabParallelEmbedding(embedding, self.vocab_start, self.leave))
-        head = model.embed_tokens.weight if tied else nn.Parameter(self._piece("lm_head.weight", model.lm_head.weight))
-        model.lm_head.weight = head
+        if self.size > 1:  # one rank with the whole vocabulary keeps the reference embedding and loss, as Megatron-LM
+            self._split_vocabulary()
         for block in model.layers:
             assert isinstance(block, Block)
             block.attn.heads //= self.size
             block.attn.kv_heads //= self.size
             block.attn.project = block.mlp.project = self.enter
         self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
+
+    def _split_vocabulary(self) -> None:
+        model = self.model
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        embedding = self._piece("embed_tokens.weight", model.embed_tokens.weight)
+        model.add_module("embed_tokens", VocabParallelEmbedding(embedding, self.vocab_start, self.leave))
+        head = model.embed_tokens.weight if tied else nn.Parameter(self._piece("lm_head.weight", model.lm_head.weight))
+        model.lm_head.weight = head
 
     def _piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return shard_of(name, whole.detach(), self.rank, self.size).clone()
@@ -222,6 +227,8 @@ class TensorParallelLM:
         for block in model.layers:
             x = block(x, (mask, cos, sin))
         (logits,) = self.enter(model.norm(x), [model.lm_head])
+        if self.size == 1:
+            return lm_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
 
     def sum_replicated_gradients(self) -> None:
