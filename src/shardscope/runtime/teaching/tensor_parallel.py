@@ -109,10 +109,10 @@ class RowParallelLinear(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Each token's cross entropy when this rank holds the logits of vocabulary entries [start, start + width), as
+    """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + width), as
     Megatron-LM's vocab_parallel_cross_entropy: log-sum-exp over the split vocabulary (the max, the exp sums and the
     target's logit all-reduced), saving only the softmax over the rank's slice and where the targets fall in it.
-    The gradient is softmax - one_hot(target) on every rank, each over its own slice."""
+    The gradient is (softmax - one_hot(target)) / tokens on every rank, each over its own slice."""
 
     @staticmethod
     def forward(
@@ -129,15 +129,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = all_reduce_sum(softmax.sum(dim=-1), group)
         softmax.div_(sum_exp[:, None])
         ctx.save_for_backward(softmax, outside, local)
-        return sum_exp.log_() - target_logit
+        return (sum_exp.log_() - target_logit).mean()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, outside, local = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        rows = torch.arange(len(local), device=local.device)
-        grad_logits[rows, local] -= (~outside).to(softmax.dtype)
-        return grad_logits.mul_(grad[:, None]), None, None, None
+        target = torch.zeros_like(softmax)  # one_hot(target) over this rank's slice: empty where it is elsewhere
+        target[torch.arange(len(local), device=local.device), local] = (~outside).to(softmax.dtype)
+        return (softmax - target).mul_(grad).div_(len(local)), None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -146,8 +145,8 @@ def vocab_parallel_cross_entropy(
     """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + logits.shape[-1])."""
     logits = logits.reshape(-1, logits.shape[-1])
     logits = logits if logits.dtype == torch.float64 else logits.float()  # as reference_models.lm_loss
-    losses: torch.Tensor = cast(Any, _VocabParallelCrossEntropy).apply(logits, targets.reshape(-1), start, group)
-    return losses.mean()
+    loss: torch.Tensor = cast(Any, _VocabParallelCrossEntropy).apply(logits, targets.reshape(-1), start, group)
+    return loss
 
 
 def check_divisible(model: TransformerLM, size: int) -> None:

@@ -97,10 +97,13 @@ class _GatheredLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
+        grad_whole = grads[0] @ weights[0]
+        for grad, weight in zip(grads[1:], weights[1:], strict=True):
+            grad_whole += grad @ weight
+        grad_x = reduce_scatter_sequence(grad_whole, ctx.group)
+        del grad_whole  # before the input is gathered again: the two whole-sequence tensors never live together
         whole = all_gather_sequence(x, ctx.group).flatten(0, -2)
-        grad_whole = sum(grad @ weight for grad, weight in zip(grads, weights, strict=True))
-        grad_weights = [grad.flatten(0, -2).T @ whole for grad in grads]
-        return reduce_scatter_sequence(cast(torch.Tensor, grad_whole), ctx.group), None, *grad_weights
+        return grad_x, None, *(grad.flatten(0, -2).T @ whole for grad in grads)
 
 
 class _ScatterSequence(torch.autograd.Function):
