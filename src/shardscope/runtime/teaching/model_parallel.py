@@ -58,7 +58,7 @@ class ModelParallelTeaching(DataParallelBucket):
         tokens_per_rank = training.sequence_length // cp
         if sequence_parallel and tokens_per_rank % tp:
             raise ValueError(f"sequence parallelism needs tp({tp}) to divide the tokens per cp rank({tokens_per_rank})")
-        self.positions = zigzag_positions(training.sequence_length, cp, self.grid.cp_index)
+        self.sequence_length = training.sequence_length
         broadcast_module(module)  # every rank starts from rank 0's weights and keeps its slice of them
         self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
         if cp > 1:
@@ -67,7 +67,8 @@ class ModelParallelTeaching(DataParallelBucket):
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
-        positions = self.positions.to(inputs.device)
+        # made each step, as the reference model's position ids are: gpt2's position embedding saves them
+        positions = zigzag_positions(self.sequence_length, self.grid.cp, self.grid.cp_index).to(inputs.device)
         return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -223,8 +223,8 @@ class TensorParallelLM:
         mask = mask[positions][:, positions]  # causal by true position (ring attention makes its own)
         if cos is not None and sin is not None:
             cos, sin = cos[positions], sin[positions]
-        for block in model.layers:
-            x = block(x, (mask, cos, sin))
+        for index, block in enumerate(model.layers):
+            x = model._run_block(index, block, x, (mask, cos, sin))  # under the run's checkpointing mode
         (logits,) = self.enter(model.norm(x), [model.lm_head])
         if self.size == 1:
             return lm_loss(logits, targets)
