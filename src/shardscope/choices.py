@@ -30,8 +30,19 @@ CollectiveOp = Literal[
     "host_to_device",
     "device_to_host",
 ]
-Trigger = Literal["before_forward", "before_backward", "after_backward", "after_step"]
+Trigger = Literal[
+    "before_forward",
+    "before_backward",
+    "after_backward",
+    "after_step",
+    "during_forward",
+    "during_recompute",
+    "during_backward",
+]
 CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp"]
+LedgerGroup = Literal["dp", "tp", "cp", "host"]
+"""The mesh dimension a ledger row runs on: 'dp' the data-parallel ranks holding one tensor-parallel slice
+(dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', or 'host' (a GPU-host copy)."""
 
 FAMILIES: tuple[Family, ...] = get_args(Family)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -45,6 +56,7 @@ BACKENDS: tuple[Backend, ...] = get_args(Backend)
 COLLECTIVE_OPS: tuple[CollectiveOp, ...] = get_args(CollectiveOp)
 TRIGGERS: tuple[Trigger, ...] = get_args(Trigger)
 COMM_GROUPS: tuple[CommGroup, ...] = get_args(CommGroup)
+LEDGER_GROUPS: tuple[LedgerGroup, ...] = get_args(LedgerGroup)
 
 Word = TypeVar("Word", bound=str)
 

@@ -97,6 +97,6 @@ def test_json_run(capsys: pytest.CaptureFixture[str], rejects_renamed_keys: Call
     assert len(document["per_rank"]) == 2
     assert set(document["per_rank"][0]) == set(MemoryBreakdown().to_json())
     assert document["parity"]["ok"] and document["parity"]["max_abs_diff"] <= 1e-10
-    assert {"phase", "op", "group_size", "payload_bytes", "count"} == set(document["ledger"][0])
+    assert {"phase", "op", "group", "group_size", "payload_bytes", "count"} == set(document["ledger"][0])
     assert "shardscope run: rank 0 " in captured.err  # progress while it runs
     assert rejects_renamed_keys(document) >= 6  # document, model, per_rank, ledger row, parity, mesh

@@ -122,13 +122,13 @@ def render_summary(estimate: TimeEstimate) -> str:
         [
             phase,
             op,
-            str(group),
+            f"{group} {size}",
             format_bytes(payload, "MiB"),
             str(int(count)),
             format_bytes(wire, "MiB"),
             f"{seconds * 1e3:.3f}",
         ]
-        for (phase, op, group, payload), (count, wire, seconds) in ledger_costs(scenario, net).items()
+        for (phase, op, group, size, payload), (count, wire, seconds) in ledger_costs(scenario, net).items()
     ]
     header = (
         f"{scenario.model.name}, {scenario.strategy.name} ({scenario.strategy.engine}) on {scenario.cluster.world_size}"

@@ -16,7 +16,8 @@ from typing import TypeVar
 
 from shardscope.core.comm_events import DDP_FIRST_BUCKET_BYTES, CommEvent, optimizer_offload_events
 from shardscope.core.engines import rules_for
-from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.model_parallel_comm import model_parallel_events
+from shardscope.core.result import CollectiveRow, LedgerKey, ledger_row, merge_ledger
 from shardscope.specs import Scenario, SpecError
 
 __all__ = [
@@ -37,18 +38,19 @@ def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
 
 
 def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
-    """Every collective and host copy of one step, in the order rank 0 issues them."""
+    """Every collective and host copy of one step: the engine's data-parallel calls, tensor and context
+    parallelism's (the same under every engine: DTensor's plan and ring attention), then optimizer offload's copies."""
     if not scenario.model.has_shape:
         raise SpecError(
             f"model {scenario.model.name!r} has only a parameter count; the ledger and the time model need its shape "
             f"(give --model or --config)"
         )
     rules = rules_for(scenario)
-    events = rules.step_events(scenario)
+    events = rules.step_events(scenario) + model_parallel_events(scenario, rules.param_comm_bytes(scenario))
     if scenario.strategy.offload == "optimizer":
         events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
-    if scenario.cluster.world_size == 1:  # a single rank sends nothing; host copies remain
-        events = [event for event in events if event.group == "host"]
+    if scenario.state_ranks == 1:  # data-parallel groups of one rank send nothing; host copies and tp calls remain
+        events = [event for event in events if event.group in ("host", "tp", "cp")]
     return tuple(events)
 
 
@@ -76,20 +78,14 @@ def repeated_totals(
     }
 
 
-def _call_counts(scenario: Scenario) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
-    return {
-        (row.phase, row.op, row.group_size, row.payload_bytes): (row.count,)
-        for row in merge_ledger([event.row for event in comm_events(scenario)])
-    }
+def _call_counts(scenario: Scenario) -> dict[LedgerKey, tuple[float, ...]]:
+    return {row.key: (row.count,) for row in merge_ledger([event.row for event in comm_events(scenario)])}
 
 
 def collective_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
-    """The step's ledger in the shared row schema (phase, op, group size, payload bytes, count); O(1) in the
+    """The step's ledger in the shared row schema (phase, op, group, group size, payload bytes, count); O(1) in the
     number of micro-batches."""
-    rows = [
-        CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=int(count))
-        for (phase, op, group, payload), (count,) in repeated_totals(scenario, _call_counts).items()
-    ]
+    rows = [ledger_row(key, int(count)) for key, (count,) in repeated_totals(scenario, _call_counts).items()]
     return merge_ledger(rows)
 
 
@@ -97,7 +93,7 @@ def setup_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:
     """Collectives made once, before the first step, so that every rank starts from rank 0's weights."""
     if scenario.cluster.world_size == 1 or not scenario.model.has_shape:
         return ()
-    return merge_ledger(rules_for(scenario).setup_rows(scenario))
+    return merge_ledger([row for row in rules_for(scenario).setup_rows(scenario) if row.group_size > 1])
 
 
 def run_ledger(scenario: Scenario) -> tuple[CollectiveRow, ...]:

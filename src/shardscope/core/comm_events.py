@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardscope.choices import CommGroup, Trigger
+from shardscope.choices import CommGroup, LedgerGroup, Trigger
 from shardscope.core.params import ParamLayout, ParamTensor, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import flat_shard_numel
@@ -36,15 +36,17 @@ class CommEvent:
     row: CollectiveRow
     """What moves (count 1)."""
     group: CommGroup
-    """'world' (all ranks), 'shard' (an hsdp shard group of consecutive ranks), 'replica' (ranks holding the same
-    shard, strided by the shard group size), or 'host' (a copy between this GPU and its host)."""
+    """'world' (every rank holding the same tensor-parallel slice, strided by tp), 'shard' (an hsdp shard group),
+    'replica' (ranks holding the same shard, strided by the shard group x tp), 'tp' (consecutive ranks), 'cp' (strided
+    by tp), or 'host' (a copy between this GPU and its host)."""
     micro_batch: int
     """The micro-batch it belongs to (the last one for optimizer-phase events)."""
     stage: int
     """The compute stage it waits for or feeds (see the module docstring); -1 for the optimizer step."""
     trigger: Trigger
     """'before_forward' / 'before_backward' (must finish before that stage runs), 'after_backward' (may start once
-    that stage's backward is done), 'after_step' (after the optimizer step)."""
+    that stage's backward is done), 'after_step' (after the optimizer step), 'during_forward' / 'during_recompute' /
+    'during_backward' (inside that stage's compute, between its matmuls: tensor and context parallelism's calls)."""
     label: str
     """A name for the trace, e.g. 'all_gather block 3'."""
 
@@ -98,17 +100,28 @@ def size_buckets(layout: ParamLayout, element: int, limits: Sequence[int]) -> tu
     return tuple(buckets)
 
 
+LEDGER_GROUP: dict[CommGroup, LedgerGroup] = {
+    "world": "dp",
+    "shard": "dp",
+    "replica": "dp",
+    "host": "host",
+    "tp": "tp",
+    "cp": "cp",
+}
+"""The mesh dimension of the ledger row of an event on each group: the data-parallel groups are one dimension."""
+
+
 @lru_cache(maxsize=4096)
-def _row(phase: str, op: str, size: int, payload: int) -> CollectiveRow:
+def _row(phase: str, op: str, group: LedgerGroup, size: int, payload: int) -> CollectiveRow:
     """One call's ledger row, shared by every event of that shape (a 70B step has hundreds of identical ones)."""
-    return CollectiveRow(phase=phase, op=op, group_size=size, payload_bytes=payload, count=1)
+    return CollectiveRow(phase=phase, op=op, group=group, group_size=size, payload_bytes=payload, count=1)
 
 
 def event(phase: str, op: str, size: int, payload: int, group: CommGroup, at: Place, label: str) -> CommEvent:
     """One call of `op` on a group of `size` ranks at `at`."""
     micro_batch, stage, trigger = at
     return CommEvent(
-        row=_row(phase, op, size, payload),
+        row=_row(phase, op, LEDGER_GROUP[group], size, payload),
         group=group,
         micro_batch=micro_batch,
         stage=stage,

@@ -14,6 +14,9 @@ CS-2" (Hockney): t = steps x alpha + bytes / beta, with a fixed cost per call ad
   inside the node.
 A ring that crosses nodes runs one channel per GPU's NIC, so its bus bandwidth is min(intra, g x inter) for g ranks of
 the group per node (NCCL: busBw = nChannels x speedInter).
+Ring attention's send is one hop: the payload over the intra-node link, or the inter-node one once the ring spans
+nodes; its recv costs nothing of its own. Groups lie on the mesh pp x dp_replicate x dp_shard x cp x tp, tp innermost
+(`placement`): a tp group of at most a node's GPUs stays on the intra-node link.
 Bus bandwidth is as "NCCL Tests: PERFORMANCE.md" defines it: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for
 reduce-scatter and all-gather, x 1 for broadcast.
 """
@@ -25,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from shardscope.core.comm import CommEvent, comm_events, repeated_totals
-from shardscope.core.result import CollectiveRow
+from shardscope.core.result import CollectiveRow, LedgerKey
 from shardscope.presets.hardware import HardwareProfile, InterconnectSpec, OpCost
 from shardscope.specs import Scenario, SpecError
 
@@ -115,13 +118,20 @@ class CollectiveCost:
 
 
 def placement(event: CommEvent, scenario: Scenario) -> Placement:
-    """Where the event's group lies: hsdp shard groups are consecutive ranks, replica groups strided by the shard."""
+    """Where the event's group lies on the mesh pp x dp_replicate x dp_shard x cp x tp (tp innermost, as torchtitan's
+    ParallelDims orders it): a tp group is consecutive ranks, a cp group strided by tp, the data-parallel groups
+    (every rank with the same tp slice, or an hsdp shard group of dp_shard x cp) by tp, and hsdp's replica groups by
+    the shard group x tp. A group strided by k has at most ranks per node / k of its ranks on one node."""
     per_node = scenario.cluster.ranks_per_node
     size = event.row.group_size
-    if event.group == "replica":
-        stride = scenario.shard_degree
-        return Placement(size=size, per_node=max(1, min(size, per_node // stride)))
-    return Placement(size=size, per_node=min(size, per_node))
+    group = event.group
+    if group == "tp":
+        stride = 1
+    elif group == "replica":
+        stride = scenario.shard_degree * scenario.strategy.tp
+    else:
+        stride = scenario.strategy.tp
+    return Placement(size=size, per_node=max(1, min(size, per_node // stride)))
 
 
 def _step_factor(op: str, ranks: int) -> tuple[float, int]:
@@ -173,13 +183,27 @@ def _hierarchical(op: str, payload: float, where: Placement, net: NetworkModel) 
     )
 
 
+def _send(payload: float, where: Placement, net: NetworkModel) -> CollectiveCost:
+    """One step of a ring of point-to-point sends (ring attention): the payload to the next rank, over the
+    inter-node link once the ring spans nodes (its slowest hop; one GPU's NIC), else within the node."""
+    link = net.inter_node if where.nodes > 1 else net.intra_node
+    inter = payload / where.per_node if where.nodes > 1 else 0.0
+    return CollectiveCost(
+        wire_bytes=payload, inter_node_bytes=inter, time_s=link.latency_s + payload / link.bandwidth_bytes_per_s
+    )
+
+
 def collective_cost(op: str, payload_bytes: float, where: Placement, net: NetworkModel) -> CollectiveCost:
-    """Wire bytes and time of one call of a collective on a group placed as given."""
-    if where.size <= 1:
+    """Wire bytes and time of one call of a collective on a group placed as given. A recv costs nothing of its own:
+    it completes with the send it is paired with (each rank sends and receives at once, over both directions of
+    its link), which carries the time."""
+    if where.size <= 1 or op == "recv":
         return CollectiveCost(wire_bytes=0.0, inter_node_bytes=0.0, time_s=0.0)
     net = net.for_op(op)
     algorithm = net.algorithm
-    if algorithm == "auto":
+    if op == "send":
+        cost = _send(payload_bytes, where, net)
+    elif algorithm == "auto":
         candidates = [_ring(op, payload_bytes, where, net)]
         if op == "all_reduce":
             candidates.append(_tree(payload_bytes, where, net))
@@ -220,6 +244,7 @@ def bus_bandwidth_bytes_per_s(row: CollectiveRow, time_s: float) -> float:
         "reduce_scatter": (ranks - 1) / ranks,
         "all_gather": (ranks - 1) / ranks,
         "broadcast": 1.0,
+        "send": 1.0,
     }.get(row.op)
     if factor is None:
         raise SpecError(f"op {row.op!r} has no bus bandwidth; it is not a collective")
@@ -242,15 +267,14 @@ def network_model(profile: HardwareProfile) -> NetworkModel:
     )
 
 
-def ledger_costs(scenario: Scenario, net: NetworkModel) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
-    """Calls, wire bytes and seconds of each ledger row (phase, op, group size, payload) of one step; O(1) in the
-    number of micro-batches."""
+def ledger_costs(scenario: Scenario, net: NetworkModel) -> dict[LedgerKey, tuple[float, ...]]:
+    """Calls, wire bytes and seconds of each ledger row (phase, op, group, group size, payload) of one step; O(1) in
+    the number of micro-batches."""
 
-    def tally(case: Scenario) -> dict[tuple[str, str, int, int], tuple[float, ...]]:
-        totals: dict[tuple[str, str, int, int], tuple[float, ...]] = {}
+    def tally(case: Scenario) -> dict[LedgerKey, tuple[float, ...]]:
+        totals: dict[LedgerKey, tuple[float, ...]] = {}
         for event in comm_events(case):
-            row, cost = event.row, event_cost(event, case, net)
-            key = (row.phase, row.op, row.group_size, row.payload_bytes)
+            key, cost = event.row.key, event_cost(event, case, net)
             count, wire, seconds = totals.get(key, (0, 0.0, 0.0))
             totals[key] = (count + 1, wire + cost.wire_bytes, seconds + cost.time_s)
         return totals

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from shardscope.choices import LEDGER_GROUPS
 from shardscope.core.params import count_parameters
 from shardscope.specs import Scenario, SpecError
 
@@ -16,7 +17,9 @@ ESTIMATE_SCHEMA = "shardscope.estimate/v1"
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary", "overhead")
 PHASES = ("setup", "forward", "backward", "optimizer")
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "host_to_device", "device_to_host")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "host_to_device", "device_to_host")
+LedgerKey = tuple[str, str, str, int, int]
+"""(phase, op, group, group size, payload bytes): what makes two ledger rows the same kind of call."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +87,8 @@ class CollectiveRow:
     phase: str
     """'setup', 'forward', 'backward' or 'optimizer'."""
     op: str
-    """'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast', or a host transfer under offload."""
+    """'all_reduce', 'reduce_scatter', 'all_gather', 'broadcast', 'send' and 'recv' (ring attention's exchange), or a
+    host transfer under offload."""
     group_size: int
     """Ranks taking part."""
     payload_bytes: int
@@ -92,12 +96,22 @@ class CollectiveRow:
     all_gather and reduce_scatter."""
     count: int
     """Calls of this shape in one step."""
+    group: str = "dp"
+    """The mesh dimension it runs on (choices.LedgerGroup): 'dp' (the data-parallel ranks, cp's included, that hold
+    one tensor-parallel slice), 'tp', 'cp', or 'host'; a tp and a dp call of the same size and payload differ."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise SpecError(f"CollectiveRow.phase={self.phase!r} is not known; allowed: {', '.join(PHASES)}")
         if self.op not in OPS:
             raise SpecError(f"CollectiveRow.op={self.op!r} is not known; allowed: {', '.join(OPS)}")
+        if self.group not in LEDGER_GROUPS:
+            raise SpecError(f"CollectiveRow.group={self.group!r} is not known; allowed: {', '.join(LEDGER_GROUPS)}")
+
+    @property
+    def key(self) -> LedgerKey:
+        """What makes two rows the same kind of call (everything but the count)."""
+        return self.phase, self.op, self.group, self.group_size, self.payload_bytes
 
     @property
     def total_payload_bytes(self) -> int:
@@ -109,6 +123,7 @@ class CollectiveRow:
         return {
             "phase": self.phase,
             "op": self.op,
+            "group": self.group,
             "group_size": self.group_size,
             "payload_bytes": self.payload_bytes,
             "count": self.count,
@@ -116,17 +131,18 @@ class CollectiveRow:
 
 
 def merge_ledger(rows: list[CollectiveRow] | tuple[CollectiveRow, ...]) -> tuple[CollectiveRow, ...]:
-    """Add up rows of the same phase, op, group size and payload; order by phase, then first appearance."""
-    counts: dict[tuple[str, str, int, int], int] = {}
+    """Add up rows of the same phase, op, group, group size and payload; order by phase, then first appearance."""
+    counts: dict[LedgerKey, int] = {}
     for row in rows:
-        key = (row.phase, row.op, row.group_size, row.payload_bytes)
-        counts[key] = counts.get(key, 0) + row.count
+        counts[row.key] = counts.get(row.key, 0) + row.count
     ordered = sorted(counts.items(), key=lambda item: PHASES.index(item[0][0]))
-    return tuple(
-        CollectiveRow(phase=phase, op=op, group_size=group, payload_bytes=payload, count=count)
-        for (phase, op, group, payload), count in ordered
-        if count
-    )
+    return tuple(ledger_row(key, count) for key, count in ordered if count)
+
+
+def ledger_row(key: LedgerKey, count: int) -> CollectiveRow:
+    """The row of `count` calls of the kind `key` names."""
+    phase, op, group, size, payload = key
+    return CollectiveRow(phase=phase, op=op, group=group, group_size=size, payload_bytes=payload, count=count)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,12 +1,15 @@
-"""One training step of one rank, simulated event by event on a compute stream, a communication stream and a host
-copy stream, so overlap (FSDP prefetch, DDP buckets reduced during backward) is counted, not assumed.
+"""One training step of one rank, simulated event by event on a compute stream, a communication stream, a host copy
+stream and a model-parallel stream (tp and cp calls, on process groups of their own), so overlap (FSDP prefetch, DDP
+buckets reduced during backward, ring attention's exchange behind its attention) is counted, not assumed.
 
 Streams run their work in issue order, as CUDA streams do. Every piece of work starts when its stream is free and the
 work it depends on has finished: a gather finishes before the stage that uses it, a gradient reduction starts after
 the backward that produced it, the optimizer waits for every reduction. Prefetch is FSDP2's: a unit's all-gather is
 issued while the previous unit computes, at most one ahead ("PyTorch FSDP: Experiences on Scaling Fully Sharded
-Data Parallel", Section 3.3: backward and forward prefetching). Without overlap (CPU gloo, where torch runs every
-collective on the caller's thread) all three streams are one.
+Data Parallel", Section 3.3: backward and forward prefetching). A tensor-parallel call sits between two matmuls of
+its stage, so it blocks that stage's compute (on the critical path); ring attention's exchange overlaps the attention
+of the chunk in hand (`core.ring_overlap`). Without overlap (CPU gloo, where torch runs every collective on the
+caller's thread) all the streams are one.
 
 Outputs: step time, exposed communication (the step's time beyond its compute), tokens per second, MFU as PaLM
 defines it ("PaLM: Scaling Language Modeling with Pathways", Appendix B: model FLOPs / (time x peak)), and the spans
@@ -34,11 +37,15 @@ from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, ne
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import rank_layout
 from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.ring_overlap import hidden_exchange
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
-STREAMS = ("compute", "comm", "host")
+STREAMS = ("compute", "comm", "host", "model_parallel")
+STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel"}
+"""Streams other than 'comm' (the data-parallel collectives): tp and cp run on process groups, so NCCL streams, of
+their own."""
 EXACT_MICRO_BATCHES = 16
 """Steps of up to this many micro-batches are simulated whole; longer ones are extended from it (`estimate_time`)."""
 
@@ -50,7 +57,7 @@ class Span:
     name: str
     """What it is, e.g. 'forward block 3' or 'all_gather block 3'."""
     stream: str
-    """'compute', 'comm' or 'host'."""
+    """'compute', 'comm' (data-parallel collectives), 'host' or 'model_parallel' (tp and cp calls)."""
     category: str
     """'forward', 'backward', 'recompute', 'optimizer', or the collective's op."""
     start_s: float
@@ -190,10 +197,12 @@ def _compute_tasks(
 
 
 def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
-    """The compute task a gather must precede (the recompute when there is one)."""
-    kind = "forward" if event.trigger == "before_forward" else "backward"
+    """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
+    stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
+    trigger = event.trigger
+    kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
     recompute = where.get(("recompute", event.micro_batch, event.stage))
-    if kind == "backward" and recompute is not None:
+    if recompute is not None and trigger in ("before_backward", "during_recompute"):
         return recompute
     return where[(kind, event.micro_batch, event.stage)]
 
@@ -212,6 +221,9 @@ def _event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: Network
     return tuple(costs)
 
 
+INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
+
+
 def _comm_tasks(
     events: tuple[CommEvent, ...],
     costs: tuple[CollectiveCost, ...],
@@ -221,6 +233,9 @@ def _comm_tasks(
     asynchronous: tuple[bool, ...],
 ) -> tuple[list[_Task], dict[int, list[int]]]:
     """Communication tasks with their issue keys, and the gathers each compute task waits for.
+
+    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
+    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
 
     The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
@@ -233,10 +248,15 @@ def _comm_tasks(
     waited_async = False
     for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
-        stream = "host" if event.group == "host" else "comm"
+        stream = STREAM_OF_GROUP.get(event.group, "comm")
         trigger = event.trigger
         after: list[int]
-        if trigger == "before_forward" or trigger == "before_backward":
+        if trigger in INSIDE_STAGE:
+            consumer = _consumer(event, where)
+            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
+            after = [consumer - 1] if consumer >= 1 else []
+            waits.setdefault(consumer, []).append(position)
+        elif trigger == "before_forward" or trigger == "before_backward":
             consumer = _consumer(event, where)
             key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
             after = [consumer - 2] if consumer >= 2 else []
@@ -249,7 +269,7 @@ def _comm_tasks(
         place = (event.micro_batch, event.stage, trigger)
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after.append(position - 1)
-        elif stream == "comm" and not (waited_async and asynchronous[position - first]):
+        elif stream != "host" and not (waited_async and asynchronous[position - first]):
             duration += sync_wait_s  # the first collective after compute waits for the later rank
             waited_async = waited_async or asynchronous[position - first]
         row = event.row
@@ -295,6 +315,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)
+    hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
     waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
@@ -309,7 +330,7 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
         for dep in task.after:
             start = max(start, finish[dep])
         for dep in waits.get(index, ()):
-            start = max(start, finish[dep])
+            start = max(start, finish[dep] - hidden.get(dep, 0.0))
         finish[index] = free[stream] = start + task.duration_s
         schedule.append((task.name, task.stream, task.category, start, task.duration_s, task.payload_bytes))
     step = max(finish, default=0.0)

@@ -39,6 +39,8 @@ COLORS = {
     "reduce_scatter": "#da8bc3",
     "all_gather": "#64b5cd",
     "broadcast": "#ccb974",
+    "send": "#b07aa1",
+    "recv": "#9c755f",
     "host_to_device": "#8c8c8c",
     "device_to_host": "#595959",
 }
@@ -138,7 +140,9 @@ def _timeline(data: ReportData) -> Figure:
     estimate = data.timeline
     figure, axes = plt.subplots(figsize=(7.5, 2.4))
     seen: set[str] = set()
-    for lane, stream in enumerate(STREAMS):
+    used = {span.stream for span in estimate.spans}
+    lanes = [stream for stream in STREAMS if stream in used or stream != "model_parallel"]  # tp/cp's only with them
+    for lane, stream in enumerate(lanes):
         spans = [span for span in estimate.spans if span.stream == stream]
         for start, duration, category in _merged(spans, estimate.step_time_s * MERGE_GAP):
             label = category.replace("_", "-") if category not in seen else None
@@ -146,7 +150,7 @@ def _timeline(data: ReportData) -> Figure:
             axes.broken_barh(
                 [(start, duration)], (lane - 0.4, 0.8), color=COLORS.get(category, "#333"), label=label, rasterized=True
             )
-    axes.set_yticks(range(len(STREAMS)), [f"{stream} stream" for stream in STREAMS])
+    axes.set_yticks(range(len(lanes)), [f"{stream} stream" for stream in lanes])
     axes.invert_yaxis()
     axes.set_xlabel("time in the step (s)")
     axes.legend(fontsize=7, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.35))

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from shardscope.choices import CHECKPOINTING, EVERY_PREFIX
+from shardscope.choices import CHECKPOINTING, EVERY_PREFIX, LEDGER_GROUPS
 from shardscope.core.result import CATEGORIES, OPS, PHASES
 from shardscope.mesh import Parallelism
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -105,7 +105,14 @@ DEFS: dict[str, Schema] = {
         description="Bytes one rank holds by category, their sum and the peak (MemoryBreakdown.to_json).",
     ),
     "collective": closed(
-        {"phase": enum(PHASES), "op": enum(OPS), "group_size": DEGREE, "payload_bytes": BYTES, "count": COUNT},
+        {
+            "phase": enum(PHASES),
+            "op": enum(OPS),
+            "group": enum(LEDGER_GROUPS),
+            "group_size": DEGREE,
+            "payload_bytes": BYTES,
+            "count": COUNT,
+        },
         description="One ledger row: collectives of one shape in a step (CollectiveRow.to_json).",
     ),
     "model": closed(

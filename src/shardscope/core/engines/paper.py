@@ -7,6 +7,11 @@ keep one flat buffer per unit (the root: embeddings, final norm and head; then e
 the shard degree D, so a rank holds ceil(P_u / D) elements of unit u, and Adam keeps one 4-byte step per buffer.
 Without a shape (--params) the model is one flat buffer, which is the paper's own accounting. Communication volumes
 follow the paper's Section 7: DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x.
+
+DDP with tensor or context parallelism runs as the teaching grid (runtime/teaching/model_parallel.py,
+ModelParallelTeaching): rank 0's whole model broadcast to the world tensor by tensor before each rank keeps its
+slice, then, every micro-batch after backward, one blocking all-reduce per parameter tensor (its tp slice) over the
+dp x cp ranks holding it; its optimizer steps over the tensors, not flat buffers.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from shardscope.choices import EngineName
 from shardscope.core.comm_events import (
     CommEvent,
+    event,
     gradient_reductions,
     per_tensor_broadcasts,
     sharded_events,
@@ -29,7 +35,7 @@ from shardscope.core.engines.base import (
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import ParamLayout, head_numel, rank_facts, rank_layout
+from shardscope.core.params import ParamLayout, head_numel, param_layout, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import flat_shard_numel, flat_units
 from shardscope.presets.hardware import HardwareProfile
@@ -69,9 +75,10 @@ class PaperRules(RulesDefaults):
         return (*blocks, (layout.root_numel * element, 0))
 
     def step_events(self, scenario: Scenario) -> list[CommEvent]:
-        """DDP all-reduces each unit's bucket as it fills; ZeRO-1 reduce-scatters every unit after the whole backward
-        and ZeRO-2 as each fills, then both all-gather each unit's padded flat buffer (root, then blocks); ZeRO-3
-        gathers and reduce-scatters per unit, keeping the root gathered from forward into backward."""
+        """DDP all-reduces each unit's bucket as it fills (each tensor after the backward in the tp/cp grid);
+        ZeRO-1 reduce-scatters every unit after the whole backward and ZeRO-2 as each fills, then both all-gather
+        each unit's padded flat buffer (root, then blocks); ZeRO-3 gathers and reduce-scatters per unit, keeping the
+        root gathered from forward into backward."""
         stage, layout = scenario.strategy.stage, rank_layout(scenario)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
         if stage == 3:
@@ -81,6 +88,8 @@ class PaperRules(RulesDefaults):
                 flat_shard_numel(layout.block_numel, degree) * degree,
             )
             return sharded_events(scenario, gathered, param, grad, regather_root=False)
+        if _in_model_parallel_grid(scenario):
+            return _grid_reductions(scenario, grad)
         buckets = self.gradient_buckets(scenario)
         events = gradient_reductions(scenario, buckets, grad, all_reduce=stage == 0, after_whole_backward=stage == 1)
         if stage == 0:
@@ -89,12 +98,24 @@ class PaperRules(RulesDefaults):
         return events + step_gathers(scenario, pieces, param)
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
-        return per_tensor_broadcasts(scenario, dtype_bytes(scenario.training.precision))
+        """Every parameter tensor broadcast from rank 0 (in the tp/cp grid the whole tensor to the world, before the
+        ranks keep their slices)."""
+        element = dtype_bytes(scenario.training.precision)
+        if _in_model_parallel_grid(scenario):
+            world = scenario.cluster.world_size
+            return [
+                CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)
+                for t in param_layout(scenario.model).tensors()
+            ]
+        return per_tensor_broadcasts(scenario, element)
 
     def framework_s(self, scenario: Scenario, profile: HardwareProfile) -> dict[TimePlace, float]:
         """The teaching strategies' Python hook calls where they fire and their bookkeeping ops, as many as the
-        profile's host extension says they run (shardscope.runtime.teaching declares them)."""
+        profile's host extension says they run (shardscope.runtime.teaching declares them; the tp/cp grid declares
+        none, so none are counted for it)."""
         extra: dict[TimePlace, float] = {}
+        if _in_model_parallel_grid(scenario):
+            return extra
         host = profile.host_terms
         counts = host.python_ops_at(scenario.strategy.stage)
         if host.hook_overhead_s:
@@ -106,12 +127,38 @@ class PaperRules(RulesDefaults):
         return extra
 
     def optimizer_tensors(self, scenario: Scenario) -> int:
-        """One flat buffer (or shard) per unit."""
-        return rank_layout(scenario).num_blocks + 1
+        """One flat buffer (or shard) per unit; every parameter tensor in the tp/cp grid."""
+        layout = rank_layout(scenario)
+        return layout.tensor_count if _in_model_parallel_grid(scenario) else layout.num_blocks + 1
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
-        """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward."""
-        return scenario.strategy.stage == 0 and event.trigger == "after_backward"
+        """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward; the tp/cp
+        grid's all-reduces block."""
+        return (
+            scenario.strategy.stage == 0
+            and event.trigger == "after_backward"
+            and event.group == "world"
+            and not _in_model_parallel_grid(scenario)
+        )
+
+
+def _in_model_parallel_grid(scenario: Scenario) -> bool:
+    """DDP with tp or cp, which the teaching runs as ModelParallelTeaching."""
+    return scenario.strategy.stage == 0 and scenario.parallelism.splits_model
+
+
+def _grid_reductions(scenario: Scenario, element: int) -> list[CommEvent]:
+    """ModelParallelTeaching.backward: each parameter tensor's gradient all-reduced over the dp x cp ranks holding
+    the same tp slice, every micro-batch, after the whole backward (none when those ranks are one)."""
+    ranks = scenario.state_ranks
+    if ranks == 1:
+        return []
+    tensors = rank_layout(scenario).tensors()
+    return [
+        event("backward", "all_reduce", ranks, t.numel * element, "world", (micro_batch, 0, "after_backward"), t.name)
+        for micro_batch in range(scenario.training.grad_accum_steps)
+        for t in tensors
+    ]
 
 
 def _states(scenario: Scenario) -> tuple[ModelStates, int]:

@@ -161,8 +161,8 @@ class PyTorchRules(RulesDefaults):
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """DDP's Reducer all-reduces its buckets with async_op=True from backward (zero1's too); FSDP2's own
-        overlap is part of its per-unit term."""
-        return runs_on_ddp(scenario) and event.trigger == "after_backward"
+        overlap is part of its per-unit term. Tensor parallelism's reductions are DTensor's, not the Reducer's."""
+        return runs_on_ddp(scenario) and event.trigger == "after_backward" and event.group == "world"
 
 
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:
