@@ -50,40 +50,39 @@ class DataParallelNaive(Trainer):
         return dict(self.module.named_parameters())
 
 
+def flat_buffers(module: nn.Module) -> tuple[list[FlatLayout], list[torch.Tensor], list[torch.Tensor]]:
+    """One flat parameter and one flat gradient buffer per unit, the parameters and their .grad views into them:
+    the gradients live from step to step, zeroed after each (DDP's gradient_as_bucket_view)."""
+    layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
+    with measured_as("parameters"):
+        flat_params = [layout.flatten(layout.unit.params) for layout in layouts]
+    with measured_as("gradients"):
+        flat_grads = [torch.zeros_like(flat) for flat in flat_params]
+    for layout, flat, grads in zip(layouts, flat_params, flat_grads, strict=True):
+        layout.point_params_at(flat)
+        for param, grad_view in zip(layout.unit.params, layout.views(grads), strict=True):
+            param.grad = grad_view  # autograd now accumulates straight into the bucket
+    return layouts, flat_params, flat_grads
+
+
 class DataParallelBucket(Trainer):
     """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call."""
 
     def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
         self.module, self.world_size = module, dist.get_world_size()
         broadcast_module(module)
-        self._bucket(training, dist.group.WORLD)
-
-    def _bucket(self, training: TrainingSpec, group: dist.ProcessGroup | None) -> None:
-        """Flat buffers for self.module's units, whose gradients `group` (ranks holding the same parameters)
-        averages."""
-        module = self.module
-        self.group, self.replicas = group, dist.get_world_size(group)
-        self.layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
-        with measured_as("parameters"):
-            self.flat_params = [layout.flatten(layout.unit.params) for layout in self.layouts]
-        with measured_as("gradients"):
-            self.flat_grads = [torch.zeros_like(flat) for flat in self.flat_params]
-        self.pending: list[int] = []
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
         self.works: list[dist.Work] = []
-        for index, (layout, flat, grads) in enumerate(
-            zip(self.layouts, self.flat_params, self.flat_grads, strict=True)
-        ):
-            layout.point_params_at(flat)
-            for param, grad_view in zip(layout.unit.params, layout.views(grads), strict=True):
-                param.grad = grad_view  # autograd now accumulates straight into the bucket
+        for index, layout in enumerate(self.layouts):
+            for param in layout.unit.params:
                 param.register_post_accumulate_grad_hook(lambda _p, index=index: self._landed(index))
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         self.optimizer = ShardOptimizer(self.flat_params, training)
 
     def _landed(self, index: int) -> None:
         self.pending[index] -= 1
-        if self.pending[index] == 0 and self.replicas > 1:  # the unit's bucket is complete: all-reduce, don't wait
-            work = dist.all_reduce(self.flat_grads[index], group=self.group, async_op=True)
+        if self.pending[index] == 0:  # the unit's bucket is complete: start its all-reduce, don't wait
+            work = dist.all_reduce(self.flat_grads[index], async_op=True)
             assert work is not None
             self.works.append(work)
 
@@ -94,7 +93,7 @@ class DataParallelBucket(Trainer):
         self.works.clear()
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         for grads in self.flat_grads:
-            grads.div_(self.replicas)
+            grads.div_(self.world_size)
 
     def step(self) -> None:
         self.optimizer.step(self.flat_grads)

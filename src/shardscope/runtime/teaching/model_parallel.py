@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
-from shardscope.runtime.teaching.ddp import DataParallelBucket
+from shardscope.runtime.teaching.ddp import flat_buffers
+from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import broadcast_module
+from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -46,9 +47,10 @@ class ProcessGrid:
         return mine
 
 
-class ModelParallelTeaching(DataParallelBucket):
-    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives: the
-    rank's shard in DataParallelBucket's flat per-unit buffers, whose gradients the data group averages."""
+class ModelParallelTeaching(Trainer):
+    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives. The
+    rank's slices sit in flat per-unit buffers, as DataParallelBucket's (the gradients live from step to step, one
+    optimizer step counter per unit); after backward the data group averages each gradient slice."""
 
     def __init__(
         self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int = 1, sequence_parallel: bool = False
@@ -63,7 +65,8 @@ class ModelParallelTeaching(DataParallelBucket):
         self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
         if cp > 1:
             use_ring_attention(module, self.grid.cp_group)
-        self._bucket(training, self.grid.data_group)
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
+        self.optimizer = ShardOptimizer(self.flat_params, training)  # under mixed precision, on an fp32 master copy
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
@@ -72,10 +75,26 @@ class ModelParallelTeaching(DataParallelBucket):
         return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The data group's average as the buckets fill, then, with sequence parallelism, the sum over tp of the
-        replicated weights' gradients (the two commute; Megatron-LM's order)."""
         super().backward(loss)
         self.parallel.sum_replicated_gradients()
+        data_ranks = self.grid.dp * self.grid.cp
+        for param in self.module.parameters():
+            if param.grad is not None and data_ranks > 1:
+                dist.all_reduce(param.grad, group=self.grid.data_group)
+                param.grad.div_(data_ranks)
+
+    def step(self) -> None:
+        self.optimizer.step(self.flat_grads)
+        for grads in self.flat_grads:
+            grads.zero_()
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "parameters": list(self.flat_params),
+            "gradients": list(self.flat_grads),
+            "optimizer_state": self.optimizer.state(),
+            "buffers": [],
+        }
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         out = {}
