@@ -70,7 +70,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def each_linear(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
     """Each linear applied to x: the input projections of attention and of the MLP. Tensor parallelism swaps in
-    its region entry (tp_ops.project_inputs), which enters once for all the projections of one input."""
+    its region entry (tp_ops.region_entry), which enters once for all the projections of one input."""
     return [linear(x) for linear in linears]
 
 
