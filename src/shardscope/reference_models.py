@@ -32,6 +32,8 @@ NORM_EPS = 1e-5
 # What every block needs besides its input, computed once per forward and shared by all blocks:
 # (causal mask, rope cos, rope sin); cos and sin are None for gpt2.
 Context = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# The input projections of one input, in order: (x, linears) -> each linear's output.
+Projection = Callable[[torch.Tensor, list[nn.Linear]], list[torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +66,12 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def each_linear(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+    """Each linear applied to x: the input projections of attention and of the MLP. Tensor parallelism swaps in
+    its region entry (tp_ops.region_entry), which enters once for all the projections of one input."""
+    return [linear(x) for linear in linears]
 
 
 def _ops(*names: str) -> frozenset[Any]:
@@ -132,6 +140,7 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.kind, self.selective = kind, selective
         self.core: Callable[..., torch.Tensor] = attention_core  # context parallelism swaps in ring attention
+        self.project: Projection = each_linear
         hidden, q_width, kv_width = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         if self.gpt2:
             self.c_attn = nn.Linear(hidden, 3 * hidden)
@@ -143,12 +152,12 @@ class Attention(nn.Module):
             self.o_proj = nn.Linear(q_width, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, context: Context) -> torch.Tensor:
-        batch, seq, _ = x.shape
         mask, cos, sin = context
         if self.gpt2:
-            q, k, v = self.c_attn(x).split(self.heads * self.head_dim, dim=-1)
+            q, k, v = self.project(x, [self.c_attn])[0].chunk(3, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.project(x, [self.q_proj, self.k_proj, self.v_proj])
+        batch, seq = q.shape[:2]  # seq is every token's, also when sequence parallelism splits x
         q = q.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -170,9 +179,10 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(hidden, ffn)
         self.c_proj = nn.Linear(ffn, hidden)
+        self.project: Projection = each_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(F.gelu(self.project(x, [self.c_fc])[0], approximate="tanh"))
 
 
 class SwiGLU(nn.Module):
@@ -183,9 +193,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, ffn, bias=False)
         self.up_proj = nn.Linear(hidden, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.project: Projection = each_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoE(nn.Module):

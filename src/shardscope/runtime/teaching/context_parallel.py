@@ -91,12 +91,16 @@ def _fold_heads(grad: torch.Tensor, repeat: int) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's zig-zag queries to every rank's keys and values."""
+    """Causal attention of this rank's zig-zag queries to every rank's keys and values. The output is laid out
+    token-major, (batch, seq, heads, head_dim) in memory, as the fused kernels lay theirs out: the output
+    projection reads it as (batch, seq, hidden) without a copy, and that one tensor is what both save."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         size, repeat = dist.get_world_size(group), q.shape[1] // k.shape[1]
-        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        batch, heads, rows, head_dim = q.shape
+        out = q.new_zeros(batch, rows, heads, head_dim).transpose(1, 2)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:  # the next block travels while this one is computed
@@ -104,7 +108,7 @@ class _RingAttention(torch.autograd.Function):
             keys, values = (_heads_for_queries(t, repeat) for t in kv)
             probs, block_lse = _block_probabilities(q, keys, _hidden_keys(q, group, step), None)
             merged = torch.logaddexp(lse, block_lse)  # step 0 is the rank's own block: every query sees itself
-            out = out * (lse - merged).exp()[..., None] + (probs @ values) * (block_lse - merged).exp()[..., None]
+            out.mul_((lse - merged).exp()[..., None]).add_((probs @ values) * (block_lse - merged).exp()[..., None])
             lse = merged
             if step < size - 1:
                 _finish(requests)

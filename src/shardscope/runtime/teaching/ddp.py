@@ -50,25 +50,31 @@ class DataParallelNaive(Trainer):
         return dict(self.module.named_parameters())
 
 
+def flat_buffers(module: nn.Module) -> tuple[list[FlatLayout], list[torch.Tensor], list[torch.Tensor]]:
+    """One flat parameter and one flat gradient buffer per unit, the parameters and their .grad views into them:
+    the gradients live from step to step, zeroed after each (DDP's gradient_as_bucket_view)."""
+    layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
+    with measured_as("parameters"):
+        flat_params = [layout.flatten(layout.unit.params) for layout in layouts]
+    with measured_as("gradients"):
+        flat_grads = [torch.zeros_like(flat) for flat in flat_params]
+    for layout, flat, grads in zip(layouts, flat_params, flat_grads, strict=True):
+        layout.point_params_at(flat)
+        for param, grad_view in zip(layout.unit.params, layout.views(grads), strict=True):
+            param.grad = grad_view  # autograd now accumulates straight into the bucket
+    return layouts, flat_params, flat_grads
+
+
 class DataParallelBucket(Trainer):
     """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call."""
 
     def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
         self.module, self.world_size = module, dist.get_world_size()
         broadcast_module(module)
-        self.layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
-        with measured_as("parameters"):
-            self.flat_params = [layout.flatten(layout.unit.params) for layout in self.layouts]
-        with measured_as("gradients"):
-            self.flat_grads = [torch.zeros_like(flat) for flat in self.flat_params]
-        self.pending: list[int] = []
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
         self.works: list[dist.Work] = []
-        for index, (layout, flat, grads) in enumerate(
-            zip(self.layouts, self.flat_params, self.flat_grads, strict=True)
-        ):
-            layout.point_params_at(flat)
-            for param, grad_view in zip(layout.unit.params, layout.views(grads), strict=True):
-                param.grad = grad_view  # autograd now accumulates straight into the bucket
+        for index, layout in enumerate(self.layouts):
+            for param in layout.unit.params:
                 param.register_post_accumulate_grad_hook(lambda _p, index=index: self._landed(index))
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         self.optimizer = ShardOptimizer(self.flat_params, training)

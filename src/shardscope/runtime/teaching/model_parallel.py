@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
+from shardscope.runtime.teaching.ddp import flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
 from shardscope.runtime.trainer import Trainer, broadcast_module
@@ -47,7 +48,9 @@ class ProcessGrid:
 
 
 class ModelParallelTeaching(Trainer):
-    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives."""
+    """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives. The
+    rank's slices sit in flat per-unit buffers, as DataParallelBucket's (the gradients live from step to step, one
+    optimizer step counter per unit); after backward the data group averages each gradient slice."""
 
     def __init__(
         self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int = 1, sequence_parallel: bool = False
@@ -57,37 +60,38 @@ class ModelParallelTeaching(Trainer):
         tokens_per_rank = training.sequence_length // cp
         if sequence_parallel and tokens_per_rank % tp:
             raise ValueError(f"sequence parallelism needs tp({tp}) to divide the tokens per cp rank({tokens_per_rank})")
-        self.positions = zigzag_positions(training.sequence_length, cp, self.grid.cp_index)
+        self.sequence_length = training.sequence_length
         broadcast_module(module)  # every rank starts from rank 0's weights and keeps its slice of them
         self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
         if cp > 1:
             use_ring_attention(module, self.grid.cp_group)
-        self.params: list[torch.Tensor] = list(module.parameters())
-        self.optimizer = ShardOptimizer(self.params, training)  # under mixed precision, on an fp32 master copy
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
+        self.optimizer = ShardOptimizer(self.flat_params, training)  # under mixed precision, on an fp32 master copy
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
-        positions = self.positions.to(inputs.device)
+        # made each step, as the reference model's position ids are: gpt2's position embedding saves them
+        positions = zigzag_positions(self.sequence_length, self.grid.cp, self.grid.cp_index).to(inputs.device)
         return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
         self.parallel.sum_replicated_gradients()
         data_ranks = self.grid.dp * self.grid.cp
-        for param in self.params:
+        for param in self.module.parameters():
             if param.grad is not None and data_ranks > 1:
                 dist.all_reduce(param.grad, group=self.grid.data_group)
                 param.grad.div_(data_ranks)
 
     def step(self) -> None:
-        self.optimizer.step([p.grad for p in self.params])  # type: ignore[misc]
-        for param in self.params:
-            param.grad = None
+        self.optimizer.step(self.flat_grads)
+        for grads in self.flat_grads:
+            grads.zero_()
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {
-            "parameters": list(self.params),
-            "gradients": [p.grad for p in self.params if p.grad is not None],
+            "parameters": list(self.flat_params),
+            "gradients": list(self.flat_grads),
             "optimizer_state": self.optimizer.state(),
             "buffers": [],
         }

@@ -3,8 +3,9 @@
 Each attention and MLP becomes a parallel region: its first linears are column-parallel (each rank keeps a slice of
 the output features, so of the heads, and needs the whole input), its last linear is row-parallel (each rank keeps
 the matching slice of the input features and makes a partial output that the ranks sum). The region is entered by
-`f` and left by `g` (tp_ops). The embedding is split over the vocabulary, and so is lm_head, whose logits never get
-gathered: the cross entropy is taken over the split vocabulary. Norms are replicated.
+`f` and left by `g` (tp_ops), and the reference blocks' input projections (`project`) are where it is entered. The
+embedding is split over the vocabulary, and so is lm_head, whose logits never get gathered: the cross entropy is
+taken over the split vocabulary (Megatron-LM's vocab_parallel_cross_entropy). Norms are replicated.
 
 With sequence parallelism (Reducing Activation Recomputation in Large Transformer Models, Section 4.2) the regions
 are entered by an all-gather and left by a reduce-scatter along the sequence, so the norms and the residual stream
@@ -19,20 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardscope.reference_models import Block, TransformerLM
-from shardscope.runtime.teaching.tp_ops import (
-    copy_to_parallel,
-    gather_sequence,
-    reduce_from_parallel,
-    scatter_sequence,
-)
+from shardscope.reference_models import Block, TransformerLM, lm_loss
+from shardscope.runtime.teaching.tp_ops import all_reduce_sum, reduce_from_parallel, region_entry, scatter_sequence
 
 COLUMN, ROW = 0, 1  # the weight dim a column- or row-parallel nn.Linear shards (its output or input features)
 VOCABULARY = 0  # embed_tokens.weight and lm_head.weight are (vocab, hidden)
@@ -112,27 +108,45 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + width), as
+    Megatron-LM's vocab_parallel_cross_entropy: log-sum-exp over the split vocabulary (the max, the exp sums and the
+    target's logit all-reduced), saving only the softmax over the rank's slice and where the targets fall in it.
+    The gradient is (softmax - one_hot(target)) / tokens on every rank, each over its own slice."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        biggest = logits.max(dim=-1).values
+        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
+        local = targets - start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        rows = torch.arange(len(local), device=local.device)
+        target_logit = all_reduce_sum((logits[rows, local] - biggest).masked_fill(outside, 0.0), group)
+        softmax = (logits - biggest[:, None]).exp_()
+        sum_exp = all_reduce_sum(softmax.sum(dim=-1), group)
+        softmax.div_(sum_exp[:, None])
+        ctx.save_for_backward(softmax, outside, local)
+        return (sum_exp.log_() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, outside, local = ctx.saved_tensors
+        target = torch.zeros_like(softmax)  # one_hot(target) over this rank's slice: empty where it is elsewhere
+        target[torch.arange(len(local), device=local.device), local] = (~outside).to(softmax.dtype)
+        return (softmax - target).mul_(grad).div_(len(local)), None, None, None
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, start: int, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + logits.shape[-1]).
-
-    log-sum-exp over the split vocabulary: the max is taken without gradient (the loss does not depend on it), the
-    exp sums and the target's logit are all-reduced with `g`, whose backward is the identity because every rank
-    computes the same loss from the sums."""
+    """Mean cross entropy when this rank holds the logits of vocabulary entries [start, start + logits.shape[-1])."""
     logits = logits.reshape(-1, logits.shape[-1])
     logits = logits if logits.dtype == torch.float64 else logits.float()  # as reference_models.lm_loss
-    targets = targets.reshape(-1)
-    with torch.no_grad():
-        biggest = logits.max(dim=-1).values
-        dist.all_reduce(biggest, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - biggest[:, None]
-    sum_exp = reduce_from_parallel(shifted.exp().sum(dim=-1), group)
-    local = targets - start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    target_logit = shifted.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1)
-    target_logit = reduce_from_parallel(target_logit.masked_fill(~inside, 0.0), group)
-    return (sum_exp.log() - target_logit).mean()
+    loss: torch.Tensor = cast(Any, _VocabParallelCrossEntropy).apply(logits, targets.reshape(-1), start, group)
+    return loss
 
 
 def check_divisible(model: TransformerLM, size: int) -> None:
@@ -159,29 +173,26 @@ class TensorParallelLM:
         self.model, self.group, self.sequence_parallel = model, group, sequence_parallel
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         check_divisible(model, self.size)
-        entry, leave = (
-            (gather_sequence, scatter_sequence) if sequence_parallel else (copy_to_parallel, reduce_from_parallel)
-        )
-        self.enter: Region = partial(entry, group=group)
-        self.leave: Region = partial(leave, group=group)
+        self.enter = region_entry(group, sequence_parallel)
+        self.leave: Region = partial(scatter_sequence if sequence_parallel else reduce_from_parallel, group=group)
         self.vocab_start = self.rank * model.spec.vocab_size // self.size
         self._shard_linears()
+        if self.size > 1:  # one rank with the whole vocabulary keeps the reference embedding and loss, as Megatron-LM
+            self._split_vocabulary()
+        for block in model.layers:
+            assert isinstance(block, Block)
+            block.attn.heads //= self.size
+            block.attn.kv_heads //= self.size
+            block.attn.project = block.mlp.project = self.enter
+        self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
+
+    def _split_vocabulary(self) -> None:
+        model = self.model
         tied = model.lm_head.weight is model.embed_tokens.weight
         embedding = self._piece("embed_tokens.weight", model.embed_tokens.weight)
         model.add_module("embed_tokens", VocabParallelEmbedding(embedding, self.vocab_start, self.leave))
         head = model.embed_tokens.weight if tied else nn.Parameter(self._piece("lm_head.weight", model.lm_head.weight))
         model.lm_head.weight = head
-        for block in model.layers:
-            assert isinstance(block, Block)
-            block.attn.heads //= self.size
-            block.attn.kv_heads //= self.size
-            block.attn.register_forward_pre_hook(self._enter_region)
-            block.mlp.register_forward_pre_hook(self._enter_region)
-        self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
-
-    def _enter_region(self, _module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Before attention or the MLP: f (or the all-gather) once on its input; its row-parallel linear leaves."""
-        return (self.enter(args[0]), *args[1:])
 
     def _piece(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         return shard_of(name, whole.detach(), self.rank, self.size).clone()
@@ -205,16 +216,18 @@ class TensorParallelLM:
         tokens of a context-parallel rank are two chunks of the sequence, not its start)."""
         model = self.model
         x = model.embed_tokens(input_ids)
-        held = positions.chunk(self.size)[self.rank] if self.sequence_parallel else positions
         if model.spec.family == "gpt2":
+            held = positions.chunk(self.size)[self.rank] if self.sequence_parallel else positions
             x = x + model.embed_positions(held)
         mask, cos, sin = model._context(int(positions.max()) + 1, x)
         mask = mask[positions][:, positions]  # causal by true position (ring attention makes its own)
         if cos is not None and sin is not None:
             cos, sin = cos[positions], sin[positions]
-        for block in model.layers:
-            x = block(x, (mask, cos, sin))
-        logits = model.lm_head(self.enter(model.norm(x)))
+        for index, block in enumerate(model.layers):
+            x = model._run_block(index, block, x, (mask, cos, sin))  # under the run's checkpointing mode
+        (logits,) = self.enter(model.norm(x), [model.lm_head])
+        if self.size == 1:
+            return lm_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
 
     def sum_replicated_gradients(self) -> None:

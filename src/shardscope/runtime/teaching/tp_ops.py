@@ -8,18 +8,24 @@ forward: the row-parallel partial outputs are summed; identity backward).
 Sequence parallelism (Reducing Activation Recomputation in Large Transformer Models, Section 4.2) replaces them
 with a conjugate pair along the sequence dim: entering all-gathers the rank's seq/tp tokens (reduce-scatter
 backward), leaving reduce-scatters the partial outputs so each rank keeps seq/tp tokens (all-gather backward).
-Same bytes on the wire as one all-reduce, but the norms and the residual stream hold only seq/tp tokens.
+Same bytes on the wire as one all-reduce, but the norms and the residual stream hold only seq/tp tokens. As in
+Megatron-LM (and the paper's Table 2), the entry is one operator with the column-parallel linears behind it, so
+that they save only the rank's seq/tp tokens for their weight gradients and all-gather them again in backward.
 
 Tensors are (batch, seq, hidden); SEQ_DIM is the one sequence parallelism splits.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
+from shardscope.reference_models import Projection, each_linear
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 
 SEQ_DIM = 1
@@ -73,17 +79,31 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence parallelism's entry: all-gather along the sequence forward, reduce-scatter backward."""
+class _GatheredLinears(torch.autograd.Function):
+    """Sequence parallelism's entry with the column-parallel linears behind it (Megatron-LM's linear with sequence
+    parallelism): forward all-gathers the rank's tokens and multiplies the whole sequence by each weight, saving
+    only the rank's tokens; backward all-gathers them again for the weight gradients and reduce-scatters the
+    input's gradient. Biases are added outside."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, *weights: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group = group
-        return all_gather_sequence(x, group)
+        ctx.save_for_backward(x, *weights)
+        whole = all_gather_sequence(x, group).contiguous()  # (batch, seq, hidden), as the linears' outputs are read
+        return tuple(F.linear(whole, weight) for weight in weights)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_sequence(grad, ctx.group), None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        grad_whole = grads[0] @ weights[0]
+        for grad, weight in zip(grads[1:], weights[1:], strict=True):
+            grad_whole += grad @ weight
+        grad_x = reduce_scatter_sequence(grad_whole, ctx.group)
+        del grad_whole  # before the input is gathered again: the two whole-sequence tensors never live together
+        whole = all_gather_sequence(x, ctx.group).flatten(0, -2)
+        return grad_x, None, *(grad.flatten(0, -2).T @ whole for grad in grads)
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -111,10 +131,21 @@ def reduce_from_parallel(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return out
 
 
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Enter a tensor-parallel region from seq/tp tokens: every rank gets the whole sequence."""
-    out: torch.Tensor = cast(Any, _GatherSequence).apply(x, group)
-    return out
+def gathered_linears(x: torch.Tensor, linears: list[nn.Linear], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Enter a tensor-parallel region from seq/tp tokens: each column-parallel linear of the whole sequence, from
+    one all-gather."""
+    outs = cast(Any, _GatheredLinears).apply(x, group, *(linear.weight for linear in linears))
+    return [out if linear.bias is None else out + linear.bias for out, linear in zip(outs, linears, strict=True)]
+
+
+def copied_linears(x: torch.Tensor, linears: list[nn.Linear], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Enter a tensor-parallel region with the whole input (f), then each column-parallel linear."""
+    return each_linear(copy_to_parallel(x, group), linears)
+
+
+def region_entry(group: dist.ProcessGroup, sequence_parallel: bool) -> Projection:
+    """The projections that enter a tensor-parallel region of this group (reference_models.Projection)."""
+    return partial(gathered_linears if sequence_parallel else copied_linears, group=group)
 
 
 def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
