@@ -31,6 +31,7 @@ ABOVE_PLANNER = ("shardscope.report", "shardscope.validate", "shardscope.lesson"
 RULES: dict[str, tuple[str, ...]] = {
     "shardscope.units": ("shardscope.", "torch"),
     "shardscope.specs": ("shardscope.presets", "shardscope.core", "shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
+    "shardscope.strategy": ("shardscope.presets", "shardscope.core", "shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
     "shardscope.presets": ("shardscope.core", "shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
     "shardscope.core": ("shardscope.planner", *ABOVE_CORE, *ABOVE_PLANNER),
     "shardscope.planner": (*ABOVE_CORE, *ABOVE_PLANNER),

@@ -109,3 +109,18 @@ def engine_name(word: str) -> EngineName:
     if word in ENGINE_ALIASES:
         return ENGINE_ALIASES[word]
     return parse_choice("engine", word, ENGINES)
+
+
+def require_choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """SpecError naming `owner.name`, the value and the allowed words when the value is not one of them."""
+    if value not in allowed:
+        raise SpecError(f"{owner}.{name}={value!r} is not known; allowed: {', '.join(allowed)}")
+
+
+def require_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
+    """SpecError naming `owner.name` and the value when it is not a whole number between `low` and `high`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{owner}.{name}={value!r} must be a whole number")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise SpecError(f"{owner}.{name}={value} must be {bound}")

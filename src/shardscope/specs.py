@@ -7,36 +7,27 @@ take one.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardscope.choices import (
     ATTENTION,
     BACKENDS,
-    ENGINES,
     FAMILIES,
-    OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
-    STRATEGIES,
     Attention,
     Backend,
-    EngineName,
     Family,
-    Offload,
     OptimizerName,
     Precision,
     SpecError,
-    StrategyName,
     parse_checkpointing,
+    require_choice,
+    require_int,
 )
-from shardscope.mesh import (
-    DATA_PARALLEL_PRESETS,
-    DataParallelPreset,
-    Parallelism,
-    canonical_strategy,
-    data_parallel_mesh,
-)
+from shardscope.mesh import Parallelism, data_parallel_mesh
+from shardscope.strategy import Strategy
 
 __all__ = [
     "ClusterSpec",
@@ -54,19 +45,6 @@ __all__ = [
 MAX_PARAMETERS = 10**15
 MAX_SEQUENCE_LENGTH = 10**8
 MAX_WORLD_SIZE = 10**6
-
-
-def _require_choice(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise SpecError(f"{owner}.{name}={value!r} is not known; allowed: {', '.join(allowed)}")
-
-
-def _require_int(owner: str, name: str, value: object, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{owner}.{name}={value!r} must be a whole number")
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise SpecError(f"{owner}.{name}={value} must be {bound}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,9 +87,9 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         owner = "ModelSpec"
-        _require_choice(owner, "family", self.family, FAMILIES)
+        require_choice(owner, "family", self.family, FAMILIES)
         if self.family == "count":
-            _require_int(owner, "declared_parameters", self.declared_parameters, 1, MAX_PARAMETERS)
+            require_int(owner, "declared_parameters", self.declared_parameters, 1, MAX_PARAMETERS)
             return
         for name in (
             "hidden_size",
@@ -122,19 +100,19 @@ class ModelSpec:
             "ffn_hidden_size",
             "vocab_size",
         ):
-            _require_int(owner, name, getattr(self, name), 1, 10**7)
+            require_int(owner, name, getattr(self, name), 1, 10**7)
         if self.num_heads % self.num_kv_heads:
             raise SpecError(f"{owner}.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.family == "gpt2":
-            _require_int(owner, "max_positions", self.max_positions, 1, MAX_SEQUENCE_LENGTH)
+            require_int(owner, "max_positions", self.max_positions, 1, MAX_SEQUENCE_LENGTH)
             if self.head_dim * self.num_heads != self.hidden_size:
                 raise SpecError(
                     f"{owner}.head_dim={self.head_dim} times num_heads={self.num_heads} must equal "
                     f"hidden_size={self.hidden_size} for gpt2"
                 )
         if self.family == "moe":
-            _require_int(owner, "num_experts", self.num_experts, 1, 100_000)
-            _require_int(owner, "experts_per_token", self.experts_per_token, 1, self.num_experts)
+            require_int(owner, "num_experts", self.num_experts, 1, 100_000)
+            require_int(owner, "experts_per_token", self.experts_per_token, 1, self.num_experts)
         elif self.num_experts or self.experts_per_token:
             raise SpecError(f"{owner}.num_experts={self.num_experts} is only allowed for family 'moe'")
 
@@ -164,7 +142,7 @@ class GpuSpec:
     """The datasheet the numbers come from."""
 
     def __post_init__(self) -> None:
-        _require_int("GpuSpec", "memory_bytes", self.memory_bytes, 1)
+        require_int("GpuSpec", "memory_bytes", self.memory_bytes, 1)
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON object."""
@@ -196,9 +174,9 @@ class ClusterSpec:
     a collective allocates beside its input, e.g. gloo's reduce-scatter works on a clone of its whole input."""
 
     def __post_init__(self) -> None:
-        _require_int("ClusterSpec", "world_size", self.world_size, 1, MAX_WORLD_SIZE)
-        _require_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1, 1024)
-        _require_choice("ClusterSpec", "backend", self.backend, BACKENDS)
+        require_int("ClusterSpec", "world_size", self.world_size, 1, MAX_WORLD_SIZE)
+        require_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1, 1024)
+        require_choice("ClusterSpec", "backend", self.backend, BACKENDS)
         if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
             raise SpecError(
                 f"ClusterSpec.world_size={self.world_size} must be a multiple of "
@@ -254,13 +232,13 @@ class TrainingSpec:
 
     def __post_init__(self) -> None:
         owner = "TrainingSpec"
-        _require_int(owner, "micro_batch_size", self.micro_batch_size, 1, 10**6)
-        _require_int(owner, "sequence_length", self.sequence_length, 1, MAX_SEQUENCE_LENGTH)
-        _require_int(owner, "grad_accum_steps", self.grad_accum_steps, 1, 10**6)
-        _require_choice(owner, "precision", self.precision, PRECISIONS)
-        _require_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
+        require_int(owner, "micro_batch_size", self.micro_batch_size, 1, 10**6)
+        require_int(owner, "sequence_length", self.sequence_length, 1, MAX_SEQUENCE_LENGTH)
+        require_int(owner, "grad_accum_steps", self.grad_accum_steps, 1, 10**6)
+        require_choice(owner, "precision", self.precision, PRECISIONS)
+        require_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
         parse_checkpointing(self.checkpointing, f"{owner}.checkpointing")
-        _require_choice(owner, "attention", self.attention, ATTENTION)
+        require_choice(owner, "attention", self.attention, ATTENTION)
 
     @property
     def is_mixed(self) -> bool:
@@ -278,95 +256,6 @@ class TrainingSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Strategy:
-    """How the data-parallel ranks split the model states, and whose memory rules apply."""
-
-    name: StrategyName
-    """'ddp', 'zero1', 'zero2', 'zero3', 'fsdp' (read as zero3) or 'hsdp'."""
-    engine: EngineName = "pytorch"
-    """Whose accounting: 'paper' (the ZeRO paper), 'pytorch' (DDP, ZeroRedundancyOptimizer, FSDP2) or 'deepspeed'."""
-    shard_group: int = 0
-    """hsdp only: ranks in one shard group; groups replicate each other."""
-    offload: Offload = "none"
-    """'none', 'optimizer' (optimizer state on the host) or 'optimizer+params' (zero3/hsdp: parameters too)."""
-    bucket_bytes: int = 25 * 1024 * 1024
-    """Gradient bucket size for DDP's all-reduce (torch's default is 25 MiB)."""
-    reshard_after_forward: bool = True
-    """zero3/hsdp under FSDP2: free gathered parameters after forward (False keeps them until backward)."""
-    gradient_as_bucket_view: bool = False
-    """DDP: gradients are views into the buckets, so the bucket copy costs no extra memory."""
-    tp: int = 1
-    """Tensor parallel degree: GPUs that split each layer's weights (Megatron's column- and row-parallel linears,
-    innermost in the mesh, inside a node). The data-parallel strategy applies over the world divided by tp x cp."""
-    cp: int = 1
-    """Context parallel degree: GPUs that split each sequence (ring attention over 2 x cp chunks)."""
-    sequence_parallel: bool | None = None
-    """Sequence parallelism in the norms and the residual stream between tp ranks ("Reducing Activation
-    Recomputation in Large Transformer Models", Section 4.2); None: on whenever tp > 1."""
-
-    def __post_init__(self) -> None:
-        owner = "Strategy"
-        _require_choice(owner, "name", self.name, STRATEGIES)
-        _require_choice(owner, "engine", self.engine, ENGINES)
-        _require_choice(owner, "offload", self.offload, OFFLOADS)
-        _require_int(owner, "bucket_bytes", self.bucket_bytes, 1)
-        if self.preset.groups_replicate:
-            _require_int(owner, "shard_group", self.shard_group, 1, MAX_WORLD_SIZE)
-        elif self.shard_group:
-            raise SpecError(
-                f"{owner}.shard_group={self.shard_group} is only used by hsdp; leave it unset for {self.name}"
-            )
-        _require_int(owner, "tp", self.tp, 1, MAX_WORLD_SIZE)
-        _require_int(owner, "cp", self.cp, 1, MAX_WORLD_SIZE)
-        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
-            raise SpecError(f"{owner}.sequence_parallel={self.sequence_parallel!r} must be true, false or unset")
-        if self.sequence_parallel and self.tp == 1:
-            raise SpecError(f"{owner}.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
-        if self.offload == "optimizer+params" and self.stage < 3:
-            raise SpecError(
-                f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), not {self.name}"
-            )
-
-    @property
-    def canonical_name(self) -> StrategyName:
-        """'fsdp' is another name for 'zero3'."""
-        return canonical_strategy(self.name)
-
-    @property
-    def uses_sequence_parallel(self) -> bool:
-        """Sequence parallelism is on: asked for, or left unset with tp > 1."""
-        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
-
-    @property
-    def label(self) -> str:
-        """The strategy as printed: its name, an hsdp's shard group and the model-parallel degrees above 1, e.g.
-        'hsdp(8)' or 'fsdp+tp4+cp2'."""
-        name = f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
-        if self.tp > 1:
-            name += f"+tp{self.tp}" + ("" if self.uses_sequence_parallel else "(no-sp)")
-        return name + (f"+cp{self.cp}" if self.cp > 1 else "")
-
-    def sibling(self, name: StrategyName, shard_group: int) -> Strategy:
-        """The strategy `name` with this one's other settings, for a side-by-side comparison: `shard_group` when
-        `name` splits into groups, and parameter offload kept only where parameters are sharded."""
-        preset = DATA_PARALLEL_PRESETS[name]
-        offload = self.offload
-        if offload == "optimizer+params" and preset.zero_stage < 3:
-            offload = "optimizer"
-        return replace(self, name=name, shard_group=shard_group if preset.groups_replicate else 0, offload=offload)
-
-    @property
-    def preset(self) -> DataParallelPreset:
-        """What the strategy's name means in mesh degrees."""
-        return DATA_PARALLEL_PRESETS[self.name]
-
-    @property
-    def stage(self) -> int:
-        """ZeRO stage: 0 for ddp, 1 to 3, and 3 for hsdp inside a group."""
-        return DATA_PARALLEL_PRESETS[self.name].zero_stage
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Overheads:
     """Memory that is not a tensor of the model: stated assumptions, overridable, never folded into other categories."""
 
@@ -376,7 +265,7 @@ class Overheads:
     """Fraction of the tensor peak the caching allocator holds beyond live tensors (fragmentation)."""
 
     def __post_init__(self) -> None:
-        _require_int("Overheads", "context_bytes", self.context_bytes, 0)
+        require_int("Overheads", "context_bytes", self.context_bytes, 0)
         if not 0.0 <= self.allocator_headroom <= 1.0:
             raise SpecError(f"Overheads.allocator_headroom={self.allocator_headroom} must be between 0 and 1")
 

@@ -65,7 +65,28 @@ def flat_buffers(module: nn.Module) -> tuple[list[FlatLayout], list[torch.Tensor
     return layouts, flat_params, flat_grads
 
 
-class DataParallelBucket(Trainer):
+class FlatBufferTrainer(Trainer):
+    """A trainer whose parameters and gradients live in `flat_buffers` and whose ShardOptimizer steps on them."""
+
+    flat_params: list[torch.Tensor]
+    flat_grads: list[torch.Tensor]
+    optimizer: ShardOptimizer
+
+    def step(self) -> None:
+        self.optimizer.step(self.flat_grads)
+        for grads in self.flat_grads:
+            grads.zero_()
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            "parameters": list(self.flat_params),
+            "gradients": list(self.flat_grads),
+            "optimizer_state": self.optimizer.state(),
+            "buffers": [],
+        }
+
+
+class DataParallelBucket(FlatBufferTrainer):
     """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call."""
 
     def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
@@ -94,19 +115,6 @@ class DataParallelBucket(Trainer):
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         for grads in self.flat_grads:
             grads.div_(self.world_size)
-
-    def step(self) -> None:
-        self.optimizer.step(self.flat_grads)
-        for grads in self.flat_grads:
-            grads.zero_()
-
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            "parameters": list(self.flat_params),
-            "gradients": list(self.flat_grads),
-            "optimizer_state": self.optimizer.state(),
-            "buffers": [],
-        }
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
-from shardscope.runtime.teaching.ddp import flat_buffers
+from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -47,7 +47,7 @@ class ProcessGrid:
         return mine
 
 
-class ModelParallelTeaching(Trainer):
+class ModelParallelTeaching(FlatBufferTrainer):
     """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives. The
     rank's slices sit in flat per-unit buffers, as DataParallelBucket's (the gradients live from step to step, one
     optimizer step counter per unit); after backward the data group averages each gradient slice."""
@@ -82,19 +82,6 @@ class ModelParallelTeaching(Trainer):
             if param.grad is not None and data_ranks > 1:
                 dist.all_reduce(param.grad, group=self.grid.data_group)
                 param.grad.div_(data_ranks)
-
-    def step(self) -> None:
-        self.optimizer.step(self.flat_grads)
-        for grads in self.flat_grads:
-            grads.zero_()
-
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        return {
-            "parameters": list(self.flat_params),
-            "gradients": list(self.flat_grads),
-            "optimizer_state": self.optimizer.state(),
-            "buffers": [],
-        }
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         out = {}
