@@ -54,6 +54,13 @@ def test_ring_across_nodes_runs_at_the_nics_times_gpus_per_node() -> None:
     assert one_per_node.time_s == pytest.approx(2 * 15 / 16 * 1e9 / (50 * GB))
 
 
+def test_a_group_that_does_not_fill_its_last_node_still_crosses_nodes() -> None:
+    # 12 consecutive ranks on 8-GPU nodes: 8 on one node, 4 on the next, so the ring crosses the network
+    assert Placement(size=12, per_node=8).nodes == 2
+    cost = collective_cost("all_reduce", 1e9, Placement(size=12, per_node=8), _net())
+    assert cost.inter_node_bytes > 0
+
+
 def test_hierarchical_sends_one_gth_of_the_buffer_across_nodes() -> None:
     cost = collective_cost("all_reduce", 8e9, Placement(size=32, per_node=8), _net("hierarchical"))
     assert cost.inter_node_bytes == pytest.approx(2 * 3 / 4 * 8e9 / 8)

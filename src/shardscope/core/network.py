@@ -101,8 +101,8 @@ class Placement:
 
     @property
     def nodes(self) -> int:
-        """Nodes the group spans."""
-        return max(1, self.size // self.per_node)
+        """Nodes the group spans: a group that does not fill its last node still reaches it."""
+        return max(1, -(-self.size // self.per_node))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
