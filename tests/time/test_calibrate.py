@@ -128,8 +128,9 @@ def test_model_op_costs_are_the_reference_models_time_beyond_its_flops() -> None
 def test_optimizer_step_overhead_is_a_plausible_time() -> None:
     from shardscope.calibrate.overheads import measure_optimizer_step_overhead
 
-    # without a process group: forward, backward, then the optimizer step twice; the first call's extra, 0..10 ms
-    assert 0.0 <= measure_optimizer_step_overhead(repeats=3) < 1e-2
+    # without a process group: forward, backward, then the optimizer step twice; the first call's extra is 0.15-0.37 ms
+    # on an idle host (docs/time-model.md); under 50 ms even when other processes share the two cores
+    assert 0.0 <= measure_optimizer_step_overhead(repeats=3) < 5e-2
 
 
 def test_bookkeeping_op_cost_is_a_plausible_time() -> None:
