@@ -16,7 +16,7 @@ dp x cp ranks holding it; its optimizer steps over the tensors, not flat buffers
 
 from __future__ import annotations
 
-from shardscope.choices import EngineName
+from shardscope.choices import EngineName, checkpoints_block
 from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.comm_events import (
     CommEvent,
@@ -176,7 +176,10 @@ def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEsti
     gathered again (a contiguous copy) for the weight gradient. The top block's backward peaks in the output
     projection's: its weight and input gradients beside the output's gradient (gathered under sequence
     parallelism), or in llama's SwiGLU product, whose two gradients outlive the projection's saved input; or in
-    ring attention's (core.rank_share)."""
+    ring attention's (core.rank_share), or in selective checkpointing's re-forward of the attention core. Under
+    full checkpointing the recomputed block is live from the start of its backward: the teaching grid's measured
+    peak there is up to one tokens x ffn/tp tensor per block lower (the re-forward frees what each node has
+    unpacked), which this does not follow."""
     model, training = scenario.model, scenario.training
     share = rank_share(scenario, megatron=True)
     sizes = sizes_of(model, training, share)
@@ -203,7 +206,11 @@ def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEsti
     projection = sizes.ffn * hidden * element + ffn + output_grad
     product = 2 * ffn if model.family == "llama" else ffn
     own = max(projection, product, ring_attention_backward_bytes(sizes, share))
-    top_acts = acts.saved_bytes - acts.head_bytes + acts.recompute_bytes
+    top_acts = acts.saved_bytes - acts.head_bytes
+    if checkpoints_block(training.checkpointing, model.num_layers - 1):
+        top_acts += acts.recompute_bytes  # the whole block made again before its backward
+    else:  # selective recomputes the attention core inside the attention's backward, after the MLP's
+        own = max(own, acts.recompute_bytes)
     top = as_live_bytes((params, grads, optimizer, top_acts, persistent, acts.hidden_bytes + loss + tied + own))
     return top, head
 
