@@ -172,7 +172,8 @@ def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEsti
     embedding's is added to it, at the end of backward. The head's backward holds the logits' gradient (less the
     loss's saved tensors, freed before) with the head's weight gradient and its input's gradient, or, past the
     matmuls, that input gradient and its copy that f all-reduces; under sequence parallelism Megatron-LM's entry
-    holds the whole-sequence input gradient and its contiguous copy while it reduce-scatters, then the input
+    holds the whole-sequence input gradient and its contiguous copy (and gloo's clone of it) while it
+    reduce-scatters, then the input
     gathered again (a contiguous copy) for the weight gradient. The top block's backward peaks in the output
     projection's: its weight and input gradients beside the output's gradient (gathered under sequence
     parallelism), or in llama's SwiGLU product, whose two gradients outlive the projection's saved input; or in
@@ -195,7 +196,9 @@ def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEsti
     # The logits' gradient the head's backward reads: one tokens x vocab fp32 tensor, or its 16-bit cast.
     logits_grad = acts.log_softmax_bytes if element == sizes.stat else acts.logits_bytes
     if share.sequence_parallel:
-        matmuls = whole_input // tp + max(2 * whole_input, whole_input + head_weight)
+        # gloo's reduce-scatter clones its whole input too (ProcessGroupGloo::reduce_scatter_tensor_coalesced)
+        scatter = (3 if scenario.cluster.backend == "gloo" else 2) * whole_input
+        matmuls = whole_input // tp + max(scatter, whole_input + head_weight)
         head_temporary = logits_grad + matmuls
     else:
         head_temporary = max(logits_grad + head_weight + whole_input, 2 * whole_input + tied)
