@@ -173,14 +173,14 @@ def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEsti
     loss's saved tensors, freed before) with the head's weight gradient and its input's gradient, or, past the
     matmuls, that input gradient and its copy that f all-reduces; under sequence parallelism Megatron-LM's entry
     holds the whole-sequence input gradient and its contiguous copy (and gloo's clone of it) while it
-    reduce-scatters, then the input
-    gathered again (a contiguous copy) for the weight gradient. The top block's backward peaks in the output
-    projection's: its weight and input gradients beside the output's gradient (gathered under sequence
-    parallelism), or in llama's SwiGLU product, whose two gradients outlive the projection's saved input; or in
-    ring attention's (core.rank_share), or in selective checkpointing's re-forward of the attention core. Under
-    full checkpointing the recomputed block is live from the start of its backward: the teaching grid's measured
-    peak there is up to one tokens x ffn/tp tensor per block lower (the re-forward frees what each node has
-    unpacked), which this does not follow."""
+    reduce-scatters, then the input gathered again (a contiguous copy) for the weight gradient. The top block's
+    backward peaks in the output projection's: its weight and input gradients beside the output's gradient
+    (gathered under sequence parallelism), or in llama's SwiGLU product, whose two gradients outlive the
+    projection's saved input; or in ring attention's (core.rank_share), or in selective checkpointing's re-forward
+    of the attention core. Full checkpointing is not followed exactly: the grid passes the RoPE tables and the
+    causal mask to every checkpointed block, which keeps them (counted here as recomputed), and the recomputed
+    block at its MLP's backward is counted up to one tokens x hidden tensor over (its input, which the stored
+    input and its first norm share)."""
     model, training = scenario.model, scenario.training
     share = rank_share(scenario, megatron=True)
     sizes = sizes_of(model, training, share)
