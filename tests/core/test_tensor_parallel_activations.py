@@ -133,7 +133,7 @@ def test_whole_share_changes_nothing() -> None:
     assert estimate_activations(model, training) == estimate_activations(model, training, share=WHOLE)
     assert llama().block_bytes == llama_block(S, S, S, 1, S) == 344_211_456
     whole = scenario(model, "pytorch", sequence_length=S)
-    assert rank_share(whole, regathers_in_backward=True) is WHOLE
+    assert rank_share(whole, megatron=True) is WHOLE
     assert rank_stage_flops(whole) == stage_flops(model, training)
 
 
@@ -203,3 +203,39 @@ def test_per_op_block_time_falls_with_tp() -> None:
     whole_forward = stage_seconds(whole, compute_model(whole, profile))[0][1]
     split_forward = stage_seconds(split, compute_model(split, profile))[0][1]
     assert whole_forward / 4 <= split_forward < whole_forward / 2
+
+
+def test_megatron_vocab_parallel_loss_keeps_a_mask_per_token_and_no_total_weight() -> None:
+    # Megatron-LM's vocab-parallel embedding and cross entropy (the teaching TensorParallelLM) each save a one-byte
+    # mask per token; the cross entropy saves no 4-byte total weight, and its targets and mask go with its softmax.
+    # Its backward holds them while it makes the gradient, with the loss value (4 bytes in fp32) live beside it.
+    model, training = model_preset("llama-3-8b"), TrainingSpec(sequence_length=S, precision="fp32")
+    torch_loss = estimate_activations(model, training, share=RankShare(tp=4))
+    megatron = estimate_activations(model, training, share=RankShare(tp=4, vocab_parallel_loss=True))
+    assert megatron.saved_bytes - torch_loss.saved_bytes == 2 * S - 4
+    assert megatron.head_bytes - torch_loss.head_bytes == S * (8 + 1)  # the int64 targets and their mask
+    assert megatron.loss_backward_spike_bytes - torch_loss.loss_backward_spike_bytes == 4
+    assert megatron.head_gradient_bytes == S * VOCAB // 4 * 4  # one fp32 gradient: the one-hot target is freed
+    assert megatron.stored_block_bytes == torch_loss.stored_block_bytes  # Table 2's per-layer form is untouched
+    assert rank_share(scenario(model, "paper", tp=4), megatron=True).vocab_parallel_loss
+
+
+def test_the_paper_grid_peaks_in_the_output_heads_backward_when_its_weight_gradient_outweighs_the_logits() -> None:
+    # The teaching grid (ddp, tp 2 x cp 2, no sequence parallelism) of tiny-llama (hidden 64, vocabulary 256, untied)
+    # at 2 x 32 tokens in fp32: 32 tokens a rank. In lm_head's backward the logits' gradient (32 x 128 fp32), the
+    # weight's (128 x 64) and the input's (32 x 64) are live with the loss and its gradient, the loss's saved
+    # softmax, targets and masks freed (measured: tests/distributed/test_model_parallel_prediction.py).
+    case = Scenario(
+        model=model_preset("tiny-llama"),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=4, gpus_per_node=4, backend="gloo"),
+        training=TrainingSpec(micro_batch_size=2, sequence_length=32, precision="fp32"),
+        strategy=Strategy(name="ddp", engine="paper", tp=2, cp=2, sequence_parallel=False),
+        overheads=NO_OVERHEAD,
+    )
+    memory = rules_for(case).rank_memory(case, 0)
+    moments = dict(memory.moments)
+    head, start = moments["output head's backward"], moments["start of backward"]
+    tokens, vocab, hidden = 32, 128, 64
+    assert head.temporary == tokens * vocab * 4 + vocab * hidden * 4 + tokens * hidden * 4 + 4 + 4
+    assert start.activations - head.activations == tokens * vocab * 4 + tokens * (8 + 1)
+    assert sum(head) > max(sum(live) for name, live in moments.items() if name != "output head's backward")

@@ -235,3 +235,21 @@ def test_one_rank_per_tp_slice_sends_no_data_parallel_calls() -> None:
     case = scenario(8, tp=8)
     assert {row.group for row in collective_ledger(case)} == {"tp"}
     assert all(row.group_size > 1 for row in setup_ledger(case))
+
+
+def test_megatron_sequence_parallelism_gathers_each_entrys_input_again_in_backward() -> None:
+    # The paper engine runs Megatron-LM's column-parallel linears (the teaching TensorParallelLM): they keep their
+    # rank's tokens and all-gather them again in backward, once per entry (q/k/v and the MLP's first linears of
+    # every block, and the head), where torch's DTensor keeps the gathered input.
+    activation = 16 * MIB
+    torch_tp = rows(scenario(8, tp=8), "tp")
+    paper_tp = rows(scenario(8, tp=8, engine="paper"), "tp")
+    gathers = ("backward", "all_gather", activation)
+    assert paper_tp[gathers] == torch_tp[gathers] + 2 * BLOCKS + 1 == 4 * BLOCKS + 2
+    assert {key: count for key, count in paper_tp.items() if key != gathers} == {
+        key: count for key, count in torch_tp.items() if key != gathers
+    }
+    # without sequence parallelism nothing is gathered
+    assert rows(scenario(8, tp=8, engine="paper", sequence_parallel=False), "tp") == rows(
+        scenario(8, tp=8, sequence_parallel=False), "tp"
+    )

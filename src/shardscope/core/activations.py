@@ -52,7 +52,8 @@ class ActivationEstimate:
     loss_backward_spike_bytes: int
     """Transient bytes at the start of backward: gradients of the log-softmax output and input."""
     head_bytes: int
-    """What the head saves (final norm, output head input, log-softmax output), freed first in backward."""
+    """What the head saves (final norm, output head input, log-softmax output; the vocab-parallel cross entropy's
+    targets and their mask), freed first in backward."""
     head_gradient_bytes: int
     """The logits' gradient still live as backward leaves the head: the loss's fp32 gradients, or their 16-bit cast
     when the model computes in 16 bits (the fp32 ones are freed once the cast has passed them on)."""
@@ -293,9 +294,22 @@ def estimate_activations(
     positions = training.sequence_length // share.cp * INDEX_BYTES if model.family == "gpt2" else 0
     ids = 2 * tokens * INDEX_BYTES + positions
     head += head_extra
-    saved = stored_blocks + shared + head + log_softmax + ids + loss_element
+    total_weight = loss_element
     forward_spike = logits + (tokens * vocab * loss_element if sizes.element != loss_element else 0)
     backward_spike = 2 * tokens * vocab * loss_element
+    head_gradient = backward_spike if sizes.element == loss_element else logits
+    if share.vocab_parallel_loss:
+        # Megatron-LM's vocab-parallel embedding and cross entropy keep a one-byte mask per token beside the token
+        # ids and the targets, and no total weight; the cross entropy's targets and mask go with its softmax, first
+        # in backward. Its backward keeps them while it makes the gradient, so the loss value is live at the spike
+        # too (torch's cross entropy has freed its total weight by then, which `saved` counts in its place). Of
+        # its two tokens x vocab fp32 tensors one is left as backward leaves the head: the one-hot target is freed.
+        ids = tokens * (INDEX_BYTES + 1) + positions  # the embedding's token ids and mask
+        head += tokens * (INDEX_BYTES + 1)  # the cross entropy's targets and mask
+        total_weight = 0
+        backward_spike += loss_element
+        head_gradient = log_softmax if sizes.element == loss_element else logits
+    saved = stored_blocks + shared + head + log_softmax + ids + total_weight
     return ActivationEstimate(
         saved_bytes=saved,
         block_bytes=block,
@@ -305,7 +319,7 @@ def estimate_activations(
         loss_forward_spike_bytes=forward_spike,
         loss_backward_spike_bytes=backward_spike,
         head_bytes=head + log_softmax,
-        head_gradient_bytes=backward_spike if sizes.element == loss_element else logits,
+        head_gradient_bytes=head_gradient,
         hidden_bytes=sizes.boundary,
         log_softmax_bytes=log_softmax,
         block_backward_bytes=top.backward + own_backward,

@@ -46,7 +46,8 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
             f"(give --model or --config)"
         )
     rules = rules_for(scenario)
-    events = rules.step_events(scenario) + model_parallel_events(scenario, rules.param_comm_bytes(scenario))
+    tensor_parallel = model_parallel_events(scenario, rules.param_comm_bytes(scenario), rules.megatron_tensor_parallel)
+    events = rules.step_events(scenario) + tensor_parallel
     if scenario.strategy.offload == "optimizer":
         events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
     if scenario.state_ranks == 1:  # data-parallel groups of one rank send nothing; host copies and tp calls remain

@@ -7,7 +7,9 @@ down_proj) and f all-reduces the input gradient in backward (before q/k/v and be
 b x s x h each way per block. With sequence parallelism ("Reducing Activation Recomputation in Large Transformer
 Models", Section 4.2.2) g becomes a reduce-scatter and f an all-gather: per block an all-gather before attention and
 before the MLP and a reduce-scatter after each in forward, and their conjugates (a reduce-scatter for each all-gather,
-an all-gather for each reduce-scatter) in backward. torch's DTensor plan (torchtitan's `apply_tp`) adds:
+an all-gather for each reduce-scatter) in backward; Megatron-LM's column-parallel linears (the paper engine's, as
+the teaching TensorParallelLM runs them) keep only their rank's tokens and all-gather them again in backward, one
+more all-gather per entry (core.rank_share). torch's DTensor plan (torchtitan's `apply_tp`) adds:
 - the vocabulary-parallel embedding (RowwiseParallel): its output all-reduced, or reduce-scattered to the sequence
   shards under sequence parallelism (an all-gather of the gradient in backward);
 - the column-parallel head: its input all-gathered under sequence parallelism (reduce-scattered back in backward),
@@ -50,15 +52,19 @@ from shardscope.specs import Scenario
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
 
 
-def model_parallel_events(scenario: Scenario, weight_bytes: int) -> list[CommEvent]:
+def model_parallel_events(
+    scenario: Scenario, weight_bytes: int, regathers_in_backward: bool = False
+) -> list[CommEvent]:
     """Every tp and cp call of one step (none when tp and cp are 1); `weight_bytes` is the element size of the
-    gathered weights, whose replicated gradients sequence parallelism reduces."""
+    gathered weights, whose replicated gradients sequence parallelism reduces; `regathers_in_backward`: sequence
+    parallelism as Megatron-LM runs it, whose column-parallel linears all-gather their input again in backward
+    (core.rank_share), where torch's keep the gathered input."""
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1:
         return []
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):
-        events += _tensor_parallel(scenario, micro_batch, weight_bytes)
+        events += _tensor_parallel(scenario, micro_batch, weight_bytes, regathers_in_backward)
         events += _context_parallel(scenario, micro_batch)
     return events
 
@@ -72,7 +78,7 @@ def _recomputes(scenario: Scenario, block: int) -> str:
     return {"selective": "attention", "op": "unsaved"}.get(checkpointing, "")
 
 
-def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) -> list[CommEvent]:
+def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, regathers: bool) -> list[CommEvent]:
     tp = scenario.strategy.tp
     if tp == 1:
         return []
@@ -90,6 +96,10 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     # sequence parallelism (backward's are the conjugates, in reverse order: the same four calls).
     block_calls = ("all_gather", "reduce_scatter") * 2 if sequence_parallel else ("all_reduce",) * 2
     unsaved = ("all_gather",) * 2 if sequence_parallel else ("all_reduce",) * 2  # reduce-scatters are in the save list
+    # Megatron-LM's entry reduce-scatters its input's gradient, then all-gathers the input again for the weights'.
+    regather = regathers and sequence_parallel
+    entry_backward = ("reduce_scatter", "all_gather") if regather else ("reduce_scatter",)
+    block_backward = (("all_gather", *entry_backward) * 2) if sequence_parallel else block_calls
 
     call("forward", "reduce_scatter" if sequence_parallel else "all_reduce", activation, 0, "during_forward", "embed")
     for block in range(1, model.num_layers + 1):
@@ -101,14 +111,15 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int) ->
     for _ in range(LOSS_PARALLEL_ALL_REDUCES):
         call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
 
-    head_input = "reduce_scatter" if sequence_parallel else "all_reduce"  # the all-gather's conjugate, or f
-    call("backward", head_input, activation, head, "during_backward", "head")
+    head_input = entry_backward if sequence_parallel else ("all_reduce",)  # the all-gather's conjugate, or f
+    for op in head_input:
+        call("backward", op, activation, head, "during_backward", "head")
     for block in reversed(range(1, model.num_layers + 1)):
         recomputed = _recomputes(scenario, block - 1)
         again = {"block": block_calls, "unsaved": unsaved}.get(recomputed, ())
         for op in again:
             call("backward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
-        for op in block_calls:
+        for op in block_backward:
             call("backward", op, activation, block, "during_backward", f"block {block - 1}")
     if sequence_parallel:
         call("backward", "all_gather", activation, 0, "during_backward", "embed")

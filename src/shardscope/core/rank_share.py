@@ -40,6 +40,10 @@ class RankShare:
     regathers_in_backward: bool = False
     """Under sequence parallelism, the column-parallel linears save their sequence-sharded input and all-gather it
     again in backward (Megatron-LM, the paper's Table 2); False: they save the gathered input (torch's DTensor)."""
+    vocab_parallel_loss: bool = False
+    """The embedding and the cross entropy are Megatron-LM's vocabulary-parallel ones (the teaching
+    TensorParallelLM): each keeps a one-byte mask per token of where the token or the target falls outside the
+    rank's vocabulary slice, and the cross entropy keeps no total weight (core/activations.py counts them)."""
 
     @property
     def boundary_split(self) -> int:
@@ -56,9 +60,9 @@ WHOLE = RankShare()
 """No tensor or context parallelism: the rank holds its whole micro-batch."""
 
 
-def rank_share(scenario: Scenario, regathers_in_backward: bool = False) -> RankShare:
-    """The scenario's cut of the activations; `regathers_in_backward`: the engine follows Megatron-LM's sequence
-    parallelism rather than torch's (see `RankShare.regathers_in_backward`)."""
+def rank_share(scenario: Scenario, megatron: bool = False) -> RankShare:
+    """The scenario's cut of the activations; `megatron`: the engine runs tensor parallelism as Megatron-LM does
+    rather than as torch's DTensor plan (see `RankShare.regathers_in_backward` and `.vocab_parallel_loss`)."""
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1:
         return WHOLE
@@ -66,7 +70,8 @@ def rank_share(scenario: Scenario, regathers_in_backward: bool = False) -> RankS
         tp=strategy.tp,
         cp=strategy.cp,
         sequence_parallel=strategy.uses_sequence_parallel,
-        regathers_in_backward=regathers_in_backward and strategy.uses_sequence_parallel,
+        regathers_in_backward=megatron and strategy.uses_sequence_parallel,
+        vocab_parallel_loss=megatron and strategy.tp > 1,
     )
 
 

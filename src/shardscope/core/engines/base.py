@@ -90,6 +90,10 @@ class EngineRules(Protocol):
     """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
     torch_engines: bool
     """Its rules are those of torch's own engines, which `trace` replays on fake tensors."""
+    megatron_tensor_parallel: bool
+    """Tensor parallelism runs as Megatron-LM's (the teaching TensorParallelLM), not torch's DTensor plan: the
+    column-parallel linears all-gather their input again in backward, the vocab-parallel loss keeps masks
+    (core.rank_share)."""
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         """What the rank holds and the moments of its step."""
@@ -143,6 +147,8 @@ class EngineRules(Protocol):
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
+
+    megatron_tensor_parallel = False
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """Every rank holds the same: rank 0."""

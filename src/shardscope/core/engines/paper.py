@@ -16,7 +16,8 @@ dp x cp ranks holding it; its optimizer steps over the tensors, not flat buffers
 
 from __future__ import annotations
 
-from shardscope.choices import EngineName
+from shardscope.choices import EngineName, checkpoints_block
+from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.comm_events import (
     CommEvent,
     event,
@@ -26,16 +27,22 @@ from shardscope.core.comm_events import (
     step_gathers,
 )
 from shardscope.core.engines.base import (
+    LOSS_GRAD_BYTES,
+    LiveBytes,
     RankMemory,
     RulesDefaults,
     TimePlace,
+    activations_for,
+    as_live_bytes,
     held,
     plus,
     shared_memory,
+    shared_moments,
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import ParamLayout, head_numel, param_layout, rank_facts, rank_layout
+from shardscope.core.rank_share import rank_share, ring_attention_backward_bytes, sizes_of
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import flat_shard_numel, flat_units
 from shardscope.presets.hardware import HardwareProfile
@@ -51,20 +58,29 @@ class PaperRules(RulesDefaults):
     summary = "the ZeRO paper's accounting (16-bit weights and gradients, fp32 master and moments when mixed)"
     fused_optimizer = False
     torch_engines = False
+    megatron_tensor_parallel = True
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward. Sequence
+        """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward. Tensor
         parallelism is Megatron-LM's, as the paper's Table 2 counts it: the column-parallel linears keep their
-        sequence-sharded input and all-gather it again in backward."""
+        sequence-sharded input and all-gather it again in backward; the tp/cp grid's backward through the output
+        head and the top block is followed op by op (`_grid_backward`)."""
         states, after_backward = _states(scenario)
         states = offload(scenario, states)
+        megatron = self.megatron_tensor_parallel
+        if _in_model_parallel_grid(scenario):
+            acts = activations_for(scenario, states.autocast, megatron)
+            top, head = _grid_backward(scenario, states, acts)
+            moments = shared_moments(scenario, states, acts, top_block=top)
+            moments.insert(2, ("output head's backward", head))
+            return RankMemory(states=states, activations=acts, moments=tuple(moments))
         if not after_backward:
-            return shared_memory(scenario, states, regathers_in_backward=True)
+            return shared_memory(scenario, states, regathers_in_backward=megatron)
         return shared_memory(
             scenario,
             states,
             ("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)),
-            regathers_in_backward=True,
+            regathers_in_backward=megatron,
         )
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
@@ -145,6 +161,61 @@ class PaperRules(RulesDefaults):
 def _in_model_parallel_grid(scenario: Scenario) -> bool:
     """DDP with tp or cp, which the teaching runs as ModelParallelTeaching."""
     return scenario.strategy.stage == 0 and scenario.parallelism.splits_model
+
+
+def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEstimate) -> tuple[LiveBytes, LiveBytes]:
+    """(the top block's backward, the output head's backward) as the teaching grid runs them, at the op that
+    holds the most of each (measured with the run's tracker: tests/distributed/test_model_parallel_prediction.py).
+
+    The gradients accumulate in place into the flat buffers, so a weight's gradient is live from the matmul that
+    makes it until it is added, unless the weight is tied: autograd holds the output head's gradient until the
+    embedding's is added to it, at the end of backward. The head's backward holds the logits' gradient (less the
+    loss's saved tensors, freed before) with the head's weight gradient and its input's gradient, or, past the
+    matmuls, that input gradient and its copy that f all-reduces; under sequence parallelism Megatron-LM's entry
+    holds the whole-sequence input gradient and its contiguous copy (and gloo's clone of it) while it
+    reduce-scatters, then the input gathered again (a contiguous copy) for the weight gradient. The top block's
+    backward peaks in the output projection's: its weight and input gradients beside the output's gradient
+    (gathered under sequence parallelism), or in llama's SwiGLU product, whose two gradients outlive the
+    projection's saved input; or in ring attention's (core.rank_share), or in selective checkpointing's re-forward
+    of the attention core. Full checkpointing is not followed exactly: the grid passes the RoPE tables and the
+    causal mask to every checkpointed block, which keeps them (counted here as recomputed), and the recomputed
+    block at its MLP's backward is counted up to one tokens x hidden tensor over (its input, which the stored
+    input and its first norm share)."""
+    model, training = scenario.model, scenario.training
+    share = rank_share(scenario, megatron=True)
+    sizes = sizes_of(model, training, share)
+    element, hidden, tp = sizes.element, model.hidden_size, share.tp
+    whole_input = sizes.tokens * hidden * element  # one tokens x hidden tensor of the rank's sequence chunk
+    head_weight = model.vocab_size // tp * hidden * element
+    tied = head_weight if model.tie_embeddings else 0
+    # The loss value and its gradient; torch's cross entropy (tp 1) counts its total weight in `saved` instead.
+    loss = LOSS_GRAD_BYTES + (sizes.stat if share.vocab_parallel_loss else 0)
+    loss_saved = sizes.tokens * (INDEX_BYTES + (1 if share.vocab_parallel_loss else 0))
+    params, optimizer = states.parameters_bytes, states.optimizer_state_bytes
+    grads, persistent = states.gradients_bytes, states.persistent_buffers_bytes
+    # The logits' gradient the head's backward reads: one tokens x vocab fp32 tensor, or its 16-bit cast.
+    logits_grad = acts.log_softmax_bytes if element == sizes.stat else acts.logits_bytes
+    if share.sequence_parallel:
+        # gloo's reduce-scatter clones its whole input too (ProcessGroupGloo::reduce_scatter_tensor_coalesced)
+        scatter = (3 if scenario.cluster.backend == "gloo" else 2) * whole_input
+        matmuls = whole_input // tp + max(scatter, whole_input + head_weight)
+        head_temporary = logits_grad + matmuls
+    else:
+        head_temporary = max(logits_grad + head_weight + whole_input, 2 * whole_input + tied)
+    head_acts = acts.saved_bytes - acts.log_softmax_bytes - loss_saved
+    head = as_live_bytes((params, grads, optimizer, head_acts, persistent, head_temporary + loss))
+    ffn = sizes.tokens * sizes.ffn * element
+    output_grad = whole_input if share.sequence_parallel else 0  # without it the residual's gradient is the one
+    projection = sizes.ffn * hidden * element + ffn + output_grad
+    product = 2 * ffn if model.family == "llama" else ffn
+    own = max(projection, product, ring_attention_backward_bytes(sizes, share))
+    top_acts = acts.saved_bytes - acts.head_bytes
+    if checkpoints_block(training.checkpointing, model.num_layers - 1):
+        top_acts += acts.recompute_bytes  # the whole block made again before its backward
+    else:  # selective recomputes the attention core inside the attention's backward, after the MLP's
+        own = max(own, acts.recompute_bytes)
+    top = as_live_bytes((params, grads, optimizer, top_acts, persistent, acts.hidden_bytes + loss + tied + own))
+    return top, head
 
 
 def _grid_reductions(scenario: Scenario, element: int) -> list[CommEvent]:
