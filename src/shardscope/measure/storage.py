@@ -34,6 +34,19 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else tensor
 
 
+def holds_dtensor(value: Any) -> bool:
+    """Whether an op's arguments hold a DTensor. A dispatch mode that measures returns NotImplemented for such an op:
+    DTensor then runs it as the ops on local shards and the collectives it desugars to (its redistributions, loss
+    parallel's reductions), which reach the mode, so a replay and a run see each byte and each call."""
+    if isinstance(value, torch.Tensor):
+        return hasattr(value, "_local_tensor")
+    if isinstance(value, list | tuple):
+        return any(holds_dtensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(holds_dtensor(item) for item in value.values())
+    return False
+
+
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
     """Distinct storages of tensors (DTensors by their local shard), keyed by the storage's identity."""
     found: dict[int, torch.UntypedStorage] = {}
