@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscope.choices import LedgerGroup
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.measure.storage import tensors_in
+from shardscope.measure.storage import holds_dtensor, tensors_in
 
 # c10d op -> (ledger op, index of the argument that holds the full, unsharded buffer); the group is the boxed
 # ProcessGroup among the arguments
@@ -104,6 +104,8 @@ class CollectiveLedger(TorchDispatchMode):
             self.axes[group_ranks(mesh.get_group(axis))] = AXIS_GROUPS.get(axis, "dp")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if holds_dtensor(args) or holds_dtensor(kwargs):
+            return NotImplemented  # DTensor runs it as local ops and collectives, which come back here
         if func.namespace == "c10d" and self.on_call is not None:
             self.calls_started += 1
             self.on_call(self.calls_started)

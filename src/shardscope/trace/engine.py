@@ -38,7 +38,7 @@ from shardscope.trace.setup import (
     make_optimizer,
     model_depth,
 )
-from shardscope.trace.tensor_parallel import loss_context, tensor_parallel_refusal
+from shardscope.trace.tensor_parallel import loss_context, torch_model_parallel_refusal
 from shardscope.trace.tracker import StepRecorder
 
 Progress = Callable[[str], None]
@@ -256,19 +256,13 @@ def _trace_depth(
 def refuse_model_parallel(request: TraceRequest) -> None:
     """TraceSetupError, in one line, for the tensor and context parallelism the trace cannot replay."""
     strategy = request.scenario.strategy
-    if strategy.cp > 1:
-        raise TraceSetupError(
-            f"--cp {strategy.cp}: torch's context_parallel shards only the CUDA attention kernels (flash, efficient, "
-            "cuDNN); a CPU trace calls aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding rule; "
-            "use `shardscope estimate` or `shardscope run --engine paper --cp`"
-        )
     if strategy.tp > 1 and (request.factory or request.config_path):
         source = "--module" if request.factory else "--config"
         raise TraceSetupError(
             f"--tp {strategy.tp} with {source}: the trace splits shardscope's reference llama modules only "
             "(--model); use `shardscope estimate` for this model"
         )
-    refusal = tensor_parallel_refusal(request.scenario)
+    refusal = torch_model_parallel_refusal(request.scenario)
     if refusal:
         raise TraceSetupError(refusal)
 

@@ -17,20 +17,29 @@ implementation split each of q, k and v by heads; its learned positions would al
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from shardscope.specs import Scenario
+
+if TYPE_CHECKING:  # torch is imported where a model is split, so RunConfig can check a scenario without it
+    from torch import nn
+
+CONTEXT_PARALLEL_REFUSAL = (
+    "torch's context_parallel shards only the CUDA attention kernels (flash, efficient, cuDNN); on a CPU "
+    "attention calls aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding rule"
+)
 
 
 class TensorParallelError(ValueError):
     """A scenario torch's tensor-parallel plan does not cover; the message says why and what to do."""
 
 
-def tensor_parallel_refusal(scenario: Scenario) -> str:
-    """Why torch's DTensor tensor parallelism cannot run this scenario, in one line, or '' when it can."""
+def torch_model_parallel_refusal(scenario: Scenario) -> str:
+    """Why torch's own engines cannot split this scenario's model (on fake tensors or on gloo), in one line, or ''
+    when they can."""
     strategy, model = scenario.strategy, scenario.model
+    if strategy.cp > 1:
+        return f"--cp {strategy.cp}: {CONTEXT_PARALLEL_REFUSAL}; use `shardscope estimate` or --engine paper"
     if strategy.tp == 1:
         return ""
     if strategy.preset.zero_stage in (0, 1):
