@@ -29,8 +29,12 @@ def current_label() -> str | None:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    """The tensor this rank stores: a DTensor's local shard, the tensor an AsyncCollectiveTensor (what a functional
+    collective returns on a real process group, until it is waited on) wraps, or the tensor itself. A wrapper's
+    own storage holds no bytes of its own: counting it would count the collective's output twice."""
     inner = getattr(tensor, "_local_tensor", None)
+    if inner is None and type(tensor).__name__ == "AsyncCollectiveTensor":
+        inner = getattr(tensor, "elem", None)
     return inner if isinstance(inner, torch.Tensor) else tensor
 
 
