@@ -76,3 +76,18 @@ def test_activations_and_peak_equal_the_trace_but_the_global_batch(
     global_batch = 1024
     assert real.activations_bytes - trace.per_rank.activations_bytes == global_batch
     assert real.peak_bytes - trace.per_rank.peak_bytes == global_batch  # 2,207,588 B against 2,206,564
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"cp": 2, "tp": 1}, "_scaled_dot_product_flash_attention_for_cpu"),
+        ({"model": "tiny-gpt2"}, "fused c_attn"),
+        ({"strategy": "ddp"}, "zero2, zero3, fsdp, hsdp"),
+    ],
+)
+def test_what_torch_cannot_run_is_refused_before_launch(extra: dict[str, object], says: str) -> None:
+    from shardscope.specs import SpecError
+
+    with pytest.raises(SpecError, match=says):
+        RunConfig.from_options(**{**OPTIONS, **extra})
