@@ -76,9 +76,11 @@ def test_the_re_forward_repeats_what_it_recomputes() -> None:
     activation = 16 * MIB
     plain = rows(scenario(8, tp=8), "tp")
     full = rows(scenario(8, tp=8, checkpointing="full"), "tp")
-    for op in ("all_gather", "reduce_scatter"):
+    # the whole block again but its MLP's leaving reduce-scatter: the re-forward stops at the last saved tensor
+    # (torch.utils.checkpoint's early stop; traced on torch's DTensor plan and measured on the teaching grid)
+    for op, again in (("all_gather", 2), ("reduce_scatter", 1)):
         assert full[("forward", op, activation)] == plain[("forward", op, activation)]
-        assert full[("backward", op, activation)] == plain[("backward", op, activation)] + 2 * BLOCKS
+        assert full[("backward", op, activation)] == plain[("backward", op, activation)] + again * BLOCKS
     # torchtitan's op policy saves the reduce-scatters' outputs: only the all-gathers run again
     op = rows(scenario(8, tp=8, checkpointing="op"), "tp")
     assert op[("backward", "all_gather", activation)] == plain[("backward", "all_gather", activation)] + 2 * BLOCKS

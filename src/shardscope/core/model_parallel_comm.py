@@ -35,10 +35,10 @@ in fp32, which would double those sends under 16-bit training). A send and its r
 payload (the pair batch_isend_irecv issues).
 
 The re-forward repeats what it recomputes, in the backward phase (when it runs, as a run's ledger records it):
-under full checkpointing (and on the blocks every:N checkpoints) the block's tensor-parallel calls and its exchange;
-under 'selective' the attention core, so the exchange only; under 'op' (torchtitan's policy, core.op_checkpointing)
-the all-gathers (or all-reduces) whose outputs it does not save, while the reduce-scatters and the attention kernels
-are in its save list.
+under full checkpointing (and on the blocks every:N checkpoints) the block's tensor-parallel calls but the last (the
+re-forward stops at the last saved tensor) and its exchange; under 'selective' the attention core, so the exchange
+only; under 'op' (torchtitan's policy, core.op_checkpointing) the all-gathers (or all-reduces) whose outputs it
+does not save, while the reduce-scatters and the attention kernels are in its save list.
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, re
         call("backward", op, activation, head, "during_backward", "head")
     for block in reversed(range(1, model.num_layers + 1)):
         recomputed = _recomputes(scenario, block - 1)
-        again = {"block": block_calls, "unsaved": unsaved}.get(recomputed, ())
+        # A whole block's re-forward stops at its last saved tensor (torch.utils.checkpoint's early stop): the MLP's
+        # leaving g, whose output nothing saves, is not run again (traced, and measured on the teaching grid).
+        again = {"block": block_calls[:-1], "unsaved": unsaved}.get(recomputed, ())
         for op in again:
             call("backward", op, activation, block, "during_recompute", f"block {block - 1} (recompute)")
         for op in block_backward:

@@ -4,6 +4,11 @@ Collectives are read at the c10d ops, which is where dist.all_reduce, DDP's redu
 torch's own engines are counted exactly like ours, on a real process group and on the fake one of a replay.
 Payload follows core.result.CollectiveRow: the full buffer for all_reduce and broadcast, the unsharded (gathered)
 size for all_gather and reduce_scatter, per rank per call.
+
+A row's group (dp, tp or cp) is found by the ranks the call ran over: `name_axes` learns the ranks of each axis of
+this rank's DeviceMesh; a group of other ranks (the world's, DDP's) is 'dp'. DTensor's redistributions (tensor
+parallelism's all-gathers, reduce-scatters and all-reduces) reach the dispatch mode as the functional collectives
+they are made of, on local tensors, so they are counted like any other call.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardscope.choices import LedgerGroup
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.measure.storage import tensors_in
+from shardscope.measure.storage import holds_dtensor, tensors_in
 
 # c10d op -> (ledger op, index of the argument that holds the full, unsharded buffer); the group is the boxed
 # ProcessGroup among the arguments
@@ -31,14 +37,14 @@ _C10D_OPS = {
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
 }
-# functional collective -> (ledger op, index of the group size or -1 to look the group up by name, payload index,
-# whether the payload is one rank's part of the gathered buffer)
+# functional collective (its group is named by its last string argument) -> (ledger op, whether the payload, its
+# first argument, is one rank's part of the gathered buffer)
 _FUNCTIONAL_OPS = {
-    "all_reduce": ("all_reduce", -1, 0, False),
-    "all_reduce_": ("all_reduce", -1, 0, False),
-    "all_gather_into_tensor": ("all_gather", 1, 0, True),
-    "reduce_scatter_tensor": ("reduce_scatter", 2, 0, False),
-    "broadcast": ("broadcast", -1, 0, False),
+    "all_reduce": ("all_reduce", False),
+    "all_reduce_": ("all_reduce", False),
+    "all_gather_into_tensor": ("all_gather", True),
+    "reduce_scatter_tensor": ("reduce_scatter", False),
+    "broadcast": ("broadcast", False),
 }
 
 
@@ -46,14 +52,23 @@ def _payload(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
-def _group_size_by_name(group_name: str) -> int:
+def _group_by_name(group_name: str) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group  # private: this module's only one
 
-    return int(_resolve_process_group(group_name).size())
+    return _resolve_process_group(group_name)
 
 
-def collective_entry(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] | None:
-    """(ledger op, group size, payload bytes) when func is a collective the ledger counts, else None."""
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group, in order."""
+    return tuple(torch.distributed.get_process_group_ranks(group))
+
+
+AXIS_GROUPS: dict[str, LedgerGroup] = {"tp": "tp", "cp": "cp"}
+"""Ledger group of a DeviceMesh axis by its name; every other axis (dp, replicate, shard) is data parallel."""
+
+
+def collective_entry(func: Any, args: tuple[Any, ...]) -> tuple[str, Any, int] | None:
+    """(ledger op, process group, payload bytes) when func is a collective the ledger counts, else None."""
     namespace = getattr(func, "namespace", "")
     if namespace not in ("c10d", "_c10d_functional"):
         return None
@@ -61,12 +76,12 @@ def collective_entry(func: Any, args: tuple[Any, ...]) -> tuple[str, int, int] |
     if namespace == "c10d" and name in _C10D_OPS:
         op, where = _C10D_OPS[name]
         boxed = next(a for a in args if isinstance(a, torch.ScriptObject))
-        return op, int(torch.distributed.ProcessGroup.unbox(boxed).size()), _payload(args[where])
+        group = _group_by_name(torch.distributed.ProcessGroup.unbox(boxed).group_name)
+        return op, group, _payload(args[where])
     if namespace == "_c10d_functional" and name in _FUNCTIONAL_OPS:
-        op, size_index, where, gathered = _FUNCTIONAL_OPS[name]
-        group_name = args[-1] if isinstance(args[-1], str) else args[-2]
-        size = _group_size_by_name(group_name) if size_index < 0 else int(args[size_index])
-        return op, size, _payload(args[where]) * (size if gathered else 1)
+        op, gathered = _FUNCTIONAL_OPS[name]
+        group = _group_by_name(next(a for a in reversed(args) if isinstance(a, str)))
+        return op, group, _payload(args[0]) * (group.size() if gathered else 1)
     return None
 
 
@@ -80,8 +95,17 @@ class CollectiveLedger(TorchDispatchMode):
         self.recording = True
         self.calls_started = 0  # every c10d op entered, recorded or not: a hung rank has started fewer
         self.on_call = on_call
+        self.axes: dict[tuple[int, ...], LedgerGroup] = {}
+        """Ledger group by the ranks of each axis of this rank's mesh (`name_axes`)."""
+
+    def name_axes(self, mesh: Any) -> None:
+        """Learn the ranks of each axis of a DeviceMesh (this rank's row of it), so its calls get the axis's group."""
+        for axis in mesh.mesh_dim_names or ():
+            self.axes[group_ranks(mesh.get_group(axis))] = AXIS_GROUPS.get(axis, "dp")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if holds_dtensor(args) or holds_dtensor(kwargs):
+            return NotImplemented  # DTensor runs it as local ops and collectives, which come back here
         if func.namespace == "c10d" and self.on_call is not None:
             self.calls_started += 1
             self.on_call(self.calls_started)
@@ -94,8 +118,18 @@ class CollectiveLedger(TorchDispatchMode):
         """Add a row when func is a collective."""
         entry = collective_entry(func, args)
         if entry is not None:
-            op, group_size, payload = entry
-            self.rows.append(CollectiveRow(phase=phase, op=op, group_size=group_size, payload_bytes=payload, count=1))
+            op, group, payload = entry
+            ranks = group_ranks(group)
+            self.rows.append(
+                CollectiveRow(
+                    phase=phase,
+                    op=op,
+                    group=self.axes.get(ranks, "dp"),
+                    group_size=len(ranks),
+                    payload_bytes=payload,
+                    count=1,
+                )
+            )
 
     def merged(self) -> tuple[CollectiveRow, ...]:
         """The rows added up by phase, op, group size and payload."""

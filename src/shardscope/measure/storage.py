@@ -29,9 +29,26 @@ def current_label() -> str | None:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    """The tensor this rank stores: a DTensor's local shard, the tensor an AsyncCollectiveTensor (what a functional
+    collective returns on a real process group, until it is waited on) wraps, or the tensor itself. A wrapper's
+    own storage holds no bytes of its own: counting it would count the collective's output twice."""
     inner = getattr(tensor, "_local_tensor", None)
+    if inner is None and type(tensor).__name__ == "AsyncCollectiveTensor":
+        inner = getattr(tensor, "elem", None)
     return inner if isinstance(inner, torch.Tensor) else tensor
+
+
+def holds_dtensor(value: Any) -> bool:
+    """Whether an op's arguments hold a DTensor. A dispatch mode that measures returns NotImplemented for such an op:
+    DTensor then runs it as the ops on local shards and the collectives it desugars to (its redistributions, loss
+    parallel's reductions), which reach the mode, so a replay and a run see each byte and each call."""
+    if isinstance(value, torch.Tensor):
+        return hasattr(value, "_local_tensor")
+    if isinstance(value, list | tuple):
+        return any(holds_dtensor(item) for item in value)
+    if isinstance(value, dict):
+        return any(holds_dtensor(item) for item in value.values())
+    return False
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:

@@ -11,6 +11,7 @@ from shardscope.mesh import DATA_PARALLEL_PRESETS, Parallelism, data_parallel_me
 from shardscope.presets import custom_gpu, model_preset
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError
 from shardscope.specs import ClusterSpec, ModelSpec, Overheads, Scenario, SpecError, Strategy, TrainingSpec
+from shardscope.trace.tensor_parallel import torch_model_parallel_refusal
 from shardscope.units import GIB
 
 RUN_ENGINES: tuple[EngineName, ...] = ("paper", "pytorch")
@@ -39,9 +40,10 @@ STRATEGY_OPTIONS = {
     "cp": "cp",
     "sequence_parallel": "sequence_parallel",
 }
-MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0,), "pytorch": ()}
+MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0,), "pytorch": (2, 3)}
 """The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
-runs inside ddp; torch's DTensor engine is not wired into runs yet."""
+runs inside ddp; torch's DTensor tensor parallelism (runtime/engines.py TorchTensorParallel) under FSDP2 (zero2,
+zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor parameters)."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
@@ -108,6 +110,9 @@ class RunConfig:
                     f"engine {self.strategy.engine} runs tensor and context parallelism with "
                     f"{', '.join(allowed) or 'no strategy yet (not built)'}"
                 )
+            refusal = torch_model_parallel_refusal(self.scenario()) if self.strategy.engine == "pytorch" else ""
+            if refusal:
+                raise SpecError(f"RunConfig.strategy with engine pytorch: {refusal}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")
         if self.backend not in ("auto", "gloo", "nccl"):

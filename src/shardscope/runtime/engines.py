@@ -2,7 +2,9 @@
 
 ddp: DistributedDataParallel. zero1: DDP plus ZeroRedundancyOptimizer. zero2: FSDP2 `fully_shard` with
 reshard_after_forward=False (parameters stay gathered from forward to backward, gradients are sharded). zero3/fsdp:
-`fully_shard` with reshard_after_forward=True. hsdp: `fully_shard` on a 2-D (replicate, shard) DeviceMesh. Mixed
+`fully_shard` with reshard_after_forward=True. hsdp: `fully_shard` on a 2-D (replicate, shard) DeviceMesh. With tp:
+DTensor tensor parallelism by the trace's plan (shardscope.trace.tensor_parallel), then `fully_shard` over the
+data-parallel axes of the same mesh, built by the trace's make_mesh (tp innermost). Mixed
 precision through torch's own policies: autocast for DDP, MixedPrecisionPolicy for FSDP2. The FSDP2 internals read
 here (the unsharded all-gather buffers) are private; `_fsdp_buffers` says which torch they need.
 """
@@ -10,6 +12,7 @@ here (the unsharded all-gather buffers) are private; `_fsdp_buffers` says which 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,7 @@ from shardscope.runtime.trainer import (
     optimizer_state_tensors,
     param_dtype,
 )
-from shardscope.specs import TrainingSpec
+from shardscope.specs import Scenario, TrainingSpec
 
 
 class TorchDDP(Trainer):
@@ -83,7 +86,6 @@ class TorchFSDP2(Trainer):
         self, module: nn.Module, training: TrainingSpec, reshard_after_forward: bool, shard_group: int = 0
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.world_size = dist.get_world_size()
         device = next(module.parameters()).device.type
@@ -94,6 +96,12 @@ class TorchFSDP2(Trainer):
             )
         else:
             mesh = init_device_mesh(device, (self.world_size,), mesh_dim_names=("shard",))
+        self._shard(module, training, mesh, reshard_after_forward)
+
+    def _shard(self, module: nn.Module, training: TrainingSpec, mesh: Any, reshard_after_forward: bool) -> None:
+        """fully_shard every block and the root over a (data-parallel) mesh, and make the optimizer."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         policy = MixedPrecisionPolicy()
         if is_mixed(training):
             policy = MixedPrecisionPolicy(param_dtype=param_dtype(training), reduce_dtype=torch.float32)
@@ -131,3 +139,32 @@ class TorchFSDP2(Trainer):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: param.full_tensor() for name, param in self.module.named_parameters()}  # type: ignore[operator]
+
+
+class TorchTensorParallel(TorchFSDP2):
+    """torchtitan's llama tensor-parallel plan (the trace's, shardscope.trace.tensor_parallel) over the mesh's tp
+    axis, then FSDP2 over its data-parallel axes; the loss and its backward run under loss_parallel."""
+
+    def __init__(self, module: nn.Module, scenario: Scenario) -> None:
+        from shardscope.trace.setup import data_parallel_axes, make_mesh
+        from shardscope.trace.tensor_parallel import parallelize
+
+        self.world_size, self.scenario = dist.get_world_size(), scenario
+        strategy = scenario.strategy
+        broadcast_module(module)  # distribute_tensor keeps each rank's own slice of what it holds: start equal
+        self.mesh = make_mesh(scenario, next(module.parameters()).device.type)
+        parallelize(module, self.mesh["tp"], strategy.uses_sequence_parallel)
+        reshard = strategy.reshard_after_forward and strategy.stage == 3
+        self._shard(module, scenario.training, self.mesh[data_parallel_axes(scenario)], reshard)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from shardscope.trace.tensor_parallel import loss_context
+
+        with loss_context(self.scenario):
+            return super().loss(inputs, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        from shardscope.trace.tensor_parallel import loss_context
+
+        with loss_context(self.scenario):
+            loss.backward()

@@ -24,12 +24,14 @@ from shardscope.runtime.trainer import Trainer, is_mixed, make_optimizer, param_
 
 def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     """The strategy object for a config: a teaching strategy or one of torch's engines."""
-    from shardscope.runtime.engines import TorchDDP, TorchFSDP2
+    from shardscope.runtime.engines import TorchDDP, TorchFSDP2, TorchTensorParallel
     from shardscope.runtime.teaching.ddp import DataParallelBucket
     from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
     from shardscope.runtime.teaching.zero import Zero1, Zero2
 
     training, strategy, shard_group = config.training, config.strategy.canonical_name, config.strategy.shard_group
+    if config.parallelism.splits_model and config.strategy.engine == "pytorch":
+        return TorchTensorParallel(module, config.scenario())
     if config.parallelism.splits_model:
         return _model_parallel_trainer(config, module)
     if config.strategy.engine == "pytorch":
@@ -147,6 +149,9 @@ def train_and_measure(
     with ledger:
         status("setup")
         trainer = make_trainer(config, module)
+    mesh = getattr(trainer, "mesh", None)  # torch's tensor parallelism: its rows named by mesh axis, as the trace's
+    if mesh is not None:
+        ledger.name_axes(mesh)
     step_times: list[float] = []
     memory: dict[str, Any] = {}
     measured_time = 0.0

@@ -22,7 +22,7 @@ from typing import Any
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shardscope.measure.storage import current_label, tensors_in
+from shardscope.measure.storage import current_label, holds_dtensor, tensors_in
 from shardscope.measure.tracker import StorageTracker
 
 
@@ -44,6 +44,8 @@ class MemoryTracker(StorageTracker, TorchDispatchMode):
         self.settle()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if holds_dtensor(args) or holds_dtensor(kwargs):
+            return NotImplemented  # DTensor runs it as local ops and collectives, which come back here
         for tensor in tensors_in(tree_flatten((args, kwargs))[0]):
             self.used(tensor.untyped_storage())
         out = func(*args, **(kwargs or {}))

@@ -30,7 +30,15 @@ from shardscope.trace.extrapolate import DepthTrace, extrapolate
 from shardscope.trace.flops import attention_flops, flop_counter, module_flops
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.result import FlopCount, ModuleRow, TraceResult
-from shardscope.trace.setup import TracedModel, apply_strategy, build_traced_model, make_optimizer, model_depth
+from shardscope.trace.setup import (
+    TracedModel,
+    TraceSetupError,
+    apply_strategy,
+    build_traced_model,
+    make_optimizer,
+    model_depth,
+)
+from shardscope.trace.tensor_parallel import loss_context, torch_model_parallel_refusal
 from shardscope.trace.tracker import StepRecorder
 
 Progress = Callable[[str], None]
@@ -99,6 +107,7 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     """
     started = time.monotonic()
     require_torch()
+    refuse_model_parallel(request)
     init_fake_process_group(request.world_size)
     depth = model_depth(request)
     wanted = request.traced_blocks
@@ -132,6 +141,8 @@ def _trace_depth(
         return None
     engine = apply_strategy(traced, scenario)
     recorder = StepRecorder(backend=scenario.cluster.backend)
+    if traced.mesh is not None:
+        recorder.collectives.name_axes(traced.mesh)
     units = _units(traced.root, traced.blocks)
     watch = _UnitWatch(recorder, units, progress)
     counters = {phase: flop_counter() for phase in ("forward", "backward", "optimizer")}
@@ -146,14 +157,19 @@ def _trace_depth(
             traced.root.to_empty(device="cpu")
             model = traced.root
         steps = max(request.steps, DDP_STEPS) if uses_ddp(scenario) else request.steps
+        # DTensor works out each op's global output shape on fake tensors the first time it meets the op (its
+        # sharding propagation, cached after): ops of the whole model's size that the counter would take for the
+        # rank's. Under tensor parallelism FLOPs are counted in the second step, after that cache is warm.
+        flops_step = 1 if scenario.strategy.tp > 1 else 0
+        steps = max(steps, flops_step + 2)
         params = [param for param in traced.root.parameters()]
         optimizer = make_optimizer(traced.root, scenario)
         recorder.label(params, "parameters")
         for step in range(steps):
             last = step == steps - 1
-            # FLOPs are counted in the first step, memory in the last: FlopCounterMode decomposes composite ops
+            # FLOPs are counted in an early step, memory in the last: FlopCounterMode decomposes composite ops
             # (silu_backward into five element-wise ops, say), which changes what a step allocates.
-            counting = step == 0
+            counting = step == flops_step
             if last:
                 recorder.start_window()
             for micro in range(scenario.training.grad_accum_steps):
@@ -164,12 +180,13 @@ def _trace_depth(
                 with counters["forward"] if counting else ExitStack(), forward_context(scenario):
                     outputs = model(inputs)
                     recorder.phase, recorder.where = "loss", "loss"
-                    loss = traced.loss(outputs, targets)
+                    with loss_context(scenario):
+                        loss = traced.loss(outputs, targets)
                 del outputs
                 recorder.end_forward(loss)
                 recorder.phase, recorder.where = "backward", "backward"
                 progress(f"step {step + 1}/{steps}{label}: backward")
-                with counters["backward"] if counting else ExitStack():
+                with counters["backward"] if counting else ExitStack(), loss_context(scenario):
                     loss.backward()
                 del loss
             recorder.label([p.grad for p in params if p.grad is not None], "gradients")
@@ -234,6 +251,20 @@ def _trace_depth(
     return DepthTrace(
         blocks=len(traced.blocks), block_prefix=prefix or "", result=result, moments=tuple(recorder.moments.values())
     )
+
+
+def refuse_model_parallel(request: TraceRequest) -> None:
+    """TraceSetupError, in one line, for the tensor and context parallelism the trace cannot replay."""
+    strategy = request.scenario.strategy
+    if strategy.tp > 1 and (request.factory or request.config_path):
+        source = "--module" if request.factory else "--config"
+        raise TraceSetupError(
+            f"--tp {strategy.tp} with {source}: the trace splits shardscope's reference llama modules only "
+            "(--model); use `shardscope estimate` for this model"
+        )
+    refusal = torch_model_parallel_refusal(request.scenario)
+    if refusal:
+        raise TraceSetupError(refusal)
 
 
 def _allocatable_bytes(scenario: Scenario) -> int:

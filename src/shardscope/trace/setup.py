@@ -46,6 +46,8 @@ class TracedModel:
     make_batch: Callable[[], tuple[Any, Any]]
     loss: Callable[[Any, Any], torch.Tensor]
     engine_notes: list[str]
+    mesh: Any = None
+    """The DeviceMesh apply_strategy sharded it over (None for ddp and zero1, on the world's group)."""
 
 
 def _reference_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
@@ -218,26 +220,48 @@ def build_traced_model(request: TraceRequest, num_blocks: int | None = None) -> 
 
 
 def make_mesh(scenario: Scenario, device: str = "cpu") -> Any:
-    """A 1-D mesh over the world, or hsdp's 2-D (replicate, shard) mesh, of the device type given."""
+    """The scenario's DeviceMesh, of the device type given: a 1-D ("dp",) mesh over the world, hsdp's 2-D
+    (replicate, shard), and under tensor parallelism the same with a "tp" axis innermost (ranks next to each other
+    share one replica, inside a node, as torchtitan's ParallelDims lays it out)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = scenario.parallelism
     world = scenario.cluster.world_size
     if scenario.strategy.preset.groups_replicate:
         group = scenario.shard_degree
-        return init_device_mesh(device, (world // group, group), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        shape, names = [world // mesh.tp // group, group], ["replicate", "shard"]
+    else:
+        shape, names = [world // mesh.tp], ["dp"]
+    if mesh.tp > 1:
+        shape, names = [*shape, mesh.tp], [*names, "tp"]
+    return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def data_parallel_axes(scenario: Scenario) -> tuple[str, ...]:
+    """The mesh axes fully_shard shards and replicates over (every axis but tp)."""
+    return ("replicate", "shard") if scenario.strategy.preset.groups_replicate else ("dp",)
 
 
 def apply_strategy(traced: TracedModel, scenario: Scenario, device: str = "cpu") -> str:
     """Wrap each block and the root with torch's engine for the strategy; returns the engine's name. ddp and
-    zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built). The
-    device is the mesh's (benchmarks/gpu_check.py shards real CUDA tensors over the fake process group)."""
+    zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built). Under
+    tensor parallelism the model is split over the mesh's tp axis first (shardscope.trace.tensor_parallel), then
+    sharded over the data-parallel axes, as torchtitan does. The device is the mesh's (benchmarks/gpu_check.py
+    shards real CUDA tensors over the fake process group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from shardscope.trace.tensor_parallel import parallelize
 
     strategy, training = scenario.strategy, scenario.training
     if runs_on_ddp(scenario):
         return "torch DistributedDataParallel" + (" + ZeroRedundancyOptimizer" if strategy.stage == 1 else "")
-    mesh = make_mesh(scenario, device)
+    mesh = traced.mesh = make_mesh(scenario, device)
+    name = ""
+    if strategy.tp > 1:
+        parallelize(traced.root, mesh["tp"], strategy.uses_sequence_parallel)
+        name = "torch DTensor tensor parallel" + (" + sequence parallel" if strategy.uses_sequence_parallel else "")
+        name += " + loss parallel, "
+        mesh = mesh[data_parallel_axes(scenario)]
     compute = COMPUTE_DTYPES.get(training.precision)
     policy = (
         MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
@@ -246,7 +270,7 @@ def apply_strategy(traced: TracedModel, scenario: Scenario, device: str = "cpu")
     for unit in traced.blocks:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(traced.root, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    return f"torch fully_shard (reshard_after_forward={reshard})"
+    return f"{name}torch fully_shard (reshard_after_forward={reshard})"
 
 
 def make_optimizer(root: nn.Module, scenario: Scenario) -> torch.optim.Optimizer:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from shardscope.core.allocator import FREE, Event
 from shardscope.core.result import CollectiveRow
 from shardscope.measure.ledger import CollectiveLedger
-from shardscope.measure.storage import local_tensor
+from shardscope.measure.storage import holds_dtensor, local_tensor
 from shardscope.measure.tracker import Life, StorageTracker
 
 TRACKED = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary")
@@ -228,6 +228,8 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
     # --- the dispatch hook ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if holds_dtensor(args) or holds_dtensor(kwargs):
+            return NotImplemented  # let DTensor desugar it into local ops and collectives, then see those
         if func is _RECORD_ENTER:
             name = str(args[0])
             inherited = bool(self._scopes) and self._scopes[-1]
@@ -235,8 +237,8 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
             self._scopes.append(not any(part in name for part in _NOT_BUFFERS) if fsdp else inherited)
         elif func is _RECORD_EXIT and self._scopes:
             self._scopes.pop()
-        if self.recording:
-            self.collectives.record(func, args, "setup" if self.phase == "loss" else self.phase)
+        if self.recording:  # the loss is part of forward, as a run's ledger counts it (loss parallel's all-reduces)
+            self.collectives.record(func, args, "forward" if self.phase == "loss" else self.phase)
         out = func(*args, **kwargs)
         in_fsdp = bool(self._scopes) and self._scopes[-1]
         category = "buffers" if in_fsdp and self.phase != "setup" else _PHASE_CATEGORY[self.phase]
