@@ -98,3 +98,20 @@ def test_sharded_model_parallel_run_holds_what_the_paper_engine_predicts(
         assert measured[key] - expected[key] == 2 * spec.num_layers + 1
         measured[key] = expected[key]
     assert measured == expected
+
+
+@pytest.mark.slow
+def test_hsdp_with_tensor_parallel_on_eight_ranks_matches_one_process_and_the_prediction() -> None:
+    # dp 4 x tp 2: each tp slice's data group [t, t+2, t+4, t+6] shards over pairs of consecutive data ranks and
+    # replicates across the pairs (core/network.py `placement`: replica groups strided by the shard group x tp)
+    options = {**BASE, "world_size": 8, "timeout_s": 180}
+    case = {"strategy": "hsdp", "shard_group": 2, "tp": 2, "sequence_parallel": False}
+    config = RunConfig.from_options(**options, precision="fp64", steps=3, **case)
+    (result,) = run_suite([config])
+    assert result.parity.max_abs_diff <= 1e-10, result.parity
+    predicted = estimate_memory(config.scenario()).per_rank
+    for rank in result.per_rank:
+        for field in ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes"):
+            assert getattr(rank, field) == getattr(predicted, field), field
+        assert rank.peak_bytes == pytest.approx(predicted.peak_bytes, rel=0.05)
+    assert by_call(result.ledger) == by_call(run_ledger(config.scenario()))
