@@ -40,10 +40,11 @@ STRATEGY_OPTIONS = {
     "cp": "cp",
     "sequence_parallel": "sequence_parallel",
 }
-MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0,), "pytorch": (2, 3)}
+MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0, 1, 2, 3), "pytorch": (2, 3)}
 """The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
-runs inside ddp; torch's DTensor tensor parallelism (runtime/engines.py TorchTensorParallel) under FSDP2 (zero2,
-zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor parameters)."""
+runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's DTensor tensor parallelism (runtime/engines.py
+TorchTensorParallel) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor
+parameters)."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 

@@ -19,14 +19,14 @@ from shardscope.measure.storage import storage_bytes
 from shardscope.reference_models import build_model, lm_loss, sample_batch
 from shardscope.runtime.config import RunConfig
 from shardscope.runtime.tracker import MemoryTracker
-from shardscope.runtime.trainer import Trainer, is_mixed, make_optimizer, param_dtype
+from shardscope.runtime.trainer import Trainer, broadcast_module, is_mixed, make_optimizer, param_dtype
 
 
 def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     """The strategy object for a config: a teaching strategy or one of torch's engines."""
     from shardscope.runtime.engines import TorchDDP, TorchFSDP2, TorchTensorParallel
     from shardscope.runtime.teaching.ddp import DataParallelBucket
-    from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
+    from shardscope.runtime.teaching.fsdp import FullyShardedTeaching, hsdp_groups
     from shardscope.runtime.teaching.zero import Zero1, Zero2
 
     training, strategy, shard_group = config.training, config.strategy.canonical_name, config.strategy.shard_group
@@ -38,26 +38,45 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
         if strategy in ("ddp", "zero1"):
             return TorchDDP(module, training, zero1=strategy == "zero1")
         return TorchFSDP2(module, training, reshard_after_forward=strategy != "zero2", shard_group=shard_group)
+    broadcast_module(module)  # the teaching strategies start every rank from rank 0's weights
     teaching: dict[str, Callable[[], Trainer]] = {
         "ddp": lambda: DataParallelBucket(module, training),
         "zero1": lambda: Zero1(module, training),
         "zero2": lambda: Zero2(module, training),
         "zero3": lambda: FullyShardedTeaching(module, training),
-        "hsdp": lambda: FullyShardedTeaching(module, training, shard_group=shard_group),
+        "hsdp": lambda: FullyShardedTeaching(
+            module, training, *hsdp_groups(shard_group, [list(range(config.world_size))])
+        ),
     }
     return teaching[strategy]()
 
 
 def _model_parallel_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
-    """Tensor and context parallelism: the teaching grid inside ddp (RunConfig allows no other teaching strategy
-    with them)."""
+    """Tensor and context parallelism: the teaching grid, inside ddp or a teaching ZeRO strategy over the grid's data
+    group (the ranks holding the same tp slice; an hsdp shard group is shard_group x cp consecutive ones of them)."""
     from shardscope.reference_models import TransformerLM
-    from shardscope.runtime.teaching.model_parallel import ModelParallelTeaching
+    from shardscope.runtime.teaching.fsdp import FullyShardedTeaching, hsdp_groups
+    from shardscope.runtime.teaching.model_parallel import ModelParallelTeaching, ProcessGrid, ShardedModelParallel
+    from shardscope.runtime.teaching.zero import Zero1, Zero2
 
-    strategy = config.strategy
+    strategy, training = config.strategy, config.training
     assert isinstance(module, TransformerLM)
-    return ModelParallelTeaching(
-        module, config.training, tp=strategy.tp, cp=strategy.cp, sequence_parallel=strategy.uses_sequence_parallel
+    tp, cp, sequence_parallel = strategy.tp, strategy.cp, strategy.uses_sequence_parallel
+    if strategy.stage == 0:
+        return ModelParallelTeaching(module, training, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+
+    def fully_sharded(grid: ProcessGrid) -> Trainer:
+        shard, replica = hsdp_groups(strategy.shard_group * cp, grid.data_ranks)
+        return FullyShardedTeaching(module, training, shard or grid.data_group, replica)
+
+    data_parallel: dict[str, Callable[[ProcessGrid], Trainer]] = {
+        "zero1": lambda grid: Zero1(module, training, grid.data_group),
+        "zero2": lambda grid: Zero2(module, training, grid.data_group),
+        "zero3": lambda grid: FullyShardedTeaching(module, training, grid.data_group),
+        "hsdp": fully_sharded,
+    }
+    return ShardedModelParallel(
+        module, training, data_parallel[strategy.canonical_name], tp=tp, cp=cp, sequence_parallel=sequence_parallel
     )
 
 

@@ -8,10 +8,11 @@ the shard degree D, so a rank holds ceil(P_u / D) elements of unit u, and Adam k
 Without a shape (--params) the model is one flat buffer, which is the paper's own accounting. Communication volumes
 follow the paper's Section 7: DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x.
 
-DDP with tensor or context parallelism runs as the teaching grid (runtime/teaching/model_parallel.py,
-ModelParallelTeaching): rank 0's whole model broadcast to the world tensor by tensor before each rank keeps its
-slice, then, every micro-batch after backward, one blocking all-reduce per parameter tensor (its tp slice) over the
-dp x cp ranks holding it; its optimizer steps over the tensors, not flat buffers.
+With tensor or context parallelism every stage runs in the teaching grid (runtime/teaching/model_parallel.py): rank 0's
+whole model broadcast to the world tensor by tensor before each rank keeps its slice. DDP (ModelParallelTeaching) then,
+every micro-batch after backward, all-reduces each parameter tensor (its tp slice) over the dp x cp ranks holding it,
+blocking, and its optimizer steps over the tensors, not flat buffers; ZeRO-1/2/3 and HSDP (ShardedModelParallel) are
+the strategies above over those ranks, their flat buffers made of the rank's tp slices.
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ class PaperRules(RulesDefaults):
         return events + step_gathers(scenario, pieces, param)
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
-        """Every parameter tensor broadcast from rank 0 (in the tp/cp grid the whole tensor to the world, before the
-        ranks keep their slices)."""
+        """Every parameter tensor broadcast from rank 0 (with tp or cp, under every stage, the whole tensor to the
+        world, before the ranks keep their slices)."""
         element = dtype_bytes(scenario.training.precision)
-        if _in_model_parallel_grid(scenario):
+        if scenario.parallelism.splits_model:
             world = scenario.cluster.world_size
             return [
                 CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)

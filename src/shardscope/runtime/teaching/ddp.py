@@ -87,11 +87,11 @@ class FlatBufferTrainer(Trainer):
 
 
 class DataParallelBucket(FlatBufferTrainer):
-    """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call."""
+    """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call. The ranks
+    must start from the same weights (broadcast them first)."""
 
     def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
         self.module, self.world_size = module, dist.get_world_size()
-        broadcast_module(module)
         self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
         self.works: list[dist.Work] = []
         for index, layout in enumerate(self.layouts):

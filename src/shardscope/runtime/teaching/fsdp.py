@@ -20,41 +20,49 @@ from torch import nn
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
 
-def hsdp_groups(shard_group: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """(this rank's shard group, its replica group): shard groups are consecutive ranks, replicas share an index.
-    Every rank creates every group, in the same order, as torch.distributed requires."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def hsdp_groups(
+    shard_group: int, data_groups: list[list[int]]
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this rank's shard group, its replica group) inside its data group: shard groups are consecutive ranks of
+    the data group, replicas share an index in them; (None, None) when one shard group is the whole data group, so
+    the caller shards over that. `data_groups` are every data group's ranks (the world alone, or under tensor
+    parallelism one per tp slice): every rank creates every group, in the same order, as torch.distributed requires."""
+    rank = dist.get_rank()
     mine_shard: Any = None
     mine_replica: Any = None
-    for start in range(0, world, shard_group):
-        group = dist.new_group(list(range(start, start + shard_group)))
-        if start <= rank < start + shard_group:
-            mine_shard = group
-    if world == shard_group:
-        return mine_shard, None
-    for index in range(shard_group):
-        group = dist.new_group(list(range(index, world, shard_group)))
-        if rank % shard_group == index:
-            mine_replica = group
+    if all(len(ranks) == shard_group for ranks in data_groups):
+        return None, None
+    for ranks in data_groups:
+        for start in range(0, len(ranks), shard_group):
+            group = dist.new_group(ranks[start : start + shard_group])
+            if rank in ranks[start : start + shard_group]:
+                mine_shard = group
+    for ranks in data_groups:
+        for index in range(shard_group):
+            group = dist.new_group(ranks[index::shard_group])
+            if rank in ranks[index::shard_group]:
+                mine_replica = group
     return mine_shard, mine_replica
 
 
 class FullyShardedTeaching(Trainer):
-    """zero3 when shard_group equals the world; hsdp otherwise."""
+    """zero3 over shard_pg (None: the world); hsdp when replica_pg is given, across which the gradient shards are
+    averaged. The ranks must start from the same weights (broadcast them first)."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec, shard_group: int = 0) -> None:
-        self.module, self.world_size = module, dist.get_world_size()
-        broadcast_module(module)
-        degree = shard_group or self.world_size
-        if degree == self.world_size:
-            self.shard_pg: dist.ProcessGroup | None = None
-            self.replica_pg: dist.ProcessGroup | None = None
-        else:
-            self.shard_pg, self.replica_pg = hsdp_groups(degree)
+    def __init__(
+        self,
+        module: nn.Module,
+        training: TrainingSpec,
+        shard_pg: dist.ProcessGroup | None = None,
+        replica_pg: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.module, self.shard_pg, self.replica_pg = module, shard_pg, replica_pg
+        degree = dist.get_world_size(shard_pg)
+        self.world_size = degree * (1 if replica_pg is None else dist.get_world_size(replica_pg))
         self.rank = dist.get_rank(self.shard_pg)
         self.layouts = [FlatLayout(unit, shard_degree=degree) for unit in model_units(module)]
         self.shards, self.whole, self.grad_shards = [], [], []

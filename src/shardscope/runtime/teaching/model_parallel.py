@@ -3,10 +3,14 @@
 Rank r sits at dp_index = r // (cp*tp), cp_index = r // tp % cp, tp_index = r % tp (picotron's process group
 manager, torchtitan's ParallelDims order). The tp ranks of a cell share its tokens and split its weights; the cp
 ranks of a row split the tokens of the same sequences; the dp ranks take different sequences. So the ranks with the
-same tp_index hold the same shard and have seen different tokens: their gradients are averaged by one all-reduce.
+same tp_index hold the same shard and have seen different tokens: their gradients are averaged over that data group,
+by one all-reduce per tensor (`ModelParallelTeaching`, DDP), or by a teaching ZeRO strategy that flattens and shards
+the tp slices over it as it would a whole model (`ShardedModelParallel`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +20,7 @@ from shardscope.runtime.teaching.context_parallel import use_ring_attention, zig
 from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import broadcast_module
+from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -34,7 +38,8 @@ class ProcessGrid:
         self.tp_group = self._mine([[d * cp * tp + c * tp + t for t in range(tp)] for d, c in cells])
         rows = [(d, t) for d in range(self.dp) for t in range(tp)]
         self.cp_group = self._mine([[d * cp * tp + c * tp + t for c in range(cp)] for d, t in rows])
-        self.data_group = self._mine([list(range(t, world, tp)) for t in range(tp)])  # dp x cp: one shard
+        self.data_ranks = [list(range(t, world, tp)) for t in range(tp)]  # dp x cp, dp-major: one tp slice each
+        self.data_group = self._mine(self.data_ranks)
 
     @staticmethod
     def _mine(rank_lists: list[list[int]]) -> dist.ProcessGroup:
@@ -47,6 +52,43 @@ class ProcessGrid:
         return mine
 
 
+class TensorContextParallel:
+    """The model-parallel side of a grid rank: rank 0's whole model broadcast to the world, then the rank's tp slice
+    kept (and the attention made a ring over cp); the loss of the rank's tokens, and whole parameters from slices."""
+
+    def __init__(
+        self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int, sequence_parallel: bool
+    ) -> None:
+        self.grid = ProcessGrid(cp=cp, tp=tp)
+        tokens_per_rank = training.sequence_length // cp
+        if sequence_parallel and tokens_per_rank % tp:
+            raise ValueError(f"sequence parallelism needs tp({tp}) to divide the tokens per cp rank({tokens_per_rank})")
+        self.module, self.sequence_length = module, training.sequence_length
+        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its slice of them
+        self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
+        if cp > 1:
+            use_ring_attention(module, self.grid.cp_group)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
+        # made each step, as the reference model's position ids are: gpt2's position embedding saves them
+        positions = zigzag_positions(self.sequence_length, self.grid.cp, self.grid.cp_index).to(inputs.device)
+        loss: torch.Tensor = self.module(inputs[:, positions], targets[:, positions], positions)
+        return loss
+
+    def whole(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every parameter put back together from the tp ranks' slices (called on every rank)."""
+        out = {}
+        for name, piece in slices.items():
+            if shard_dim(name) is None:
+                out[name] = piece.detach().clone()
+                continue
+            pieces = [torch.empty_like(piece) for _ in range(self.grid.tp)]
+            dist.all_gather(pieces, piece.detach().contiguous(), group=self.grid.tp_group)
+            out[name] = whole_of(name, pieces)
+        return out
+
+
 class ModelParallelTeaching(FlatBufferTrainer):
     """A reference model trained with tp (optionally sequence-parallel) and cp inside dp, from collectives. The
     rank's slices sit in flat per-unit buffers, as DataParallelBucket's (the gradients live from step to step, one
@@ -56,27 +98,16 @@ class ModelParallelTeaching(FlatBufferTrainer):
         self, module: TransformerLM, training: TrainingSpec, *, tp: int, cp: int = 1, sequence_parallel: bool = False
     ) -> None:
         self.module, self.world_size = module, dist.get_world_size()
-        self.grid = ProcessGrid(cp=cp, tp=tp)
-        tokens_per_rank = training.sequence_length // cp
-        if sequence_parallel and tokens_per_rank % tp:
-            raise ValueError(f"sequence parallelism needs tp({tp}) to divide the tokens per cp rank({tokens_per_rank})")
-        self.sequence_length = training.sequence_length
-        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its slice of them
-        self.parallel = TensorParallelLM(module, self.grid.tp_group, sequence_parallel)
-        if cp > 1:
-            use_ring_attention(module, self.grid.cp_group)
+        self.split = TensorContextParallel(module, training, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+        self.grid = self.split.grid
         self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
         self.optimizer = ShardOptimizer(self.flat_params, training)  # under mixed precision, on an fp32 master copy
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of this rank's tokens of its data-parallel micro-batch (whole sequences)."""
-        # made each step, as the reference model's position ids are: gpt2's position embedding saves them
-        positions = zigzag_positions(self.sequence_length, self.grid.cp, self.grid.cp_index).to(inputs.device)
-        return self.parallel.loss(inputs[:, positions], targets[:, positions], positions)
+        return self.split.loss(inputs, targets)
 
     def backward(self, loss: torch.Tensor) -> None:
         super().backward(loss)
-        self.parallel.sum_replicated_gradients()
         data_ranks = self.grid.dp * self.grid.cp
         for param in self.module.parameters():
             if param.grad is not None and data_ranks > 1:
@@ -84,12 +115,42 @@ class ModelParallelTeaching(FlatBufferTrainer):
                 param.grad.div_(data_ranks)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, param in self.module.named_parameters():
-            if shard_dim(name) is None:
-                out[name] = param.detach().clone()
-                continue
-            pieces = [torch.empty_like(param) for _ in range(self.grid.tp)]
-            dist.all_gather(pieces, param.detach().contiguous(), group=self.grid.tp_group)
-            out[name] = whole_of(name, pieces)
-        return out
+        return self.split.whole(dict(self.module.named_parameters()))
+
+
+class ShardedModelParallel(Trainer):
+    """tp and cp inside a sharded data-parallel strategy (ZeRO-1/2/3, HSDP): the teaching strategy, made by
+    `data_parallel` over the grid's data group, flattens and shards the rank's tp slices as it would a whole model."""
+
+    def __init__(
+        self,
+        module: TransformerLM,
+        training: TrainingSpec,
+        data_parallel: Callable[[ProcessGrid], Trainer],
+        *,
+        tp: int,
+        cp: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
+        self.module, self.world_size = module, dist.get_world_size()
+        self.split = TensorContextParallel(module, training, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
+        self.grid = self.split.grid
+        self.data = data_parallel(self.grid)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.split.loss(inputs, targets)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.data.backward(loss)
+
+    def step(self) -> None:
+        self.data.step()
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return self.data.held()
+
+    def resizable_buffers(self) -> list[torch.Tensor]:
+        return self.data.resizable_buffers()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.split.whole(self.data.full_parameters())

@@ -10,7 +10,7 @@ taken over the split vocabulary (Megatron-LM's vocab_parallel_cross_entropy). No
 With sequence parallelism (Reducing Activation Recomputation in Large Transformer Models, Section 4.2) the regions
 are entered by an all-gather and left by a reduce-scatter along the sequence, so the norms and the residual stream
 hold seq/tp tokens per rank, and the replicated weights (norms, row-parallel biases, position embeddings) see only
-their rank's tokens: their gradients are summed over tp after backward.
+their rank's tokens: each one's gradient is summed over tp as soon as backward has made it.
 
 The split is torchtitan's llama plan; an nn.Linear's weight is (out, in), so colwise shards dim 0 and rowwise dim 1,
 as DTensor's ColwiseParallel and RowwiseParallel do, and a rank holds the same parameter bytes as under DTensor.
@@ -184,7 +184,12 @@ class TensorParallelLM:
             block.attn.heads //= self.size
             block.attn.kv_heads //= self.size
             block.attn.project = block.mlp.project = self.enter
-        self.replicated = [p for name, p in model.named_parameters() if shard_dim(name) is None]
+        if sequence_parallel:  # each rank's replicated weights saw only its tokens: sum their gradients over tp
+            for name, param in model.named_parameters():
+                if shard_dim(name) is None:  # hooked first, so before any data-parallel strategy reduces it
+                    param.register_post_accumulate_grad_hook(self._sum_over_tp)
+        # the model's forward becomes this loss, so hooks on the model (FSDP's gather of the root unit) run with it
+        model.forward = self.loss  # type: ignore[method-assign]
 
     def _split_vocabulary(self) -> None:
         model = self.model
@@ -230,9 +235,6 @@ class TensorParallelLM:
             return lm_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
 
-    def sum_replicated_gradients(self) -> None:
-        """With sequence parallelism each rank's replicated weights saw only its tokens: sum their gradients."""
-        if self.sequence_parallel:
-            for param in self.replicated:
-                if param.grad is not None:
-                    dist.all_reduce(param.grad, group=self.group)
+    def _sum_over_tp(self, param: torch.Tensor) -> None:
+        assert param.grad is not None
+        dist.all_reduce(param.grad, group=self.group)

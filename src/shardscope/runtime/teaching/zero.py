@@ -1,7 +1,9 @@
 """ZeRO stages 1 and 2 from collectives (ZeRO: Memory Optimizations Toward Training Trillion Parameter Models).
 
-Both keep the whole model in per-unit flat buffers padded to a multiple of the world size, and the optimizer only
-for the rank's shard (ceil(P/N) elements of each buffer). After the update, an all-gather rebuilds the parameters.
+Both keep the whole model in per-unit flat buffers padded to a multiple of the N ranks of their group (the world, or
+under tensor parallelism the ranks holding the same slice), and the optimizer only for the rank's shard (ceil(P/N)
+elements of each buffer). After the update, an all-gather rebuilds the parameters. The ranks must start from the same
+weights (broadcast them first).
 Stage 1 keeps full gradients and reduce-scatters them after backward; stage 2 reduce-scatters each unit's gradients
 as soon as they are complete and keeps only its own gradient shard.
 """
@@ -15,16 +17,16 @@ from torch import nn
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
 
 class _ShardedOptimizerBase(Trainer):
     """Whole parameters in flat buffers, the optimizer on this rank's shard of each, all-gather after the step."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
-        self.module, self.world_size, self.rank = module, dist.get_world_size(), dist.get_rank()
-        broadcast_module(module)
+    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
+        self.module, self.group = module, group
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layouts = [FlatLayout(unit, shard_degree=self.world_size) for unit in model_units(module)]
         with measured_as("parameters"):
             self.flat_params = [layout.flatten(layout.unit.params) for layout in self.layouts]
@@ -34,14 +36,14 @@ class _ShardedOptimizerBase(Trainer):
         self.optimizer = ShardOptimizer(shards, training)
 
     def _reduce_scatter(self, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
-        reduce_scatter_single(out, flat_grad)
+        reduce_scatter_single(out, flat_grad, group=self.group)
         out.div_(self.world_size)
 
     def _all_gather_params(self) -> None:
         for layout, flat in zip(self.layouts, self.flat_params, strict=True):
             with measured_as("buffers"):
                 mine = layout.shard(flat, self.rank).clone()  # a separate send buffer: input must not alias output
-            all_gather_single(flat, mine)
+            all_gather_single(flat, mine, group=self.group)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())
@@ -51,8 +53,8 @@ class Zero1(_ShardedOptimizerBase):
     """Stage 1: full gradients in flat buffers; after backward each is reduce-scattered and the rank keeps its
     averaged shard in place."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
-        super().__init__(module, training)
+    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(module, training, group)
         with measured_as("gradients"):
             self.flat_grads = [torch.zeros_like(flat) for flat in self.flat_params]
         for layout, grads in zip(self.layouts, self.flat_grads, strict=True):
@@ -88,8 +90,8 @@ class Zero2(_ShardedOptimizerBase):
     """Stage 2: when a unit's last gradient lands, flatten its gradients, reduce-scatter them into the rank's
     persistent gradient shard, and drop the full gradients."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
-        super().__init__(module, training)
+    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(module, training, group)
         with measured_as("gradients"):
             self.grad_shards = [
                 torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
