@@ -103,7 +103,7 @@ def model_parallel_section(results: list[CaseResult], seconds: float, command: s
         "Targets as above. ledger_payload sums the step's collectives; ring attention's send/recv are predicted "
         "and listed in the notes (the run's ledger reads collectives only). Beyond the total, every kind of "
         "collective call (phase, op, group size, payload) is compared by its count: "
-        f"{call_for_call} of {len(ran)} cases agree call for call (the others are listed in the notes).",
+        f"{call_for_call} of {len(ran)} cases agree call for call (the others are listed below the rows).",
         "",
         f"**{len(rows) - len(failing)} of {len(rows)} rows within target.**",
         "",
@@ -120,7 +120,11 @@ def model_parallel_section(results: list[CaseResult], seconds: float, command: s
     if waiting:
         lines += ["", "### Not run yet", ""]
         lines += [f"- {reason}: {', '.join(labels)}" for reason, labels in waiting.items()]
+    lines += ["", "### Collective calls that differ", ""]
+    lines += [f"- {r.case.label}: {line}" for r in ran for line in r.ledger_mismatches] or ["- none"]
+    ring = [f"{r.case.label} {r.point_to_point_bytes:,} B" for r in ran if r.point_to_point_bytes]
     notes = sorted({note for result in ran for note in result.notes})
+    notes += [f"send/recv predicted per step (rank 0): {'; '.join(ring)}"] if ring else []
     lines += ["", "### Notes", ""] + [f"- {note}" for note in notes]
     return lines
 

@@ -185,6 +185,7 @@ def render_results(results: list[Any]) -> str:
     notes = sorted({note for result in results for note in result.notes})
     lines = [render_table(header, rows), "", f"{total - failing} of {total} rows within target"]
     lines += [f"  - {note}" for note in notes]
+    lines += [f"  - {r.case.label}: ledger differs: {line}" for r in results for line in r.ledger_mismatches]
     not_run = [result for result in results if result.not_run]
     if not_run:
         lines += ["", f"{len(not_run)} cases not run (no run engine implements them yet):"]
