@@ -113,8 +113,9 @@ def test_the_ledger_is_compared_call_for_call_and_point_to_point_apart() -> None
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tp", "3"], "no validation case is left after the filters"),
-        (["--quick", "--tp", "2"], "(--quick has data parallelism only)"),
+        (["--tp", "3"], "--tp '3' is not in the matrix; allowed: 1, 2"),
+        (["--quick", "--tp", "2"], "--tp '2' is not in the matrix; allowed: 1"),
+        (["--tp", "1", "--sequence-parallel"], "no validation case is left after the filters"),
         (["--tp", "0"], "'0' must be at least 1"),
         (["--precisions", "fp8"], "--precisions 'fp8' is not in the matrix; allowed: fp32, bf16-mixed"),
     ],

@@ -71,12 +71,8 @@ def _keep(values: str | None, option: str, allowed: list[str]) -> set[str] | Non
 
 
 def _degrees_match(case: Any, args: argparse.Namespace) -> bool:
-    """--tp, --cp and --sequence-parallel, where given, keep the cases of those degrees."""
-    return (
-        (args.tp is None or case.tp == args.tp)
-        and (args.cp is None or case.cp == args.cp)
-        and (args.sequence_parallel is None or case.sequence_parallel == args.sequence_parallel)
-    )
+    """--sequence-parallel / --no-sequence-parallel, where given, keep the cases with (or without) it."""
+    return args.sequence_parallel is None or case.sequence_parallel == args.sequence_parallel
 
 
 def _require_gpus(world_size: int) -> None:
@@ -104,10 +100,12 @@ def run(args: argparse.Namespace) -> int:
         "engine": "--engines",
         "world_size": "--world-sizes",
         "precision": "--precisions",
+        "tp": "--tp",
+        "cp": "--cp",
     }
     filters = {
         name: _keep(
-            getattr(args, option[2:].replace("-", "_")),
+            None if (value := getattr(args, option[2:].replace("-", "_"))) is None else str(value),
             option,
             list(dict.fromkeys(str(getattr(case, name)) for case in cases)),
         )
@@ -122,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if not cases:
         raise CliError(
             "no validation case is left after the filters; check --models, --strategies, --engines, --tp, --cp, "
-            "--sequence-parallel (--quick has data parallelism only)"
+            "--sequence-parallel"
         )
     if args.device == "cuda":
         _require_gpus(max(case.world_size for case in cases))
