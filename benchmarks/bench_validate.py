@@ -1,7 +1,9 @@
-"""The full validation matrix (issue 6): predicted, traced and measured for every case; writes docs/accuracy.md.
+"""The full validation matrix (issues 6 and 19): predicted, traced and measured for every case; writes docs/accuracy.md.
 
 Run: .venv/bin/python benchmarks/bench_validate.py [--out docs/accuracy.md] [--hardware profile.toml]
-It takes minutes on a 2-core machine (every case really trains on gloo, and each torch-engine case is traced).
+It takes about 40 minutes on a 2-core machine (every case really trains on gloo, and each torch-engine case is traced).
+With --model-parallel it runs only issue 19's tensor- and context-parallel cases (a few minutes) and rewrites only
+their section of the file, from its heading to the end, leaving the data-parallel rows as they are.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from shardscope.validate.cases import full_matrix
+from shardscope.validate.cases import full_matrix, model_parallel_matrix
 from shardscope.validate.compare import TARGETS
 from shardscope.validate.runner import CaseResult, validate_cases
+
+MODEL_PARALLEL_HEADING = "## Tensor, sequence and context parallelism"
 
 
 def _fmt(value: float | None, quantity: str) -> str:
@@ -55,18 +59,93 @@ def summary(results: list[CaseResult]) -> list[str]:
     return lines
 
 
-def write(results: list[CaseResult], out: Path, seconds: float, command: str, device: str) -> None:
+def _machine(device: str) -> str:
     import torch
 
+    return (
+        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {'nccl on CUDA' if device == 'cuda' else 'gloo on CPU'}."
+    )
+
+
+def _every_row(results: list[CaseResult]) -> list[str]:
+    lines = [
+        "| case | quantity | predicted | traced | measured | predicted error | traced error | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in (row for result in results for row in result.rows):
+        lines.append(
+            f"| {row.case.label} | {row.quantity} | {_fmt(row.predicted, row.quantity)} | "
+            f"{_fmt(row.traced, row.quantity)} | {_fmt(row.measured, row.quantity)} | {_err(row.error)} | "
+            f"{_err(row.traced_error)} | {'yes' if row.ok else 'NO'} |"
+        )
+    return lines
+
+
+def model_parallel_section(results: list[CaseResult], seconds: float, command: str, device: str) -> list[str]:
+    """Issue 19's section: its own summary, rows, the cases no run engine implements yet, and notes."""
+    ran = [result for result in results if not result.not_run]
+    rows = [row for result in ran for row in result.rows]
+    failing = [row for row in rows if not row.ok]
+    call_for_call = sum(not result.ledger_mismatches for result in ran)
+    lines = [
+        MODEL_PARALLEL_HEADING,
+        "",
+        f"Written by `{command}` on {datetime.date.today().isoformat()}, in {seconds / 60:.1f} minutes "
+        "(`--model-parallel` rewrites this section only; the full run writes it too).",
+        f"{_machine(device)} {len(ran)} cases really train (rank 0 compared); {len(results) - len(ran)} more are "
+        "in the matrix and wait for a run engine (listed below).",
+        "",
+        "Tensor parallelism (tp 2) with and without sequence parallelism (sp), and context parallelism (cp 2, ring "
+        "attention), inside data parallelism, on 4 gloo ranks (dp 2 x tp 2 and cp 2 x tp 2) and one 3-D case on 8 "
+        "(dp 2 x cp 2 x tp 2); micro-batch 2 x 32 tokens. The paper engine predicts the teaching grid "
+        "(runtime/teaching/model_parallel.py), which runs the tp and cp ranks inside ddp; it has no trace column. "
+        "Targets as above. ledger_payload sums the step's collectives; ring attention's send/recv are predicted "
+        "and listed in the notes (the run's ledger reads collectives only). Beyond the total, every kind of "
+        "collective call (phase, op, group size, payload) is compared by its count: "
+        f"{call_for_call} of {len(ran)} cases agree call for call (the others are listed below the rows).",
+        "",
+        f"**{len(rows) - len(failing)} of {len(rows)} rows within target.**",
+        "",
+        *summary(ran),
+        "",
+        "### Every row",
+        "",
+        *_every_row(ran),
+    ]
+    waiting: dict[str, list[str]] = defaultdict(list)
+    for result in results:
+        if result.not_run:
+            waiting[result.not_run].append(result.case.label)
+    if waiting:
+        lines += ["", "### Not run yet", ""]
+        lines += [f"- {reason}: {', '.join(labels)}" for reason, labels in waiting.items()]
+    lines += ["", "### Collective calls that differ", ""]
+    lines += [f"- {r.case.label}: {line}" for r in ran for line in r.ledger_mismatches] or ["- none"]
+    ring = [f"{r.case.label} {r.point_to_point_bytes:,} B" for r in ran if r.point_to_point_bytes]
+    notes = sorted({note for result in ran for note in result.notes})
+    notes += [f"send/recv predicted per step (rank 0): {'; '.join(ring)}"] if ring else []
+    lines += ["", "### Notes", ""] + [f"- {note}" for note in notes]
+    return lines
+
+
+def replace_model_parallel_section(out: Path, section: list[str]) -> None:
+    """Rewrite the section from its heading to the end of the file (append it where it is missing)."""
+    text = out.read_text()
+    kept = text.split(f"\n{MODEL_PARALLEL_HEADING}\n", 1)[0].rstrip("\n")
+    out.write_text(kept + "\n\n" + "\n".join(section) + "\n")
+
+
+def write(results: list[CaseResult], out: Path, seconds: float, command: str, device: str) -> None:
+    model_parallel = [result for result in results if result.case.splits_model]
+    results = [result for result in results if not result.case.splits_model]
     rows = [row for result in results for row in result.rows]
     failing = [row for row in rows if not row.ok]
     lines = [
         "# Accuracy: predicted and traced against measured",
         "",
         f"Written by `{command}` on {datetime.date.today().isoformat()}, in {seconds / 60:.1f} minutes.",
-        f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, {'nccl on CUDA' if device == 'cuda' else 'gloo on CPU'}. "
-        f"Every case really trains ({len(results)} cases, rank 0 compared).",
+        f"{_machine(device)} Every case really trains ({len(results)} cases, rank 0 compared).",
         "",
         "Targets: parameters, gradients, optimizer state and the step's collective payload agree to the byte; the "
         "prediction's activations and peak within 5% of the measurement; the trace's peak within 1%. The trace "
@@ -80,17 +159,12 @@ def write(results: list[CaseResult], out: Path, seconds: float, command: str, de
         "",
         "## Every row",
         "",
-        "| case | quantity | predicted | traced | measured | predicted error | traced error | ok |",
-        "|---|---|---|---|---|---|---|---|",
+        *_every_row(results),
     ]
-    for row in rows:
-        lines.append(
-            f"| {row.case.label} | {row.quantity} | {_fmt(row.predicted, row.quantity)} | "
-            f"{_fmt(row.traced, row.quantity)} | {_fmt(row.measured, row.quantity)} | {_err(row.error)} | "
-            f"{_err(row.traced_error)} | {'yes' if row.ok else 'NO'} |"
-        )
     notes = sorted({note for result in results for note in result.notes})
     lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+    if model_parallel:
+        lines += ["", *model_parallel_section(model_parallel, seconds, command, device)]
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -99,19 +173,30 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/accuracy.md"))
     parser.add_argument("--hardware", help="hardware profile for step-time predictions")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="gloo on CPU or nccl on GPUs")
+    parser.add_argument(
+        "--model-parallel",
+        action="store_true",
+        help="run only the tensor- and context-parallel cases and rewrite only their section of --out",
+    )
     args = parser.parse_args()
     hardware = None
     if args.hardware:
         from shardscope.presets.profile_toml import load_profile
 
         hardware = load_profile(args.hardware)
-    cases = full_matrix(args.device)
+    cases = model_parallel_matrix(args.device)
+    if not args.model_parallel:
+        cases = full_matrix(args.device) + cases
     started = time.monotonic()
     results = validate_cases(cases, hardware=hardware, progress=lambda text: print(text, file=sys.stderr))
     seconds = time.monotonic() - started
-    command = "python benchmarks/bench_validate.py" + (f" --hardware {args.hardware}" if args.hardware else "")
+    command = "python benchmarks/bench_validate.py" + (" --model-parallel" if args.model_parallel else "")
+    command += f" --hardware {args.hardware}" if args.hardware else ""
     command += " --device cuda" if args.device == "cuda" else ""
-    write(results, args.out, seconds, command, args.device)
+    if args.model_parallel:
+        replace_model_parallel_section(args.out, model_parallel_section(results, seconds, command, args.device))
+    else:
+        write(results, args.out, seconds, command, args.device)
     rows = [row for result in results for row in result.rows]
     print(f"{sum(row.ok for row in rows)} of {len(rows)} rows within target; wrote {args.out}")
     print("\n".join(summary(results)))

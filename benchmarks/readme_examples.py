@@ -2,10 +2,10 @@
 
 An example is a ``` block whose paragraph just above starts with a command in backticks, `shardscope ...` (the
 block is that command's standard output), or a ``` block whose first line is `$ shardscope ...` (the lines after it
-are). Run: .venv/bin/python benchmarks/readme_examples.py [--check] [--only CMD] rewrites every example in place
-(each command runs in a fresh process in a temporary folder, so files it writes go nowhere; torch-using ones
-included), or with --check prints which ones differ and exits 1. tests/cli/test_readme_examples.py holds the
-torch-free ones equal to what the commands print now.
+are). Run: .venv/bin/python benchmarks/readme_examples.py [--check] [--only CMD] [--document NAME] rewrites every
+example in place (each command runs in a fresh process in a temporary folder, so files it writes go nowhere;
+torch-using ones included), or with --check prints which ones differ and exits 1; --document guide.md rewrites
+only that file. tests/cli/test_readme_examples.py holds the torch-free ones equal to what the commands print now.
 """
 
 from __future__ import annotations
@@ -99,9 +99,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say which examples differ; exit 1 if any")
     parser.add_argument("--only", metavar="COMMAND", help="only the examples of this subcommand, e.g. estimate")
+    parser.add_argument(
+        "--document", metavar="NAME", choices=[path.name for path in DOCUMENTS], help="only this file, e.g. guide.md"
+    )
     args = parser.parse_args()
     changed = 0
     for document in DOCUMENTS:
+        if args.document and document.name != args.document:
+            continue
         lines = document.read_text(encoding="utf-8").splitlines()
         for example in reversed(find_examples(lines)):  # from the end, so earlier indices stay valid
             if args.only and example.argv[0] != args.only:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from shardscope.cli.errors import CliError
+from shardscope.cli.scenario_args import positive_int
 from shardscope.cli.tables import render_table
 from shardscope.validate.runner import VALIDATE_SCHEMA
 
@@ -25,7 +26,22 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--models", help="comma list of model presets to keep from the full matrix")
     parser.add_argument("--strategies", help="comma list of strategies to keep")
     parser.add_argument("--engines", help="comma list of engines to keep (teaching, pytorch)")
-    parser.add_argument("--world-sizes", help="comma list of world sizes to keep (2, 4)")
+    parser.add_argument("--world-sizes", help="comma list of world sizes to keep (2, 4, 8)")
+    parser.add_argument("--precisions", help="comma list of precisions to keep (fp32, bf16-mixed)")
+    parser.add_argument(
+        "--tp",
+        type=positive_int,
+        help="keep the cases of this tensor-parallel degree (1: data parallelism only; the matrix has 1 and 2)",
+    )
+    parser.add_argument(
+        "--cp", type=positive_int, help="keep the cases of this context-parallel degree (the matrix has 1 and 2)"
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the cases with (or --no-sequence-parallel: without) sequence parallelism between the tp ranks",
+    )
     parser.add_argument("--no-trace", action="store_true", help="skip the trace column")
     parser.add_argument(
         "--device",
@@ -54,6 +70,11 @@ def _keep(values: str | None, option: str, allowed: list[str]) -> set[str] | Non
     return words
 
 
+def _degrees_match(case: Any, args: argparse.Namespace) -> bool:
+    """--sequence-parallel / --no-sequence-parallel, where given, keep the cases with (or without) it."""
+    return args.sequence_parallel is None or case.sequence_parallel == args.sequence_parallel
+
+
 def _require_gpus(world_size: int) -> None:
     """nccl needs a GPU of its own per rank."""
     import torch
@@ -70,13 +91,21 @@ def run(args: argparse.Namespace) -> int:
     """Run the matrix and print the comparison."""
     from shardscope.presets.hardware import HardwareError
     from shardscope.presets.profile_toml import load_profile
-    from shardscope.validate.cases import full_matrix, quick_matrix
+    from shardscope.validate.cases import every_case, quick_matrix
 
-    cases = quick_matrix(args.device) if args.quick else full_matrix(args.device)
-    options = {"model": "--models", "strategy": "--strategies", "engine": "--engines", "world_size": "--world-sizes"}
+    cases = quick_matrix(args.device) if args.quick else every_case(args.device)
+    options = {
+        "model": "--models",
+        "strategy": "--strategies",
+        "engine": "--engines",
+        "world_size": "--world-sizes",
+        "precision": "--precisions",
+        "tp": "--tp",
+        "cp": "--cp",
+    }
     filters = {
         name: _keep(
-            getattr(args, option[2:].replace("-", "_")),
+            None if (value := getattr(args, option[2:].replace("-", "_"))) is None else str(value),
             option,
             list(dict.fromkeys(str(getattr(case, name)) for case in cases)),
         )
@@ -86,9 +115,13 @@ def run(args: argparse.Namespace) -> int:
         case
         for case in cases
         if all(keep is None or str(getattr(case, name)) in keep for name, keep in filters.items())
+        and _degrees_match(case, args)
     )
     if not cases:
-        raise CliError("no validation case is left after the filters; check --models, --strategies, --engines")
+        raise CliError(
+            "no validation case is left after the filters; check --models, --strategies, --engines, --tp, --cp, "
+            "--sequence-parallel"
+        )
     if args.device == "cuda":
         _require_gpus(max(case.world_size for case in cases))
     hardware = None
@@ -150,4 +183,9 @@ def render_results(results: list[Any]) -> str:
     notes = sorted({note for result in results for note in result.notes})
     lines = [render_table(header, rows), "", f"{total - failing} of {total} rows within target"]
     lines += [f"  - {note}" for note in notes]
+    lines += [f"  - {r.case.label}: ledger differs: {line}" for r in results for line in r.ledger_mismatches]
+    not_run = [result for result in results if result.not_run]
+    if not_run:
+        lines += ["", f"{len(not_run)} cases not run (no run engine implements them yet):"]
+        lines += [f"  - {result.case.label}: {result.not_run}" for result in not_run]
     return "\n".join(lines)

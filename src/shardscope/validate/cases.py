@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from shardscope.choices import STRATEGIES, engine_name, parse_choice
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies, data_parallel_mesh
 from shardscope.presets import model_preset
-from shardscope.runtime.config import NO_OVERHEAD, RUN_ENGINES, RUN_GPU
+from shardscope.runtime.config import NO_OVERHEAD, RUN_ENGINES, RUN_GPU, RunConfig
 from shardscope.specs import ClusterSpec, Scenario, SpecError, Strategy, TrainingSpec
 
 CASE_STRATEGIES = comparable_strategies(grouped=True)
@@ -18,6 +18,15 @@ DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl"}
 def _grouped(strategy: str) -> bool:
     """The strategy splits the ranks into replicating shard groups (hsdp): it needs two groups of two."""
     return DATA_PARALLEL_PRESETS[parse_choice("ValidationCase.strategy", strategy, STRATEGIES)].groups_replicate
+
+
+MODEL_PARALLEL_MODELS = ("tiny-llama", "tiny-gpt2")
+"""The models of the tensor- and context-parallel cases: grouped-query attention with a gated MLP, and gpt2's learned
+positions with tied output weights (tiny-moe's experts are expert parallelism's, not issue 19's)."""
+MODEL_PARALLEL_LAYOUTS = ((2, 1), (2, 2))
+"""(tp, cp) on 4 ranks: tp 2 x dp 2, and tp 2 x cp 2 (dp 1)."""
+THREE_D_LAYOUT = (8, 2, 2)
+"""(world size, tp, cp) of the one 3-D case, dp 2 x cp 2 x tp 2: in the full matrix only (8 ranks on few cores)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,18 +52,38 @@ class ValidationCase:
     """Tokens per sequence."""
     device: str = "cpu"
     """'cpu' (gloo processes) or 'cuda' (nccl, one GPU per rank, torch.cuda.max_memory_allocated as the peak)."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost); the data-parallel strategy applies over world_size / (tp x cp)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (ring attention)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism in the norms between the tp ranks (needs tp > 1)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", parse_choice("ValidationCase.engine", engine_name(self.engine), RUN_ENGINES))
         if self.device not in DEVICE_BACKEND:
             raise SpecError(f"ValidationCase.device={self.device!r} is not known; allowed: cpu, cuda")
-        if _grouped(self.strategy) and self.world_size < 4:
-            raise SpecError("ValidationCase: hsdp needs world_size >= 4 (two groups of two)")
+        if self.tp < 1 or self.cp < 1 or self.world_size % (self.tp * self.cp):
+            raise SpecError(f"ValidationCase: tp({self.tp}) * cp({self.cp}) must divide world_size({self.world_size})")
+        if self.sequence_parallel and self.tp == 1:
+            raise SpecError("ValidationCase.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
+        if _grouped(self.strategy) and self.data_ranks < 4:
+            raise SpecError("ValidationCase: hsdp needs 4 data-parallel ranks or more (two groups of two)")
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks the data-parallel strategy spans: world_size / (tp x cp)."""
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def splits_model(self) -> bool:
+        """Tensor or context parallelism: a case of issue 19's section of the matrix."""
+        return self.tp * self.cp > 1
 
     @property
     def shard_group(self) -> int:
         """hsdp: two groups; 0 for the others."""
-        return self.world_size // 2 if _grouped(self.strategy) else 0
+        return self.data_ranks // 2 if _grouped(self.strategy) else 0
 
     @property
     def backend(self) -> str:
@@ -64,8 +93,11 @@ class ValidationCase:
     @property
     def label(self) -> str:
         """A short name for tables."""
+        mesh = (f" tp{self.tp}" if self.tp > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         return (
-            f"{self.model} {self.strategy} {self.engine} w{self.world_size} {self.precision}"
+            f"{self.model} {self.strategy} {self.engine} w{self.world_size}{mesh}"
+            + (" sp" if self.sequence_parallel else "")
+            + f" {self.precision}"
             + {"none": "", "full": " ckpt"}.get(self.checkpointing, f" ckpt {self.checkpointing}")
             + (" cuda" if self.device == "cuda" else "")
         )
@@ -83,9 +115,44 @@ class ValidationCase:
                 precision=self.precision,
                 checkpointing=self.checkpointing,
             ),
-            strategy=Strategy(name=self.strategy, engine=engine_name(self.engine), shard_group=self.shard_group),
+            strategy=Strategy(
+                name=self.strategy,
+                engine=engine_name(self.engine),
+                shard_group=self.shard_group,
+                tp=self.tp,
+                cp=self.cp,
+                sequence_parallel=self.sequence_parallel,
+            ),
             overheads=NO_OVERHEAD,
         )
+
+    def run_options(self, steps: int) -> dict[str, object]:
+        """The case as `RunConfig.from_options` reads it."""
+        return {
+            "model": self.model,
+            "strategy": self.strategy,
+            "engine": self.engine,
+            "world_size": self.world_size,
+            "steps": steps,
+            "precision": self.precision,
+            "micro_batch_size": self.micro_batch_size,
+            "sequence_length": self.sequence_length,
+            "checkpointing": self.checkpointing,
+            "shard_group": self.shard_group,
+            "backend": self.backend,
+            "tp": self.tp,
+            "cp": self.cp,
+            "sequence_parallel": self.sequence_parallel,
+        }
+
+    def not_runnable(self) -> str:
+        """Why no run engine can run this case yet ('' when one can): the run's own check, e.g. FSDP under tensor
+        parallelism before the teaching grid or torch's DTensor engine implements it."""
+        try:
+            RunConfig.from_options(**self.run_options(steps=3))
+        except SpecError as error:
+            return str(error)
+        return ""
 
     def to_json(self) -> dict[str, object]:
         """The case's fields."""
@@ -97,8 +164,10 @@ class ValidationCase:
             "precision": self.precision,
             "checkpointing": self.checkpointing,
             "device": self.device,
-            "parallelism": data_parallel_mesh(self.strategy, self.world_size, self.shard_group).to_json(),
-        }
+            "parallelism": data_parallel_mesh(
+                self.strategy, self.world_size, self.shard_group, tp=self.tp, cp=self.cp
+            ).to_json(),
+        } | ({"sequence_parallel": self.sequence_parallel} if self.tp > 1 else {})
 
 
 def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
@@ -127,6 +196,55 @@ def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
             )
         )
     return tuple(cases)
+
+
+def model_parallel_matrix(device: str = "cpu", *, three_d: bool = True) -> tuple[ValidationCase, ...]:
+    """Issue 19's cases: on 4 ranks tp 2 x dp 2 and tp 2 x cp 2, with and without sequence parallelism, fp32 and
+    bf16-mixed, for both models, under ddp and fsdp and both engines; and (`three_d`) dp 2 x cp 2 x tp 2 on 8 ranks.
+    Cases that no run engine implements yet stay in the matrix (ValidationCase.not_runnable says why), so they run as
+    soon as one does: fsdp under tp, and torch's DTensor engine (engine 'pytorch')."""
+    cases = [
+        ValidationCase(
+            model=model,
+            strategy=strategy,
+            engine=engine,
+            world_size=4,
+            precision=precision,
+            tp=tp,
+            cp=cp,
+            sequence_parallel=sequence_parallel,
+            device=device,
+        )
+        for model, strategy, engine, (tp, cp), sequence_parallel, precision in itertools.product(
+            MODEL_PARALLEL_MODELS,
+            ("ddp", "fsdp"),
+            RUN_ENGINES,
+            MODEL_PARALLEL_LAYOUTS,
+            (False, True),
+            ("fp32", "bf16-mixed"),
+        )
+    ]
+    if three_d:
+        world, tp, cp = THREE_D_LAYOUT
+        cases += [
+            ValidationCase(
+                model="tiny-llama",
+                strategy=strategy,
+                engine="paper",
+                world_size=world,
+                tp=tp,
+                cp=cp,
+                sequence_parallel=True,
+                device=device,
+            )
+            for strategy in ("ddp", "fsdp")
+        ]
+    return tuple(cases)
+
+
+def every_case(device: str = "cpu") -> tuple[ValidationCase, ...]:
+    """The whole matrix: issue 6's data-parallel cases, then issue 19's tensor- and context-parallel ones."""
+    return full_matrix(device) + model_parallel_matrix(device)
 
 
 def quick_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:

@@ -76,9 +76,46 @@ def _relative(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
+POINT_TO_POINT = ("send", "recv")
+"""Ring attention's exchange: the run's ledger reads collectives only (measure/ledger.py), so these predicted rows are
+reported beside the comparison, not in it (tests/distributed/test_tensor_context_parallel.py counts them exactly)."""
+LedgerShape = tuple[str, str, int, int]
+
+
+def _step_collectives(ledger: tuple[CollectiveRow, ...]) -> list[CollectiveRow]:
+    """One step's collective rows: setup excluded (it happens once), send and recv excluded (not measured)."""
+    return [row for row in ledger if row.phase != "setup" and row.op not in POINT_TO_POINT]
+
+
 def step_payload_bytes(ledger: tuple[CollectiveRow, ...]) -> int:
-    """Bytes of one step's collectives (setup excluded: it happens once)."""
-    return sum(row.total_payload_bytes for row in ledger if row.phase != "setup")
+    """Bytes of one step's collectives."""
+    return sum(row.total_payload_bytes for row in _step_collectives(ledger))
+
+
+def point_to_point_bytes(ledger: tuple[CollectiveRow, ...]) -> int:
+    """Bytes one step sends and receives point to point (context parallelism's ring)."""
+    return sum(row.total_payload_bytes for row in ledger if row.op in POINT_TO_POINT)
+
+
+def _calls(ledger: tuple[CollectiveRow, ...]) -> dict[LedgerShape, int]:
+    # by (phase, op, group size, payload): the run's rows do not know which mesh dimension a group is
+    calls: dict[LedgerShape, int] = {}
+    for row in _step_collectives(ledger):
+        shape = (row.phase, row.op, row.group_size, row.payload_bytes)
+        calls[shape] = calls.get(shape, 0) + row.count
+    return calls
+
+
+def ledger_differences(predicted: tuple[CollectiveRow, ...], measured: tuple[CollectiveRow, ...]) -> tuple[str, ...]:
+    """Every kind of collective call whose count differs between the prediction and the run, one line each; empty
+    when the two ledgers agree call for call (a stricter check than the payload total)."""
+    want, got = _calls(predicted), _calls(measured)
+    return tuple(
+        f"{phase} {op} of {payload:,} B over {size} ranks: predicted {want.get(shape, 0)}, measured {got.get(shape, 0)}"
+        for shape in sorted(set(want) | set(got))
+        if want.get(shape, 0) != got.get(shape, 0)
+        for phase, op, size, payload in (shape,)
+    )
 
 
 def compare_case(
