@@ -21,6 +21,10 @@ def busiest_rank(scenario: Scenario) -> int:
 def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstimate:
     """Memory of one rank (the busiest when rank is None) under the scenario."""
     world = scenario.cluster.world_size
+    if scenario.strategy.pp > 1:
+        from shardscope.core.pipeline_memory import estimate_pipeline_memory  # it builds on this module's imports
+
+        return estimate_pipeline_memory(scenario, rank)
     rules = rules_for(scenario)
     if rank is None:
         rank = rules.busiest_rank(scenario)
