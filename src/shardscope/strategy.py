@@ -161,6 +161,8 @@ def _require_pipeline(strategy: Strategy) -> None:
     if strategy.pp_schedule == "interleaved-1f1b" and strategy.pp_virtual_stages == 1:
         # torchtitan: "Multi-stage schedule requires at least 2 stages per rank" (_get_pipeline_metadata).
         raise SpecError(f"{owner}.pp_virtual_stages=1: interleaved-1f1b needs at least 2 stages per pipeline rank")
+    if isinstance(strategy.pp_layers, list):  # read back from JSON (a trace request)
+        object.__setattr__(strategy, "pp_layers", tuple(strategy.pp_layers))
     if not isinstance(strategy.pp_layers, tuple):
         raise SpecError(f"{owner}.pp_layers={strategy.pp_layers!r} must be a tuple of whole numbers")
     for layers in strategy.pp_layers:

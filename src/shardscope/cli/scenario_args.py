@@ -249,10 +249,12 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline settings of the command line as Strategy fields; CliError for trace and run, which cannot run a
-    pipeline yet."""
+    """The pipeline settings of the command line as Strategy fields; CliError for the commands that cannot take a
+    pipeline yet (trace, run, timeline, report)."""
     if args.pp > 1 and args.command in ("trace", "run"):
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
+    if args.pp > 1 and args.command in ("timeline", "report"):
+        raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
     return {
         "pp": args.pp,
         "pp_schedule": args.pp_schedule,
@@ -358,7 +360,8 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
     overheads = overheads_from_args(args)
     scenarios = []
     degrees = {"tp": args.tp, "cp": args.cp, "sequence_parallel": args.sequence_parallel, **pipeline_degrees(args)}
-    group = args.shard_group or max(cluster.ranks_per_node // (args.tp * args.cp), 1)
+    replica = args.tp * args.cp
+    group = args.shard_group or max(min(cluster.ranks_per_node // replica, args.gpus // (replica * args.pp)), 1)
     compared = Strategy(name="zero3", engine=args.engine, offload=args.offload, **degrees)
     for word in names or strategy_names(args, cluster):
         name = parse_choice("Strategy.name", word, STRATEGIES)

@@ -81,4 +81,9 @@ def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
         )
     if training.grad_accum_steps > 1:
         notes.append(f"{training.grad_accum_steps} micro-batches accumulate gradients, which stay live in forward")
+    if strategy.pp > 1:
+        notes.append(
+            f"pipeline {strategy.pp_schedule} over {strategy.pipeline_stages} stages with {training.grad_accum_steps} "
+            f"micro-batches: the pipeline rank with the highest peak is shown (the others in per_stage)"
+        )
     return tuple(notes)
