@@ -65,7 +65,10 @@ class Strategy:
     """interleaved-1f1b only: stages per pipeline rank (0: unset, which means 2, torchtitan's default)."""
     pp_layers: tuple[int, ...] = ()
     """Transformer layers of each pipeline stage, first to last (pp x virtual stages of them); empty: torchtitan's
-    default split (`shardscope.pipeline_split.default_layer_split`)."""
+    default split (`shardscope.core.pipeline.default_layer_split`)."""
+    ep: int = 1
+    """Expert parallel degree (mixture-of-experts models): GPUs that split each MoE layer's experts, borrowed from
+    the data-parallel shard and context-parallel GPUs, as torchtitan's ParallelDims borrows them."""
 
     def __post_init__(self) -> None:
         owner = "Strategy"
@@ -81,6 +84,7 @@ class Strategy:
             )
         require_int(owner, "tp", self.tp, 1, MAX_DEGREE)
         require_int(owner, "cp", self.cp, 1, MAX_DEGREE)
+        require_int(owner, "ep", self.ep, 1, MAX_DEGREE)
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise SpecError(f"{owner}.sequence_parallel={self.sequence_parallel!r} must be true, false or unset")
         if self.sequence_parallel and self.tp == 1:
@@ -109,6 +113,7 @@ class Strategy:
         if self.tp > 1:
             name += f"+tp{self.tp}" + ("" if self.uses_sequence_parallel else "(no-sp)")
         name += f"+cp{self.cp}" if self.cp > 1 else ""
+        name += f"+ep{self.ep}" if self.ep > 1 else ""
         if self.pp > 1:
             virtual = f",v{self.virtual_stages}" if self.pp_schedule == "interleaved-1f1b" else ""
             name += f"+pp{self.pp}({self.pp_schedule}{virtual})"
@@ -209,3 +214,15 @@ def require_pipeline_shape(model: ModelSpec, micro_batches: int, strategy: Strat
             f"interleaved-1f1b runs max(1, m // pp) = {rounds} rounds (torch's ScheduleInterleaved1F1B): "
             f"grad_accum_steps={micro_batches} must be a multiple of {rounds}"
         )
+
+
+def require_expert_shape(model: ModelSpec, strategy: Strategy) -> None:
+    """SpecError naming the values when expert parallelism is asked of a model without experts, or ep does not
+    divide the experts of an MoE layer (each rank holds num_experts / ep of them)."""
+    if model.family != "moe":
+        raise SpecError(
+            f"Strategy.ep={strategy.ep} splits mixture-of-experts layers; {model.name!r} is a {model.family!r} model "
+            f"without experts"
+        )
+    if model.num_experts % strategy.ep:
+        raise SpecError(f"Strategy.ep={strategy.ep} must divide {model.name}'s num_experts={model.num_experts}")

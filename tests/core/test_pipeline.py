@@ -159,3 +159,14 @@ def test_messages_delay_the_pipeline_by_their_hops() -> None:
     first_backward = next(start for action, start, _ in timeline[0] if action.backward)
     assert first_backward == pytest.approx(1.0 + 0.5 + 1.0 + 2.0 + 0.5)
     assert makespan == pytest.approx(10.0)
+
+
+def test_expert_parallelism_borrows_shard_gpus_of_moe_models_only() -> None:
+    moe = scenario("mixtral-8x7b", gpus=16, ep=4)
+    assert (moe.parallelism.ep, moe.parallelism.world_size, moe.strategy.label) == (4, 16, "fsdp+ep4")
+    with pytest.raises(SpecError, match="'llama-3-8b' is a 'llama' model without experts"):
+        scenario(ep=2)
+    with pytest.raises(SpecError, match="must divide mixtral-8x7b's num_experts=8"):
+        scenario("mixtral-8x7b", gpus=32, ep=16)
+    with pytest.raises(MeshError, match="ep 2 must divide dp_shard 1 x cp 1 = 1"):
+        scenario("mixtral-8x7b", name="ddp", ep=2)

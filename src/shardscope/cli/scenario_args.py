@@ -211,6 +211,13 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         help="sequence parallelism in the norms between tp ranks (default: on when --tp is more than 1)",
     )
     parser.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
+        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+    )
+    parser.add_argument(
         "--pp",
         type=positive_int,
         default=1,
@@ -253,6 +260,8 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
     pipeline yet (trace, run, timeline, report)."""
     if args.pp > 1 and args.command in ("trace", "run"):
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
+    if args.ep > 1 and args.command == "run":
+        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
         raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
     return {
@@ -260,6 +269,7 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
         "pp_schedule": args.pp_schedule,
         "pp_virtual_stages": args.pp_virtual_stages,
         "pp_layers": args.pp_layers,
+        "ep": args.ep,
     }
 
 
@@ -379,6 +389,8 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
+    if args.ep > 1:  # the scenarios are valid: their errors came first
+        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction comes later")
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):
