@@ -109,3 +109,22 @@ def test_the_cli_prints_the_stage_layout_and_json(capsys) -> None:  # type: igno
     document = json.loads(capsys.readouterr().out)
     jsonschema.validate(document, load_schema("shardscope.estimate/v1"))
     assert len(document["strategies"][0]["per_stage"]) == 4
+
+
+def test_without_a_pipeline_the_document_is_unchanged() -> None:
+    entry = estimate_document([estimate_memory(tiny(pp=1))])["strategies"][0]
+    assert "per_stage" not in entry and "pp_schedule" not in entry["parallelism"]
+    assert entry["parallelism"]["pp"] == 1
+
+
+def test_a_tied_head_is_a_copy_on_the_last_stage() -> None:
+    gpt2 = Scenario(
+        model=model_preset("gpt2"),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2),
+        training=TrainingSpec(sequence_length=1024, grad_accum_steps=2, precision="fp32", optimizer="sgd"),
+        strategy=Strategy(name="ddp", engine="paper", pp=2),
+    )
+    first, last = (entry.per_rank.parameters_bytes for entry in estimate_memory(gpt2).per_stage)
+    # gpt2: 12 blocks split 6 and 6; the first stage adds the token (50257 x 768) and position (1024 x 768)
+    # embeddings, the last the final LayerNorm (2 x 768) and its own copy of the tied 50257 x 768 head, in fp32.
+    assert first - last == 4 * (1024 * 768 - 2 * 768)

@@ -81,9 +81,12 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, m, forward_s, backward_s, send.time_s
     )
     ends = []
+    tails: dict[int, TimeEstimate] = {}  # ranks with as many layers share their proxy's time
     for rank, actions in enumerate(timeline):
         layers = max(1, sum(stage.layers for stage in rank_stages(scenario, rank)))
-        tail = estimate_time(stage_proxy(scenario, layers), profile)
+        if layers not in tails:
+            tails[layers] = estimate_time(stage_proxy(scenario, layers), profile)
+        tail = tails[layers]
         optimizer = sum(duration for _, _, category, _, duration, _ in tail.schedule if category == "optimizer")
         ends.append((actions[-1][2] + tail.exposed_comm_s + optimizer, rank, tail, optimizer))
     step, shown, tail, optimizer = max(ends)
