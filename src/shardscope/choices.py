@@ -39,10 +39,14 @@ Trigger = Literal[
     "during_recompute",
     "during_backward",
 ]
-CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp"]
-LedgerGroup = Literal["dp", "tp", "cp", "host"]
+CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp", "pp"]
+LedgerGroup = Literal["dp", "tp", "cp", "host", "pp"]
 """The mesh dimension a ledger row runs on: 'dp' the data-parallel ranks holding one tensor-parallel slice
-(dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', or 'host' (a GPU-host copy)."""
+(dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', 'host' (a GPU-host copy), or 'pp'
+(a point-to-point message between neighbouring pipeline stages)."""
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+"""The order a pipeline runs its micro-batches in, as torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
+ScheduleInterleaved1F1B do."""
 
 FAMILIES: tuple[Family, ...] = get_args(Family)
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
@@ -57,6 +61,7 @@ COLLECTIVE_OPS: tuple[CollectiveOp, ...] = get_args(CollectiveOp)
 TRIGGERS: tuple[Trigger, ...] = get_args(Trigger)
 COMM_GROUPS: tuple[CommGroup, ...] = get_args(CommGroup)
 LEDGER_GROUPS: tuple[LedgerGroup, ...] = get_args(LedgerGroup)
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = get_args(PipelineSchedule)
 
 Word = TypeVar("Word", bound=str)
 

@@ -132,20 +132,32 @@ def canonical_strategy(name: StrategyName) -> StrategyName:
 
 
 def data_parallel_mesh(
-    strategy: StrategyName, world_size: int, shard_group: int = 0, *, tp: int = 1, cp: int = 1
+    strategy: StrategyName,
+    world_size: int,
+    shard_group: int = 0,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
 ) -> Parallelism:
-    """The mesh a data-parallel strategy preset makes of `world_size` GPUs with `tp` x `cp` of them per model replica
-    (pp and ep 1): the world is divided by tp x cp first, and the strategy splits the rest; hsdp splits it into groups
-    of `shard_group`. MeshError when the degrees do not multiply to the world size."""
-    if world_size % (tp * cp):
-        raise MeshError(f"cp {cp} x tp {tp} = {cp * tp} does not divide the {world_size} GPUs given")
-    data_parallel = world_size // (tp * cp)
+    """The mesh a data-parallel strategy preset makes of `world_size` GPUs with `pp` x `tp` x `cp` of them per model
+    replica: the world is divided by pp x cp x tp first, and the strategy splits the rest; hsdp splits it into
+    groups of `shard_group`. pp is outermost, as torchtitan's ParallelDims unflattens its world mesh into
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp") (torchtitan/distributed/parallel_dims.py at commit
+    b5bcd76c66d0acb1a08b176d9639425bc55e0b2a); `ep` borrows its GPUs from dp_shard x cp. MeshError when the degrees
+    do not multiply to the world size or ep does not divide dp_shard x cp."""
+    split = pp * cp * tp
+    if world_size % split:
+        named = f"pp {pp} x cp {cp} x tp {tp}" if pp > 1 else f"cp {cp} x tp {tp}"
+        raise MeshError(f"{named} = {split} does not divide the {world_size} GPUs given")
+    data_parallel = world_size // split
     preset = DATA_PARALLEL_PRESETS[strategy]
     if preset.groups_replicate:
-        mesh = Parallelism(dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp)
+        mesh = Parallelism(dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp, pp=pp)
     elif preset.shards:
-        mesh = Parallelism(dp_shard=data_parallel, cp=cp, tp=tp)
+        mesh = Parallelism(dp_shard=data_parallel, cp=cp, tp=tp, pp=pp, ep=ep)
     else:
-        mesh = Parallelism(dp_replicate=data_parallel, cp=cp, tp=tp)
+        mesh = Parallelism(dp_replicate=data_parallel, cp=cp, tp=tp, pp=pp, ep=ep)
     mesh.require_world_size(world_size)
     return mesh

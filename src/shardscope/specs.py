@@ -27,7 +27,7 @@ from shardscope.choices import (
     require_int,
 )
 from shardscope.mesh import Parallelism, data_parallel_mesh
-from shardscope.strategy import Strategy
+from shardscope.strategy import Strategy, require_expert_shape, require_pipeline_shape
 
 __all__ = [
     "ClusterSpec",
@@ -290,18 +290,22 @@ class Scenario:
 
     def __post_init__(self) -> None:
         strategy = self.strategy
-        mesh = data_parallel_mesh(
-            strategy.name, self.cluster.world_size, strategy.shard_group, tp=strategy.tp, cp=strategy.cp
-        )
+        degrees = {"tp": strategy.tp, "cp": strategy.cp, "pp": strategy.pp, "ep": strategy.ep}
+        mesh = data_parallel_mesh(strategy.name, self.cluster.world_size, strategy.shard_group, **degrees)
         object.__setattr__(self, "parallelism", mesh)
         if strategy.tp > 1 or strategy.cp > 1:
             _require_model_parallel_shape(self.model, self.training, strategy)
+        if strategy.pp > 1 or strategy.pp_layers:
+            require_pipeline_shape(self.model, self.training.grad_accum_steps, strategy)
+        if strategy.ep > 1:
+            require_expert_shape(self.model, strategy)
 
     @property
     def state_ranks(self) -> int:
-        """Ranks that hold the same tensor-parallel slice of the model states: the world divided by tp (the
-        data-parallel and the context-parallel ranks; FSDP shards over dp_shard x cp, as torchtitan does)."""
-        return self.cluster.world_size // self.strategy.tp
+        """Ranks that hold the same tensor-parallel slice of the same pipeline stage's model states: the world
+        divided by tp x pp (the data-parallel and the context-parallel ranks; FSDP shards over dp_shard x cp, as
+        torchtitan does)."""
+        return self.cluster.world_size // (self.strategy.tp * self.strategy.pp)
 
     @property
     def shard_degree(self) -> int:

@@ -1,21 +1,33 @@
-"""The data-parallel strategy of a scenario, and the tensor and context parallel degrees it runs beside."""
+"""The data-parallel strategy of a scenario, and the tensor, context and pipeline parallel degrees it runs beside."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from shardscope.choices import (
     ENGINES,
     OFFLOADS,
+    PIPELINE_SCHEDULES,
     STRATEGIES,
     EngineName,
     Offload,
+    PipelineSchedule,
     SpecError,
     StrategyName,
     require_choice,
     require_int,
 )
 from shardscope.mesh import DATA_PARALLEL_PRESETS, MAX_DEGREE, DataParallelPreset, canonical_strategy
+
+if TYPE_CHECKING:
+    from shardscope.specs import ModelSpec
+
+
+DEFAULT_VIRTUAL_STAGES = 2
+"""Stages per rank of a multi-stage schedule when not given: torchtitan's `_get_pipeline_metadata` falls back to
+`stages_per_rank = 1 if is_single_stage_schedule else 2` (torchtitan/distributed/pipeline_parallel.py at commit
+b5bcd76c66d0acb1a08b176d9639425bc55e0b2a)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +56,19 @@ class Strategy:
     sequence_parallel: bool | None = None
     """Sequence parallelism in the norms and the residual stream between tp ranks ("Reducing Activation
     Recomputation in Large Transformer Models", Section 4.2); None: on whenever tp > 1."""
+    pp: int = 1
+    """Pipeline parallel degree: GPUs that each hold consecutive layers (outermost in the mesh); the gradient
+    accumulation steps become the pipeline's micro-batches."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """The pipeline's order of micro-batches: 'gpipe', '1f1b' or 'interleaved-1f1b' (torch.distributed.pipelining)."""
+    pp_virtual_stages: int = 0
+    """interleaved-1f1b only: stages per pipeline rank (0: unset, which means 2, torchtitan's default)."""
+    pp_layers: tuple[int, ...] = ()
+    """Transformer layers of each pipeline stage, first to last (pp x virtual stages of them); empty: torchtitan's
+    default split (`shardscope.core.pipeline.default_layer_split`)."""
+    ep: int = 1
+    """Expert parallel degree (mixture-of-experts models): GPUs that split each MoE layer's experts, borrowed from
+    the data-parallel shard and context-parallel GPUs, as torchtitan's ParallelDims borrows them."""
 
     def __post_init__(self) -> None:
         owner = "Strategy"
@@ -59,10 +84,12 @@ class Strategy:
             )
         require_int(owner, "tp", self.tp, 1, MAX_DEGREE)
         require_int(owner, "cp", self.cp, 1, MAX_DEGREE)
+        require_int(owner, "ep", self.ep, 1, MAX_DEGREE)
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise SpecError(f"{owner}.sequence_parallel={self.sequence_parallel!r} must be true, false or unset")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError(f"{owner}.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
+        _require_pipeline(self)
         if self.offload == "optimizer+params" and self.stage < 3:
             raise SpecError(
                 f"{owner}.offload='optimizer+params' needs sharded parameters (zero3, fsdp or hsdp), not {self.name}"
@@ -85,7 +112,24 @@ class Strategy:
         name = f"{self.name}({self.shard_group})" if self.preset.groups_replicate else self.name
         if self.tp > 1:
             name += f"+tp{self.tp}" + ("" if self.uses_sequence_parallel else "(no-sp)")
-        return name + (f"+cp{self.cp}" if self.cp > 1 else "")
+        name += f"+cp{self.cp}" if self.cp > 1 else ""
+        name += f"+ep{self.ep}" if self.ep > 1 else ""
+        if self.pp > 1:
+            virtual = f",v{self.virtual_stages}" if self.pp_schedule == "interleaved-1f1b" else ""
+            name += f"+pp{self.pp}({self.pp_schedule}{virtual})"
+        return name
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per pipeline rank: pp_virtual_stages (2 when unset) under interleaved-1f1b, else 1."""
+        if self.pp_schedule != "interleaved-1f1b":
+            return 1
+        return self.pp_virtual_stages or DEFAULT_VIRTUAL_STAGES
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Pipeline stages in all: pp x virtual stages."""
+        return self.pp * self.virtual_stages
 
     def sibling(self, name: StrategyName, shard_group: int) -> Strategy:
         """The strategy `name` with this one's other settings, for a side-by-side comparison: `shard_group` when
@@ -105,3 +149,80 @@ class Strategy:
     def stage(self) -> int:
         """ZeRO stage: 0 for ddp, 1 to 3, and 3 for hsdp inside a group."""
         return DATA_PARALLEL_PRESETS[self.name].zero_stage
+
+
+def _require_pipeline(strategy: Strategy) -> None:
+    """SpecError naming the values when the pipeline settings contradict each other (the model's layers and the
+    micro-batches are checked by `Scenario`)."""
+    owner = "Strategy"
+    require_int(owner, "pp", strategy.pp, 1, MAX_DEGREE)
+    require_choice(owner, "pp_schedule", strategy.pp_schedule, PIPELINE_SCHEDULES)
+    require_int(owner, "pp_virtual_stages", strategy.pp_virtual_stages, 0, MAX_DEGREE)
+    if strategy.pp_virtual_stages and strategy.pp_schedule != "interleaved-1f1b":
+        raise SpecError(
+            f"{owner}.pp_virtual_stages={strategy.pp_virtual_stages} needs pp_schedule='interleaved-1f1b', "
+            f"not {strategy.pp_schedule!r}"
+        )
+    if strategy.pp_schedule == "interleaved-1f1b" and strategy.pp_virtual_stages == 1:
+        # torchtitan: "Multi-stage schedule requires at least 2 stages per rank" (_get_pipeline_metadata).
+        raise SpecError(f"{owner}.pp_virtual_stages=1: interleaved-1f1b needs at least 2 stages per pipeline rank")
+    if isinstance(strategy.pp_layers, list):  # read back from JSON (a trace request)
+        object.__setattr__(strategy, "pp_layers", tuple(strategy.pp_layers))
+    if not isinstance(strategy.pp_layers, tuple):
+        raise SpecError(f"{owner}.pp_layers={strategy.pp_layers!r} must be a tuple of whole numbers")
+    for layers in strategy.pp_layers:
+        require_int(owner, "pp_layers", layers, 0, MAX_DEGREE)
+    if strategy.pp_layers and len(strategy.pp_layers) != strategy.pipeline_stages:
+        raise SpecError(
+            f"{owner}.pp_layers has {len(strategy.pp_layers)} stages "
+            f"({','.join(map(str, strategy.pp_layers))}), not pp {strategy.pp} x virtual stages "
+            f"{strategy.virtual_stages} = {strategy.pipeline_stages}"
+        )
+
+
+def require_pipeline_shape(model: ModelSpec, micro_batches: int, strategy: Strategy) -> None:
+    """SpecError naming the values when the model's layers cannot fill the pipeline's stages, `pp_layers` does not
+    add up to them, or the micro-batches (the gradient accumulation steps) break a constraint that torch's schedule
+    imposes (torch/distributed/pipelining/schedules.py, torch 2.13): Schedule1F1B refuses fewer micro-batches than
+    stages; ScheduleInterleaved1F1B runs rounds of max(1, m // pp) and needs m to be a multiple of their number;
+    ScheduleGPipe takes any m."""
+    pp, stages = strategy.pp, strategy.pipeline_stages
+    if not model.has_shape:
+        raise SpecError(
+            f"Strategy.pp={pp} splits the model's layers; {model.name!r} has only a parameter count (give --model or "
+            f"--config)"
+        )
+    layers = model.num_layers
+    if stages > layers:
+        raise SpecError(
+            f"pp {pp} x virtual stages {strategy.virtual_stages} = {stages} pipeline stages is more than "
+            f"{model.name}'s {layers} layers"
+        )
+    if strategy.pp_layers and sum(strategy.pp_layers) != layers:
+        raise SpecError(
+            f"Strategy.pp_layers={','.join(map(str, strategy.pp_layers))} adds up to {sum(strategy.pp_layers)} "
+            f"layers, not {model.name}'s {layers}"
+        )
+    if strategy.pp_schedule == "1f1b" and micro_batches < pp:
+        raise SpecError(
+            f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B): grad_accum_steps="
+            f"{micro_batches} < pp={pp}"
+        )
+    rounds = max(1, micro_batches // pp)
+    if strategy.pp_schedule == "interleaved-1f1b" and micro_batches % rounds:
+        raise SpecError(
+            f"interleaved-1f1b runs max(1, m // pp) = {rounds} rounds (torch's ScheduleInterleaved1F1B): "
+            f"grad_accum_steps={micro_batches} must be a multiple of {rounds}"
+        )
+
+
+def require_expert_shape(model: ModelSpec, strategy: Strategy) -> None:
+    """SpecError naming the values when expert parallelism is asked of a model without experts, or ep does not
+    divide the experts of an MoE layer (each rank holds num_experts / ep of them)."""
+    if model.family != "moe":
+        raise SpecError(
+            f"Strategy.ep={strategy.ep} splits mixture-of-experts layers; {model.name!r} is a {model.family!r} model "
+            f"without experts"
+        )
+    if model.num_experts % strategy.ep:
+        raise SpecError(f"Strategy.ep={strategy.ep} must divide {model.name}'s num_experts={model.num_experts}")

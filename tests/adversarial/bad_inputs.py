@@ -178,4 +178,30 @@ CASES: list[tuple[list[str], str]] = [
     (["calibrate", "--timeout", "-1"], "-1"),
     (["calibrate", "--timeout", "nan"], "nan"),
     (["calibrate", "--repeats", "0"], "'0'"),
+    # pipeline parallelism (issue 20): each error names the values
+    (["estimate", "--model", "llama-3-8b", "--pp", "3"], "pp 3 x cp 1 x tp 1 = 3 does not divide the 8 GPUs"),
+    (["estimate", "--model", "llama-3-8b", "--pp", "2", "--pp-virtual-stages", "2"], "pp_virtual_stages=2"),
+    (["estimate", "--model", "llama-3-8b", "--pp", "4", "--grad-accum", "2"], "grad_accum_steps=2 < pp=4"),
+    (
+        ["estimate", "--model", "tiny-llama", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--grad-accum", "2"],
+        "= 4 pipeline stages is more than tiny-llama's 2 layers",
+    ),
+    (
+        ["estimate", "--model", "llama-3-8b", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--grad-accum", "5"],
+        "grad_accum_steps=5 must be a multiple of 2",
+    ),
+    (["estimate", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--pp-layers", "16,15"], "adds up to 31"),
+    (["estimate", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--pp-layers", "32"], "has 1 stages (32)"),
+    (["estimate", "--model", "llama-3-8b", "--pp", "2", "--pp-layers", "16,x"], "'16,x'"),
+    (["estimate", "--params", "7B", "--pp", "2", "--grad-accum", "2"], "has only a parameter count"),
+    (["trace", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "replay and run come later"),
+    (["run", "--model", "tiny-llama", "--pp", "2"], "replay and run come later"),
+    (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "timeline comes later"),
+    (["report", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "report comes later"),
+    # expert parallelism: validated, then refused until it is predicted
+    (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
+    (["estimate", "--model", "mixtral-8x7b", "--strategy", "ddp", "--ep", "2"], "ep 2 must divide dp_shard 1 x cp 1"),
+    (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
+    (["estimate", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "--ep 2: expert parallelism is"),
+    (["run", "--model", "tiny-moe", "--ep", "2"], "--ep 2: expert parallelism is validated only"),
 ]

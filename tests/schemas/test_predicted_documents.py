@@ -45,6 +45,9 @@ ESTIMATES = [
     ["--params", "7B", "--gpus", "8", "--strategy", "zero1"],
     ["--model", "llama-3-8b", "--gpus", "8", "--checkpointing", "op", "--strategy", "zero3", "--time"],
     ["--model", "gpt2", "--gpus", "8", "--checkpointing", "every:3", "--strategy", "fsdp"],
+    # a pipeline: per_stage and the parallelism object's schedule (issue 20)
+    ["--model", "llama-3-8b", "--gpus", "32", "--tp", "2", "--pp", "4", "--grad-accum", "8", "--time"],
+    ["--model", "llama-3-8b", "--gpus", "16", "--pp", "4", "--pp-schedule", "interleaved-1f1b", "--grad-accum", "8"],
 ]
 PLANS = [
     [

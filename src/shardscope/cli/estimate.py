@@ -80,8 +80,24 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
             f"{column:>10} {bar(estimate.per_rank.peak_bytes, capacity)} "
             f"{estimate.per_rank.peak_bytes / capacity:.0%} of GPU memory"
         )
+    lines += [
+        stage_line(column, estimate, units)
+        for column, estimate in zip(columns, estimates, strict=True)
+        if estimate.per_stage
+    ]
     lines += ["", "assumptions:"] + [f"  - {note}" for note in describe_assumptions(estimates[0])]
     return "\n".join(lines)
+
+
+def stage_line(column: str, estimate: MemoryEstimate, units: str) -> str:
+    """A pipeline's layout in one line: each pipeline rank's stages and its peak, the busiest marked."""
+    busiest = estimate.per_stage.index(max(estimate.per_stage, key=lambda entry: entry.per_rank.peak_bytes))
+    parts = [
+        f"{entry.pipeline_rank}: {' & '.join(entry.stages)} {format_bytes(entry.per_rank.peak_bytes, units)}"
+        + (" (busiest)" if entry.pipeline_rank == busiest else "")
+        for entry in estimate.per_stage
+    ]
+    return f"{column:>10} stages by pipeline rank: " + "; ".join(parts)
 
 
 def render_times(times: list[TimeEstimate]) -> str:

@@ -6,11 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from shardscope.choices import (
     ATTENTION,
     OFFLOADS,
     OPTIMIZERS,
+    PIPELINE_SCHEDULES,
     PRECISIONS,
     STRATEGIES,
     EngineName,
@@ -190,7 +192,8 @@ def add_strategy_arguments(parser: argparse.ArgumentParser, many: bool = True) -
 
 
 def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tp, --cp and --sequence-parallel / --no-sequence-parallel."""
+    """--tp, --cp, --sequence-parallel / --no-sequence-parallel, and the pipeline's --pp, --pp-schedule,
+    --pp-virtual-stages and --pp-layers."""
     parser.add_argument(
         "--tp",
         type=positive_int,
@@ -207,6 +210,67 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequence parallelism in the norms between tp ranks (default: on when --tp is more than 1)",
     )
+    parser.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
+        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=positive_int,
+        default=1,
+        help="pipeline parallel degree: GPUs that each hold consecutive layers, outermost (default 1); "
+        "--grad-accum is the pipeline's micro-batches",
+    )
+    parser.add_argument(
+        "--pp-schedule", choices=PIPELINE_SCHEDULES, default="1f1b", help="pipeline schedule (default %(default)s)"
+    )
+    parser.add_argument(
+        "--pp-virtual-stages",
+        type=positive_int,
+        default=0,
+        metavar="V",
+        help="interleaved-1f1b only: stages per pipeline rank (default 2)",
+    )
+    parser.add_argument(
+        "--pp-layers",
+        type=layer_list,
+        default=(),
+        metavar="A,B,...",
+        help="transformer layers of each pipeline stage, first to last (default: torchtitan's split, which counts "
+        "the embeddings and the output head as one layer each)",
+    )
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """--pp-layers: whole numbers of at least 0, comma-separated."""
+    words = text.split(",")
+    if not all(word.strip().isdigit() and word.strip().isascii() for word in words):
+        raise argparse.ArgumentTypeError(f"{text!r} must be whole numbers separated by commas, e.g. 8,8,8,8")
+    return tuple(int(word) for word in words)
+
+
+PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come later"
+
+
+def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline settings of the command line as Strategy fields; CliError for the commands that cannot take a
+    pipeline yet (trace, run, timeline, report)."""
+    if args.pp > 1 and args.command in ("trace", "run"):
+        raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
+    if args.ep > 1 and args.command == "run":
+        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
+    if args.pp > 1 and args.command in ("timeline", "report"):
+        raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
+    return {
+        "pp": args.pp,
+        "pp_schedule": args.pp_schedule,
+        "pp_virtual_stages": args.pp_virtual_stages,
+        "pp_layers": args.pp_layers,
+        "ep": args.ep,
+    }
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -305,8 +369,9 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
     training = training_from_args(args, model)
     overheads = overheads_from_args(args)
     scenarios = []
-    degrees = {"tp": args.tp, "cp": args.cp, "sequence_parallel": args.sequence_parallel}
-    group = args.shard_group or max(cluster.ranks_per_node // (args.tp * args.cp), 1)
+    degrees = {"tp": args.tp, "cp": args.cp, "sequence_parallel": args.sequence_parallel, **pipeline_degrees(args)}
+    replica = args.tp * args.cp
+    group = args.shard_group or max(min(cluster.ranks_per_node // replica, args.gpus // (replica * args.pp)), 1)
     compared = Strategy(name="zero3", engine=args.engine, offload=args.offload, **degrees)
     for word in names or strategy_names(args, cluster):
         name = parse_choice("Strategy.name", word, STRATEGIES)
@@ -324,6 +389,8 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
+    if args.ep > 1:  # the scenarios are valid: their errors came first
+        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction comes later")
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):

@@ -21,6 +21,10 @@ def busiest_rank(scenario: Scenario) -> int:
 def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstimate:
     """Memory of one rank (the busiest when rank is None) under the scenario."""
     world = scenario.cluster.world_size
+    if scenario.strategy.pp > 1:
+        from shardscope.core.pipeline_memory import estimate_pipeline_memory  # it builds on this module's imports
+
+        return estimate_pipeline_memory(scenario, rank)
     rules = rules_for(scenario)
     if rank is None:
         rank = rules.busiest_rank(scenario)
@@ -77,4 +81,9 @@ def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
         )
     if training.grad_accum_steps > 1:
         notes.append(f"{training.grad_accum_steps} micro-batches accumulate gradients, which stay live in forward")
+    if strategy.pp > 1:
+        notes.append(
+            f"pipeline {strategy.pp_schedule} over {strategy.pipeline_stages} stages with {training.grad_accum_steps} "
+            f"micro-batches: the pipeline rank with the highest peak is shown (the others in per_stage)"
+        )
     return tuple(notes)

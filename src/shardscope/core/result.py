@@ -146,6 +146,35 @@ def ledger_row(key: LedgerKey, count: int) -> CollectiveRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    """One pipeline rank's memory: the stages it holds and what one of its GPUs holds at its peak."""
+
+    pipeline_rank: int
+    """Its place in the pipeline, 0 to pp - 1."""
+    stages: tuple[str, ...]
+    """What each of its stages holds, e.g. 'embed+layers 0-7' (V stages under interleaved 1F1B)."""
+    layers: int
+    """Transformer layers it holds."""
+    in_flight: tuple[int, ...]
+    """Micro-batches of each of its stages whose activations are live at its peak."""
+    per_rank: MemoryBreakdown
+    """One of its GPUs' memory by category."""
+    peak_moment: str
+    """When its peak happens."""
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of `per_stage`."""
+        return {
+            "pipeline_rank": self.pipeline_rank,
+            "stages": list(self.stages),
+            "layers": self.layers,
+            "in_flight": list(self.in_flight),
+            "per_rank": self.per_rank.to_json(),
+            "peak_moment": self.peak_moment,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryEstimate:
     """The core's answer for one scenario: memory per rank by category, host memory, and whether it fits."""
 
@@ -161,6 +190,8 @@ class MemoryEstimate:
     """False when the model has no shape (only --params), so activations are not counted."""
     rank: int
     """The rank shown (the busiest unless asked for another)."""
+    per_stage: tuple[StageMemory, ...] = ()
+    """Under pipeline parallelism, every pipeline rank's memory (`per_rank` is the busiest's); empty otherwise."""
 
     @property
     def fits(self) -> bool:
@@ -177,7 +208,7 @@ class MemoryEstimate:
             "engine": scenario.strategy.engine,
             "world_size": scenario.cluster.world_size,
             "shard_group": scenario.shard_degree,
-            "parallelism": scenario.parallelism.to_json(),
+            "parallelism": _parallelism_json(scenario),
             "sequence_parallel": scenario.strategy.uses_sequence_parallel,
             "offload": scenario.strategy.offload,
             "parameters": count_parameters(scenario.model),
@@ -187,7 +218,17 @@ class MemoryEstimate:
             "peak_moment": self.peak_moment,
             "activations_estimated": self.activations_estimated,
             "assumptions": list(describe_assumptions(self)),
+            **({"per_stage": [entry.to_json() for entry in self.per_stage]} if self.per_stage else {}),
         }
+
+
+def _parallelism_json(scenario: Scenario) -> dict[str, Any]:
+    """The mesh degrees, and under pipeline parallelism its schedule and stages per pipeline rank."""
+    degrees = scenario.parallelism.to_json()
+    strategy = scenario.strategy
+    if strategy.pp > 1:
+        degrees.update(pp_schedule=strategy.pp_schedule, pp_virtual_stages=strategy.virtual_stages)
+    return degrees
 
 
 def estimate_document(estimates: Sequence[MemoryEstimate], times: Sequence[TimeEstimate] = ()) -> dict[str, Any]:

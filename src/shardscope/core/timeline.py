@@ -359,6 +359,10 @@ def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -
     the same work, so the step's totals are those of EXACT_MICRO_BATCHES micro-batches extended by the difference
     the last one made (O(1) in the count, in time and memory), and the schedule is the simulated part."""
     profile = hardware or default_profile(scenario.cluster.gpu)
+    if scenario.strategy.pp > 1:  # a pipeline's schedule is simulated by core.pipeline_time, which calls back here
+        from shardscope.core.pipeline_time import estimate_pipeline_time
+
+        return estimate_pipeline_time(scenario, profile)
     steps = scenario.training.grad_accum_steps
     if steps <= EXACT_MICRO_BATCHES:
         return simulate(scenario, profile)

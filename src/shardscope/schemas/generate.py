@@ -79,7 +79,21 @@ STEP: dict[str, Schema] = {"compute_time_s": NUMBER, "step_time_s": NUMBER, "tok
 def estimate_schema() -> Schema:
     """`estimate --json`: one model, cluster and training setup, an entry per strategy (with `--time`, its time)."""
     time = {"communication": closed(COMMUNICATION), **STEP, "simulated_micro_batches": COUNT, "hardware": STRING}
-    entry = closed({**ESTIMATE_ENTRY, **time}, optional=time, description="One strategy (MemoryEstimate.to_json).")
+    stage = closed(
+        {
+            "pipeline_rank": COUNT,
+            "stages": STRINGS,
+            "layers": COUNT,
+            "in_flight": array(COUNT),
+            "per_rank": ref("per_rank"),
+            "peak_moment": STRING,
+        },
+        description="One pipeline rank's memory (StageMemory.to_json).",
+    )
+    optional = {**time, "per_stage": array(stage)}
+    entry = closed(
+        {**ESTIMATE_ENTRY, **optional}, optional=optional, description="One strategy (MemoryEstimate.to_json)."
+    )
     entry["dependentRequired"] = {"step_time_s": [key for key in time if key != "step_time_s"]}
     cluster = {"gpu": ref("gpu"), "world_size": DEGREE, "gpus_per_node": DEGREE, "num_nodes": DEGREE}
     document = {

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from shardscope.choices import CHECKPOINTING, EVERY_PREFIX, LEDGER_GROUPS
+from shardscope.choices import CHECKPOINTING, EVERY_PREFIX, LEDGER_GROUPS, PIPELINE_SCHEDULES
 from shardscope.core.result import CATEGORIES, OPS, PHASES
 from shardscope.mesh import Parallelism
 from shardscope.specs import ModelSpec, TrainingSpec
@@ -97,8 +97,14 @@ def dataclass_properties(cls: type) -> dict[str, Schema]:
 
 DEFS: dict[str, Schema] = {
     "parallelism": closed(
-        {item.name: DEGREE for item in dataclasses.fields(Parallelism)},
-        description="The degrees of the device mesh (Parallelism.to_json); their product, ep aside, is the world size.",
+        {
+            **{item.name: DEGREE for item in dataclasses.fields(Parallelism)},
+            "pp_schedule": enum(PIPELINE_SCHEDULES),
+            "pp_virtual_stages": DEGREE,
+        },
+        optional=("pp_schedule", "pp_virtual_stages"),
+        description="The degrees of the device mesh (Parallelism.to_json); their product, ep aside, is the world size; "
+        "a prediction with pp > 1 adds the pipeline's schedule and its stages per pipeline rank.",
     ),
     "per_rank": closed(
         {**{f"{category}_bytes": BYTES for category in CATEGORIES}, "total_bytes": BYTES, "peak_bytes": BYTES},

@@ -1,0 +1,189 @@
+"""Memory of every pipeline rank: its stages' model states, the activations its schedule keeps in flight, and the
+point-to-point receive buffers.
+
+Model states are the scenario's engine's (`core.engines`) for the rank's own parameters: its stages' blocks, the
+embeddings on the first stage, the final norm and output head on the last, sharded over the data-parallel ranks of
+the pipeline rank (the world divided by pp x tp) as the strategy says; tensor parallelism splits them as it does
+without a pipeline (`core.params`). See `_states` for how the engine's rules are applied to a stage.
+
+Activations: one micro-batch's activations of each stage (its blocks' share of `core.activations`, the embeddings'
+part on the first stage, the head's on the last) times the micro-batches of that stage in flight at the worst moment
+of the rank's schedule (`core.pipeline_schedule`). torch's PipelineStage allocates one activation receive buffer (all
+but the first stage) and one gradient receive buffer (all but the last) per micro-batch and keeps them for the step
+(`_prepare_forward_infra`, `_setup_backward_recv_info` in torch/distributed/pipelining/stage.py, torch 2.13): those are
+the rank's buffers, beside ZeRO-3's gathered unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from shardscope.core.activations import ActivationEstimate
+from shardscope.core.engines import rules_for
+from shardscope.core.engines.base import activations_for
+from shardscope.core.model_states import ModelStates
+from shardscope.core.params import param_layout
+from shardscope.core.pipeline import PipelineStage, layout_of, pipeline_rank_of, rank_stages
+from shardscope.core.pipeline_schedule import peak_in_flight, rank_actions
+from shardscope.core.rank_share import activation_bytes_per_element, rank_share
+from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
+from shardscope.specs import Scenario
+
+
+def boundary_bytes(scenario: Scenario) -> int:
+    """One micro-batch's hidden states between two stages on one rank (the activation sent forward and its gradient
+    sent back): tokens / cp (and / tp under sequence parallelism) x hidden x the compute dtype."""
+    share, training = rank_share(scenario), scenario.training
+    tokens = training.tokens_per_micro_batch // share.cp // share.boundary_split
+    return tokens * scenario.model.hidden_size * activation_bytes_per_element(training)
+
+
+def stage_proxy(scenario: Scenario, layers: int) -> Scenario:
+    """The scenario without a pipeline whose model has `layers` blocks, on the GPUs of one pipeline rank (the world
+    divided by pp): its engine rules price one pipeline rank's blocks, and its root unit the whole root."""
+    cluster, strategy = scenario.cluster, scenario.strategy
+    world = cluster.world_size // strategy.pp
+    per_node = cluster.gpus_per_node
+    if world > per_node and world % per_node:
+        per_node = math.gcd(world, per_node)
+    return Scenario(
+        model=replace(scenario.model, num_layers=layers),
+        cluster=replace(cluster, world_size=world, gpus_per_node=per_node),
+        training=scenario.training,
+        strategy=replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=()),
+        overheads=scenario.overheads,
+    )
+
+
+LINEAR_FIELDS = (
+    "parameters_bytes",
+    "gradients_bytes",
+    "optimizer_state_bytes",
+    "persistent_buffers_bytes",
+    "host_bytes",
+)
+"""The model-state fields that are sums over units (so linear in the number of blocks and in the root's size)."""
+
+
+def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelStates:
+    """The rank's model states under the scenario's engine: the engine's states for a model of the rank's blocks
+    (`stage_proxy`) and of one block more give one block's share and the root's; the rank keeps its blocks and the
+    part of the root its stages hold, by elements. The fields that are not sums (gathered units, gradients in
+    flight, workspaces) are the proxy's, whose root unit is whole: an upper bound for a stage without the root."""
+    layers = max(1, sum(stage.layers for stage in stages))
+    rules = rules_for(scenario)
+    base = rules.rank_memory(stage_proxy(scenario, layers), 0).states
+    more = rules.rank_memory(stage_proxy(scenario, layers + 1), 0).states
+    whole_root = param_layout(scenario.model, scenario.strategy.tp).root_numel
+    held_root = sum(layout_of(scenario, stage).root_numel for stage in stages)
+    own_layers = sum(stage.layers for stage in stages)
+    values = {}
+    for name in LINEAR_FIELDS:
+        block = getattr(more, name) - getattr(base, name)
+        root = getattr(base, name) - layers * block
+        values[name] = own_layers * block + root * held_root // whole_root
+    return replace(base, **values)
+
+
+def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int) -> int:
+    """One micro-batch's saved activations of one stage: its blocks' share of every block's, plus the embeddings'
+    part (token ids and what the embeddings keep) on the first stage and the head's on the last."""
+    blocks = acts.stored_blocks_bytes * stage.layers // num_layers
+    head = acts.head_bytes
+    embedding = acts.saved_bytes - acts.stored_blocks_bytes - head
+    return blocks + (embedding if stage.embedding else 0) + (head if stage.head else 0)
+
+
+def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
+    """One pipeline rank's memory (every rank of its data- and tensor-parallel group holds the same) and its host
+    bytes under offload."""
+    strategy, training, model = scenario.strategy, scenario.training, scenario.model
+    stages = rank_stages(scenario, pipeline_rank)
+    states = _states(scenario, stages)
+    gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
+    in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
+    acts = activations_for(scenario, states.autocast)
+    weights = {stage.index: stage_activation_bytes(acts, stage, model.num_layers) for stage in stages}
+    actions = rank_actions(
+        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
+    )
+    activations, counts = peak_in_flight(actions, weights)
+    boundary = boundary_bytes(scenario)
+    last = strategy.pipeline_stages - 1
+    receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
+    p2p = receives * training.grad_accum_steps * boundary
+    spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
+    held = states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes
+    persistent = states.persistent_buffers_bytes
+    steady = held + activations + p2p + persistent + gathered + in_flight_grads + spike + states.forward_temporary_bytes
+    step = held + p2p + persistent + states.optimizer_temporary_bytes
+    in_flight = sum(counts.values())
+    moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
+    tensor_peak = max(steady, step)
+    overhead = scenario.overheads.context_bytes + int(tensor_peak * scenario.overheads.allocator_headroom)
+    per_rank = MemoryBreakdown(
+        parameters_bytes=states.parameters_bytes,
+        gradients_bytes=states.gradients_bytes,
+        optimizer_state_bytes=states.optimizer_state_bytes,
+        activations_bytes=activations,
+        buffers_bytes=p2p + persistent + gathered,
+        temporary_bytes=max(spike + in_flight_grads + states.forward_temporary_bytes, states.optimizer_temporary_bytes),
+        overhead_bytes=overhead,
+        peak_bytes=tensor_peak + overhead,
+    )
+    stage_memory = StageMemory(
+        pipeline_rank=pipeline_rank,
+        stages=tuple(stage.described for stage in stages),
+        layers=sum(stage.layers for stage in stages),
+        in_flight=tuple(counts[stage.index] for stage in stages),
+        per_rank=per_rank,
+        peak_moment=moment,
+    )
+    return stage_memory, states.host_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineMemory:
+    """Every pipeline rank's memory, and which is the busiest."""
+
+    per_stage: tuple[StageMemory, ...]
+    """One entry per pipeline rank, first to last."""
+    host_bytes: tuple[int, ...]
+    """Host bytes of one GPU of each pipeline rank under offload."""
+
+    @property
+    def busiest(self) -> int:
+        """The pipeline rank with the highest peak (the first of them)."""
+        peaks = [entry.per_rank.peak_bytes for entry in self.per_stage]
+        return peaks.index(max(peaks))
+
+
+def pipeline_memory(scenario: Scenario) -> PipelineMemory:
+    """The memory of every pipeline rank of the scenario."""
+    entries = [pipeline_rank_memory(scenario, rank) for rank in range(scenario.strategy.pp)]
+    return PipelineMemory(per_stage=tuple(entry for entry, _ in entries), host_bytes=tuple(host for _, host in entries))
+
+
+def estimate_pipeline_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstimate:
+    """The estimate of a pipeline: `per_rank` of the busiest pipeline rank's GPUs (or of `rank`'s), and every
+    pipeline rank in `per_stage`."""
+    world = scenario.cluster.world_size
+    memory = pipeline_memory(scenario)
+    if rank is None:
+        shown = memory.busiest
+        rank = shown * (world // scenario.strategy.pp)
+    elif not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be between 0 and world_size-1={world - 1}")
+    else:
+        shown = pipeline_rank_of(scenario, rank)
+    entry = memory.per_stage[shown]
+    return MemoryEstimate(
+        scenario=scenario,
+        per_rank=entry.per_rank,
+        host_bytes_per_node=memory.host_bytes[shown] * scenario.cluster.ranks_per_node,
+        peak_moment=entry.peak_moment,
+        activations_estimated=True,
+        rank=rank,
+        per_stage=memory.per_stage,
+    )

@@ -1,0 +1,121 @@
+"""The step time of a pipeline: its schedule simulated action by action, so the bubble comes out of the order torch
+runs, and the messages between stages in the ledger.
+
+Each stage's forward and backward of one micro-batch are the sums of the per-layer times of `core.kernels` over its
+layers (the embeddings' on the first stage, the head's and the loss's on the last); a message between stages costs
+what `core.network` prices a point-to-point send of one micro-batch's hidden states. `core.pipeline_schedule` runs
+every rank's actions in its schedule's order. After its last backward, a pipeline rank does what a step without a
+pipeline does after its compute: its data-parallel collectives left exposed and its optimizer step, both as the
+time model prices them for a model of the rank's layers (`core.pipeline_memory.stage_proxy`, whose root unit is
+whole), added in series. Bubble: with equal stages and free messages the makespan is (m + p - 1)(F + B) for GPipe
+and 1F1B, and m(F + B) + (p - 1)(F + B)/V for interleaved 1F1B ("Efficient Large-Scale Language Model Training on
+GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p - 1)/(V m) of the ideal time).
+"""
+
+from __future__ import annotations
+
+from shardscope.core.compute import compute_model, model_flops_per_step
+from shardscope.core.kernels import stage_seconds
+from shardscope.core.network import Placement, collective_cost, network_model
+from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
+from shardscope.core.pipeline_memory import boundary_bytes, stage_proxy
+from shardscope.core.pipeline_schedule import simulate_pipeline
+from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.timeline import TimeEstimate, estimate_time
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+
+def stage_times(scenario: Scenario, profile: HardwareProfile) -> tuple[list[float], list[float]]:
+    """Forward and backward (recomputation included) seconds of one micro-batch on every stage."""
+    forward, recompute, backward = stage_seconds(scenario, compute_model(scenario, profile))
+    last = len(forward) - 1  # elements: the embeddings, every block, the head
+
+    def elements(stage: PipelineStage) -> list[int]:
+        blocks = list(range(1 + stage.first_layer, 1 + stage.first_layer + stage.layers))
+        return ([0] if stage.embedding else []) + blocks + ([last] if stage.head else [])
+
+    stages = pipeline_stages(scenario)
+    return (
+        [sum(forward[i] for i in elements(stage)) for stage in stages],
+        [sum(recompute[i] + backward[i] for i in elements(stage)) for stage in stages],
+    )
+
+
+def send_placement(scenario: Scenario) -> Placement:
+    """Two neighbouring pipeline ranks: world / pp ranks apart (pp is outermost), so on different nodes once a
+    pipeline rank's GPUs fill a node."""
+    apart = scenario.cluster.world_size // scenario.strategy.pp
+    return Placement(size=2, per_node=1 if apart >= scenario.cluster.ranks_per_node else 2)
+
+
+def pipeline_ledger(scenario: Scenario, pipeline_rank: int) -> list[CollectiveRow]:
+    """One GPU's point-to-point messages of a step on pipeline rank `pipeline_rank`: per micro-batch, each of its
+    stages sends its output forward (but the last) and its input's gradient back (but the first), and receives them
+    from its neighbours."""
+    strategy, m = scenario.strategy, scenario.training.grad_accum_steps
+    payload, last = boundary_bytes(scenario), strategy.pipeline_stages - 1
+    stages = rank_stages(scenario, pipeline_rank)
+    has_next = sum(stage.index < last for stage in stages)
+    has_previous = sum(stage.index > 0 for stage in stages)
+    rows = [
+        ("forward", "send", has_next),
+        ("forward", "recv", has_previous),
+        ("backward", "send", has_previous),
+        ("backward", "recv", has_next),
+    ]
+    return [
+        CollectiveRow(phase=phase, op=op, group="pp", group_size=2, payload_bytes=payload, count=m * count)
+        for phase, op, count in rows
+        if count
+    ]
+
+
+def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
+    """Step time of a pipeline scenario, shown for the pipeline rank that finishes last."""
+    strategy, m = scenario.strategy, scenario.training.grad_accum_steps
+    forward_s, backward_s = stage_times(scenario, profile)
+    net = network_model(profile)
+    send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), net)
+    timeline, _ = simulate_pipeline(
+        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, m, forward_s, backward_s, send.time_s
+    )
+    ends = []
+    tails: dict[int, TimeEstimate] = {}  # ranks with as many layers share their proxy's time
+    for rank, actions in enumerate(timeline):
+        layers = max(1, sum(stage.layers for stage in rank_stages(scenario, rank)))
+        if layers not in tails:
+            tails[layers] = estimate_time(stage_proxy(scenario, layers), profile)
+        tail = tails[layers]
+        optimizer = sum(duration for _, _, category, _, duration, _ in tail.schedule if category == "optimizer")
+        ends.append((actions[-1][2] + tail.exposed_comm_s + optimizer, rank, tail, optimizer))
+    step, shown, tail, optimizer = max(ends)
+    actions = timeline[shown]
+    busy = sum(end - start for _, start, end in actions) + optimizer
+    messages = pipeline_ledger(scenario, shown)
+    sends = sum(row.count for row in messages if row.op == "send")
+    schedule = tuple(
+        (
+            f"{'backward' if action.backward else 'forward'} stage {action.stage} micro-batch {action.micro_batch}",
+            "compute",
+            "backward" if action.backward else "forward",
+            start,
+            end - start,
+            0,
+        )
+        for action, start, end in actions
+    )
+    return TimeEstimate(
+        scenario=scenario,
+        hardware=profile,
+        ledger=merge_ledger([*tail.ledger, *messages]),
+        wire_bytes_per_rank=tail.wire_bytes_per_rank + round(sends * send.wire_bytes),
+        comm_time_s=tail.comm_time_s + sends * send.time_s,
+        exposed_comm_s=max(0.0, step - busy),
+        compute_time_s=busy,
+        step_time_s=step,
+        model_flops=model_flops_per_step(scenario) / strategy.pp,
+        peak_flops_per_s=tail.peak_flops_per_s,
+        schedule=schedule,
+        simulated_micro_batches=m,
+    )
