@@ -35,7 +35,15 @@ def moments_events(scenario: Scenario) -> tuple[list[Event], int]:
     memory = rules.rank_memory(scenario, rules.busiest_rank(scenario))
     total, layout = rank_facts(scenario)
     tensor_sizes = [t.numel for t in layout.tensors()] if layout is not None else [total]
-    chunk = max(1, memory.activations.block_bytes, (layout.block_numel * 2) if layout is not None else 0)
+    # Activations and workspace grow by residual-stream tensors, the other categories by their largest tensor's
+    # share (without a shape: in one piece).
+    largest = max(tensor_sizes)
+    chunks = {
+        name: max(1, memory.activations.hidden_bytes)
+        if name in ("activations", "temporary") and memory.activations.hidden_bytes
+        else max(1, largest * max(memory.states.gradients_bytes, memory.states.parameters_bytes) // max(1, total))
+        for name in LiveBytes._fields
+    }
     events: list[Event] = []
     handles = [0]
     held: dict[str, list[tuple[int, int]]] = {name: [] for name in LiveBytes._fields}
@@ -54,7 +62,7 @@ def moments_events(scenario: Scenario) -> tuple[list[Event], int]:
             events.append((handle, FREE))
             current -= size
         while current < target:
-            size = min(chunk, target - current)
+            size = min(chunks[category], target - current)
             alloc(category, size)
             current += size
 
