@@ -16,6 +16,7 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
@@ -49,6 +50,25 @@ def tiny(model: str, strategy: str, engine: str, mode: str = "none") -> Scenario
     )
 
 
+def variant(change: str) -> Scenario:
+    """llama-3-8b cut to 6 blocks, sequence 4096, 8 ranks of fsdp, with one thing changed."""
+    base = _gpu_check().scenario_for("llama-3-8b", 6, 8192, 8, "none", "h200-141gb")
+    base = replace(base, training=replace(base.training, sequence_length=4096))
+    if change == "zero2":
+        return replace(base, strategy=Strategy(name="zero2", engine="pytorch"))
+    if change == "grad_accum_steps=2":
+        return replace(base, training=replace(base.training, grad_accum_steps=2))
+    if change == "bf16":
+        return replace(base, training=replace(base.training, precision="bf16"))
+    if change == "gpt2-xl":
+        return replace(base, model=replace(model_preset("gpt2-xl"), num_layers=6))
+    assert change == "ddp"
+    return replace(base, strategy=Strategy(name="ddp", engine="pytorch"))
+
+
+VARIANTS = ("zero2", "grad_accum_steps=2", "bf16", "gpt2-xl", "ddp")
+
+
 def scenarios() -> list[tuple[str, Scenario, dict[str, int] | None]]:
     """(label, scenario, the H200's measurement or None)."""
     check = _gpu_check()
@@ -62,6 +82,8 @@ def scenarios() -> list[tuple[str, Scenario, dict[str, int] | None]]:
             )
             label = f"{config['model']}/{config['blocks']} w{row['world']} {row['mode']}"
             rows.append((label, scenario, row["measured"]))
+    for change in VARIANTS:
+        rows.append((f"llama-3-8b/6 seq 4096 w8 {change}", variant(change), None))
     for model in ("tiny-llama", "tiny-gpt2"):
         for strategy, engine in (("zero3", "pytorch"), ("zero2", "pytorch"), ("ddp", "pytorch"), ("zero3", "paper")):
             for mode in ("none", "full"):
