@@ -51,7 +51,7 @@ def tiny(model: str, strategy: str, engine: str, mode: str = "none") -> Scenario
 
 
 def variant(change: str) -> Scenario:
-    """llama-3-8b cut to 6 blocks, sequence 4096, 8 ranks of fsdp, with one thing changed."""
+    """llama-3-8b (gpt2-xl for "gpt2-xl") cut to 6 blocks, sequence 4096, 8 ranks of fsdp, with one thing changed."""
     base = _gpu_check().scenario_for("llama-3-8b", 6, 8192, 8, "none", "h200-141gb")
     base = replace(base, training=replace(base.training, sequence_length=4096))
     if change == "zero2":
@@ -83,7 +83,7 @@ def scenarios() -> list[tuple[str, Scenario, dict[str, int] | None]]:
             label = f"{config['model']}/{config['blocks']} w{row['world']} {row['mode']}"
             rows.append((label, scenario, row["measured"]))
     for change in VARIANTS:
-        rows.append((f"llama-3-8b/6 seq 4096 w8 {change}", variant(change), None))
+        rows.append((f"6 blocks, seq 4096, w8: {change}", variant(change), None))
     for model in ("tiny-llama", "tiny-gpt2"):
         for strategy, engine in (("zero3", "pytorch"), ("zero2", "pytorch"), ("ddp", "pytorch"), ("zero3", "paper")):
             for mode in ("none", "full"):
