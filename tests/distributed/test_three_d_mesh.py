@@ -71,11 +71,6 @@ def test_run_on_the_three_d_mesh_matches_one_process() -> None:
     assert isinstance(parity, dict) and parity["ok"] and parity["max_abs_diff"] <= 1e-10, parity
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the teaching grid runs tp and cp inside ddp only (runtime/config.py MODEL_PARALLEL_STAGES); "
-    "when FSDP under tp lands this passes: drop the mark",
-)
 def test_fsdp_on_the_three_d_mesh_matches_one_process() -> None:
     document = _run("fsdp")
     assert document["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2, "pp": 1, "ep": 1}
