@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +46,12 @@ MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0, 1, 2, 3
 runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's DTensor tensor parallelism (runtime/engines.py
 TorchTensorParallel) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor
 parameters)."""
+MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
+    "paper": lambda scenario: "",
+    "pytorch": torch_model_parallel_refusal,
+}
+"""Why an engine cannot run a model-parallel scenario its stages allow ('' when it can): torch's plan has its own
+limits (trace/tensor_parallel.py)."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
@@ -111,7 +118,7 @@ class RunConfig:
                     f"engine {self.strategy.engine} runs tensor and context parallelism with "
                     f"{', '.join(allowed) or 'no strategy yet (not built)'}"
                 )
-            refusal = torch_model_parallel_refusal(self.scenario()) if self.strategy.engine == "pytorch" else ""
+            refusal = MODEL_PARALLEL_REFUSALS[self.strategy.engine](self.scenario())
             if refusal:
                 raise SpecError(f"RunConfig.strategy with engine pytorch: {refusal}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
