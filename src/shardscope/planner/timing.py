@@ -21,7 +21,7 @@ from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import model_parallel_events
 from shardscope.core.network import event_cost, network_model
-from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, estimate_time
+from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -62,7 +62,7 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
     model_flops = model_flops_per_step(scenario)
     tokens = scenario.tokens_per_step
     if steps <= SIMULATED_MICRO_BATCHES:
-        exact = estimate_time(scenario, hardware)
+        exact = step_totals(scenario, hardware)
         return PlanTiming(
             step_time_s=exact.step_time_s,
             compute_time_s=exact.compute_time_s,
@@ -74,8 +74,8 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
             mfu=model_flops / (exact.step_time_s * exact.peak_flops_per_s),
             simulated_micro_batches=steps,
         )
-    one = estimate_time(_with_micro_batches(scenario, 1), hardware)
-    two = estimate_time(_with_micro_batches(scenario, 2), hardware)
+    one = step_totals(_with_micro_batches(scenario, 1), hardware)
+    two = step_totals(_with_micro_batches(scenario, 2), hardware)
     extra = steps - 2
 
     def extend(first: float, second: float) -> float:
