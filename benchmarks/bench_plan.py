@@ -1,6 +1,7 @@
 """Speed of the planner: a full plan for llama-3-70b on H100s over up to 1024 GPUs (issue 7: under 2 s), and
 llama-3.1-405b at 8192 tokens over up to 8192 GPUs (issue 19: its 16M-token batch is 2048 sequences, so data
-parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor or context parallelism, under 2 s).
+parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor or context parallelism, under 2 s),
+and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s).
 
 Each figure is the median of fresh processes, so every cache starts cold, as it does for a user's command:
 - plan(): the search alone, imports excluded;
@@ -23,6 +24,7 @@ import sys
 import time
 
 GOAL_S = 2.0
+WIDE_405B = ["--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch-tokens", "16M"]
 BASE = ["--model", "llama-3-70b", "--gpu", "h100-80gb", "--seq-len", "4096", "--max-gpus", "1024"]
 QUESTIONS = {
     "step-time": [*BASE, "--global-batch-tokens", "4M"],
@@ -32,6 +34,8 @@ QUESTIONS = {
         *("--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--seq-len", "8192"),
         *("--global-batch-tokens", "16M", "--max-gpus", "8192"),
     ],
+    "405b-16k": [*WIDE_405B, "--max-gpus", "16384"],
+    "405b-cost": [*WIDE_405B, "--max-gpus", "16384", "--price-per-gpu-hour", "2.5"],
 }
 
 IN_PROCESS = """

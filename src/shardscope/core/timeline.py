@@ -24,28 +24,24 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent, collective_ledger, comm_events, with_micro_batches
-from shardscope.core.compute import (
-    ComputeModel,
-    compute_model,
-    model_flops_per_step,
-    optimizer_step_s,
-    rank_stage_flops,
-)
+from shardscope.core.compute import ComputeModel, compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
-from shardscope.core.kernels import stage_seconds
-from shardscope.core.network import CollectiveCost, NetworkModel, event_cost, network_model
-from shardscope.core.overheads import async_slowdown_s
-from shardscope.core.params import rank_layout
+from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.ring_overlap import hidden_exchange
-from shardscope.core.sharding import flat_shard_numel
+from shardscope.core.timeline_tasks import (
+    INSIDE_STAGE,
+    STREAM_OF_GROUP,
+    Task,
+    build_comm_tasks,
+    build_compute_tasks,
+    event_costs,
+    slow_beside_async,
+)
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
 STREAMS = ("compute", "comm", "host", "model_parallel")
-STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel"}
-"""Streams other than 'comm' (the data-parallel collectives): tp and cp run on process groups, so NCCL streams, of
-their own."""
 EXACT_MICRO_BATCHES = 16
 """Steps of up to this many micro-batches are simulated whole; longer ones are extended from it (`estimate_time`)."""
 
@@ -146,172 +142,32 @@ class TimeEstimate:
         }
 
 
-class _Task(NamedTuple):
-    """One piece of work before it is scheduled (a tuple: a 70B step has thousands and the planner simulates
-    hundreds of steps)."""
+class _Run(NamedTuple):
+    """A step's tasks run through the streams: what `simulate` and `step_totals` read."""
 
-    key: float
-    name: str
-    stream: str
-    category: str
-    duration_s: float
-    payload_bytes: int
-    after: tuple[int, ...]  # indices (into the task list) that must finish first
-
-
-def _compute_tasks(
-    scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
-) -> tuple[list[_Task], dict[tuple[str, int, int], int]]:
-    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
-    stages = rank_stage_flops(scenario)
-    rules = rules_for(scenario)
-    framework = rules.framework_s(scenario, profile)
-    tasks: list[_Task] = []
-    where: dict[tuple[str, int, int], int] = {}
-
-    # Every micro-batch repeats the same stages: each stage's forward, recompute and backward time computed once.
-    forward, recompute, backward = stage_seconds(scenario, compute)
-
-    def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
-        where[(kind, micro_batch, stage)] = len(tasks)
-        name = f"{kind} {stages[stage].name}" + (f" (micro-batch {micro_batch})" if micro_batch else "")
-        seconds += framework.get((kind, stage), 0.0)
-        tasks.append(_Task(len(tasks), name, "compute", kind, seconds, 0, ()))
-
-    for micro_batch in range(scenario.training.grad_accum_steps):
-        for index in range(len(stages)):
-            add("forward", micro_batch, index, forward[index])
-        for index in reversed(range(len(stages))):
-            if stages[index].recompute_flops:
-                add("recompute", micro_batch, index, recompute[index])
-            add("backward", micro_batch, index, backward[index])
-    layout = rank_layout(scenario)
-    degree = scenario.parallelism.dp_shard
-    shard_tensors = rules.optimizer_tensors(scenario)
-    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
-    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
-    where[("optimizer", 0, -1)] = len(tasks)
-    tasks.append(_Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
-    return tasks, where
+    events: tuple[CommEvent, ...]
+    costs: tuple[CollectiveCost, ...]
+    compute: ComputeModel
+    tasks: list[Task]
+    computes: int  # tasks[:computes] are compute tasks, the rest communication
+    order: list[int]  # issue order
+    starts: list[float]  # start of each task, by index
+    finish: list[float]  # end of each task, by index
 
 
-def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
-    """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
-    stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
-    trigger = event.trigger
-    kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
-    recompute = where.get(("recompute", event.micro_batch, event.stage))
-    if recompute is not None and trigger in ("before_backward", "during_recompute"):
-        return recompute
-    return where[(kind, event.micro_batch, event.stage)]
-
-
-def _event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
-    """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
-    kind and op) hundreds of times."""
-    priced: dict[tuple[str, str, int, int], CollectiveCost] = {}
-    costs = []
-    for event in events:
-        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
-        cost = priced.get(key)
-        if cost is None:
-            cost = priced[key] = event_cost(event, scenario, net)
-        costs.append(cost)
-    return tuple(costs)
-
-
-INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
-
-
-def _comm_tasks(
-    events: tuple[CommEvent, ...],
-    costs: tuple[CollectiveCost, ...],
-    compute_tasks: list[_Task],
-    where: dict[tuple[str, int, int], int],
-    sync_wait_s: float,
-    asynchronous: tuple[bool, ...],
-) -> tuple[list[_Task], dict[int, list[int]]]:
-    """Communication tasks with their issue keys, and the gathers each compute task waits for.
-
-    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
-    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
-
-    The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
-    async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
-    and the skew between the ranks is absorbed once, by the first."""
-    optimizer = where[("optimizer", 0, -1)]
-    first = len(compute_tasks)  # the index the first communication task will have
-    tasks: list[_Task] = []
-    waits: dict[int, list[int]] = {}
-    previous: tuple[int, int, str] | None = None
-    waited_async = False
-    for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
-        duration = cost.time_s
-        stream = STREAM_OF_GROUP.get(event.group, "comm")
-        trigger = event.trigger
-        after: list[int]
-        if trigger in INSIDE_STAGE:
-            consumer = _consumer(event, where)
-            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
-            after = [consumer - 1] if consumer >= 1 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "before_forward" or trigger == "before_backward":
-            consumer = _consumer(event, where)
-            key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
-            after = [consumer - 2] if consumer >= 2 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "after_backward":
-            producer = where[("backward", event.micro_batch, event.stage)]
-            key, after = producer + 0.5, [producer]
-        else:
-            key, after = optimizer + 0.5, [optimizer]
-        place = (event.micro_batch, event.stage, trigger)
-        if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
-            after.append(position - 1)
-        elif stream != "host" and not (waited_async and asynchronous[position - first]):
-            duration += sync_wait_s  # the first collective after compute waits for the later rank
-            waited_async = waited_async or asynchronous[position - first]
-        row = event.row
-        tasks.append(_Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
-        previous = place
-    return tasks, waits
-
-
-def _slow_beside_async(
-    asynchronous: tuple[bool, ...],
-    events: tuple[CommEvent, ...],
-    costs: tuple[CollectiveCost, ...],
-    compute_tasks: list[_Task],
-    where: dict[tuple[str, int, int], int],
-    slowdown: float,
-) -> None:
-    """Lengthen the compute tasks that run while an async collective is in flight (core.overheads)."""
-    issued = [
-        (where[("backward", event.micro_batch, event.stage)], cost.time_s)
-        for event, cost, issued_async in zip(events, costs, asynchronous, strict=True)
-        if issued_async
-    ]
-    if not issued:
-        return
-    durations = [task.duration_s for task in compute_tasks]
-    extra = async_slowdown_s(durations, issued, where[("optimizer", 0, -1)], slowdown)
-    for index, seconds in enumerate(extra):
-        if seconds:
-            compute_tasks[index] = compute_tasks[index]._replace(duration_s=durations[index] + seconds)
-
-
-def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
-    """Run the step's tasks through the streams and measure what comes out."""
+def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
+    """Run the step's tasks through the streams."""
     events = comm_events(scenario)  # built once per call (refuses a model without a shape before anything else)
     compute = compute_model(scenario, profile)
-    costs = _event_costs(scenario, events, network_model(profile))
-    compute_tasks, where = _compute_tasks(scenario, compute, profile)
+    costs = event_costs(scenario, events, network_model(profile))
+    compute_tasks, where = build_compute_tasks(scenario, compute, profile)
     rules = rules_for(scenario)
     asynchronous = tuple(rules.is_async(scenario, event) for event in events)
     if profile.host_terms.async_compute_slowdown:
-        _slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
-    comm_tasks, waits = _comm_tasks(events, costs, compute_tasks, where, profile.host_terms.sync_wait_s, asynchronous)
+        slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
+    comm_tasks, waits = build_comm_tasks(
+        events, costs, compute_tasks, where, profile.host_terms.sync_wait_s, asynchronous
+    )
     tasks = compute_tasks + comm_tasks
     optimizer = where[("optimizer", 0, -1)]
     computes = len(compute_tasks)
@@ -322,33 +178,88 @@ def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     order = [index for _, _, index in sorted(keys)]
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
-    schedule: list[tuple[str, str, str, float, float, int]] = []
+    starts = [0.0] * len(tasks)
+    overlap = profile.overlap
     for index in order:
         task = tasks[index]
-        stream = task.stream if profile.overlap else "compute"
+        stream = task.stream if overlap else "compute"
         start = free[stream]
         for dep in task.after:
-            start = max(start, finish[dep])
+            if finish[dep] > start:  # max(start, finish[dep]), without the call
+                start = finish[dep]
         for dep in waits.get(index, ()):
-            start = max(start, finish[dep] - hidden.get(dep, 0.0))
+            ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
+            if ready > start:
+                start = ready
+        starts[index] = start
         finish[index] = free[stream] = start + task.duration_s
-        schedule.append((task.name, task.stream, task.category, start, task.duration_s, task.payload_bytes))
-    step = max(finish, default=0.0)
-    compute_busy = sum(task.duration_s for task in compute_tasks)
-    wire = sum(cost.wire_bytes for cost in costs)
+    return _Run(events, costs, compute, tasks, computes, order, starts, finish)
+
+
+def _totals(run: _Run) -> tuple[float, float, float, int]:
+    """(step time, compute stream's busy time, communication time, wire bytes per rank) of a run."""
+    tasks, computes = run.tasks, run.computes
+    step = max(run.finish, default=0.0)
+    compute_busy = sum(task.duration_s for task in tasks[:computes])
+    comm = sum(task.duration_s for task in tasks[computes:])
+    return step, compute_busy, comm, round(sum(cost.wire_bytes for cost in run.costs))
+
+
+def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
+    """Run the step's tasks through the streams and measure what comes out."""
+    run = _run(scenario, profile)
+    tasks, starts = run.tasks, run.starts
+    step, compute_busy, comm, wire = _totals(run)
+    schedule = [
+        (task.name, task.stream, task.category, starts[index], task.duration_s, task.payload_bytes)
+        for index in run.order
+        for task in (tasks[index],)
+    ]
     return TimeEstimate(
         scenario=scenario,
         hardware=profile,
-        ledger=merge_ledger([event.row for event in events]),
-        wire_bytes_per_rank=round(wire),
-        comm_time_s=sum(task.duration_s for task in comm_tasks),
+        ledger=merge_ledger([event.row for event in run.events]),
+        wire_bytes_per_rank=wire,
+        comm_time_s=comm,
         exposed_comm_s=max(0.0, step - compute_busy),
         compute_time_s=compute_busy,
         step_time_s=step,
         model_flops=model_flops_per_step(scenario),
-        peak_flops_per_s=compute.peak_flops_per_s,
+        peak_flops_per_s=run.compute.peak_flops_per_s,
         schedule=tuple(sorted(schedule, key=itemgetter(3))),
         simulated_micro_batches=scenario.training.grad_accum_steps,
+    )
+
+
+class StepTotals(NamedTuple):
+    """The numbers of `simulate`'s TimeEstimate that the planner ranks by, without the ledger and the schedule it
+    reads none of (merging the ledger and building a thousand spans cost as much as the scheduling)."""
+
+    step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    exposed_comm_s: float
+    host_copy_s: float
+    wire_bytes_per_rank: int
+    peak_flops_per_s: float
+
+
+def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
+    """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run,
+    summed in the same order (host copies in start order, as TimeEstimate.host_copy_s reads its schedule)."""
+    run = _run(scenario, profile)
+    step, compute_busy, comm, wire = _totals(run)
+    tasks, starts = run.tasks, run.starts
+    host = [index for index in run.order if tasks[index].stream == "host"]
+    host.sort(key=starts.__getitem__)  # stable, as the schedule's sort by start
+    return StepTotals(
+        step_time_s=step,
+        compute_time_s=compute_busy,
+        comm_time_s=comm,
+        exposed_comm_s=max(0.0, step - compute_busy),
+        host_copy_s=sum(tasks[index].duration_s for index in host),
+        wire_bytes_per_rank=wire,
+        peak_flops_per_s=run.compute.peak_flops_per_s,
     )
 
 
@@ -390,11 +301,15 @@ def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -
 # compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers
 # found them.
 __all__ = [
+    "INSIDE_STAGE",
     "STREAMS",
+    "STREAM_OF_GROUP",
     "Span",
+    "StepTotals",
     "TimeEstimate",
     "compute_model",
     "estimate_time",
     "network_model",
     "simulate",
+    "step_totals",
 ]

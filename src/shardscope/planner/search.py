@@ -33,7 +33,13 @@ from shardscope.planner.space import (
     offloads_for,
     variants,
 )
-from shardscope.planner.timing import PlanTiming, compute_lower_bound_s, plan_timing, tensor_parallel_floor_s
+from shardscope.planner.timing import (
+    PlanTiming,
+    communication_floor,
+    compute_lower_bound_s,
+    plan_timing,
+    tensor_parallel_floor_s,
+)
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
 
@@ -51,6 +57,7 @@ class _Evaluator:
         self._timing: dict[Scenario, PlanTiming] = {}
         self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
         self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
+        self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
 
     def memory(self, scenario: Scenario) -> MemoryEstimate:
         found = self._memory.get(scenario)
@@ -77,6 +84,18 @@ class _Evaluator:
             compute = compute_lower_bound_s(scenario, self.hardware)
             found = self._bound[key] = compute + floor * training.grad_accum_steps
         return found
+
+    def tight_bound_s(self, scenario: Scenario) -> float:
+        """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
+        asked only of a plan the compute bound did not prune."""
+        training, strategy = scenario.training, scenario.strategy
+        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
+        key = (*shape, training.micro_batch_size)
+        floor = self._tp_floor_at.get(key)
+        if floor is None:
+            floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
+        chain = compute_lower_bound_s(scenario, self.hardware) + floor * training.grad_accum_steps
+        return communication_floor(scenario, self.hardware).bound_s(chain)
 
     @property
     def memory_evaluations(self) -> int:
@@ -180,6 +199,9 @@ class _Search:
             family = family_of(memory.scenario)
             top_value = kept[top - 1][0] if len(kept) >= top else math.inf
             if bound >= top_value and bound >= family_best.get(family, math.inf):
+                continue
+            tight = self.metric(memory.scenario, evaluator.tight_bound_s(memory.scenario))
+            if tight >= top_value and tight >= family_best.get(family, math.inf):
                 continue
             timing = evaluator.timing(memory.scenario)
             value = self.metric(memory.scenario, timing.step_time_s)

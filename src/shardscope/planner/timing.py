@@ -5,7 +5,9 @@ first: the planner simulates one and two micro-batches and extends the line (T(k
 instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation.
 
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
-compute, so a plan whose bound is already worse than the plans kept is never simulated.
+compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets a
+second, tighter bound before it is simulated (`communication_floor`): the data-parallel collectives and host copies,
+which the compute bound ignores and which decide the cost ranking, where every GPU count computes about the same.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardscope.core.comm_events import CommEvent
+from shardscope.core.comm_events import CommEvent, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
+from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import model_parallel_events
 from shardscope.core.network import event_cost, network_model
-from shardscope.core.timeline import INSIDE_STAGE, estimate_time
+from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -59,7 +62,7 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
     model_flops = model_flops_per_step(scenario)
     tokens = scenario.tokens_per_step
     if steps <= SIMULATED_MICRO_BATCHES:
-        exact = estimate_time(scenario, hardware)
+        exact = step_totals(scenario, hardware)
         return PlanTiming(
             step_time_s=exact.step_time_s,
             compute_time_s=exact.compute_time_s,
@@ -71,8 +74,8 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
             mfu=model_flops / (exact.step_time_s * exact.peak_flops_per_s),
             simulated_micro_batches=steps,
         )
-    one = estimate_time(_with_micro_batches(scenario, 1), hardware)
-    two = estimate_time(_with_micro_batches(scenario, 2), hardware)
+    one = step_totals(_with_micro_batches(scenario, 1), hardware)
+    two = step_totals(_with_micro_batches(scenario, 2), hardware)
     extra = steps - 2
 
     def extend(first: float, second: float) -> float:
@@ -100,15 +103,16 @@ def compute_lower_bound_s(scenario: Scenario, hardware: HardwareProfile) -> floa
     return (sum(forward) + sum(recompute) + sum(backward)) * scenario.training.grad_accum_steps
 
 
-def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile) -> float:
+def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro_batch_size: int = 1) -> float:
     """A floor under one micro-batch's tensor-parallel calls inside its stages: the time model puts each on the
-    critical path (a stage waits for it), so they add to the compute stream's time. Priced at one sequence per
-    micro-batch, so the floor holds for every micro-batch size (a call's time grows with its payload) and one value
-    serves them all."""
+    critical path (a stage waits for it), so they add to the compute stream's time. Priced at `micro_batch_size`
+    sequences per micro-batch: at one (the default) the floor holds for every micro-batch size (a call's time grows
+    with its payload) and one value serves them all; at the scenario's own size it is the exact sum."""
     if scenario.strategy.tp == 1:
         return 0.0
     once = dataclasses.replace(
-        scenario, training=dataclasses.replace(scenario.training, micro_batch_size=1, grad_accum_steps=1)
+        scenario,
+        training=dataclasses.replace(scenario.training, micro_batch_size=micro_batch_size, grad_accum_steps=1),
     )
     net = network_model(hardware)
     calls: dict[tuple[str, int], tuple[CommEvent, int]] = {}  # each distinct call priced once
@@ -117,3 +121,83 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile) -> fl
             key = (event.row.op, event.row.payload_bytes)
             calls[key] = (event, calls[key][1] + 1 if key in calls else 1)
     return sum(event_cost(event, once, net).time_s * count for event, count in calls.values())
+
+
+ROUNDING_MARGIN = 1e-9
+"""Relative slack under the communication floor: it sums the same durations as the simulation in another order, and
+extends two micro-batches to k as plan_timing does, so it may land a few units in the last place above a tight step."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommunicationFloor:
+    """What the data-parallel collectives and host copies add under a step, whatever the schedule.
+
+    Valid because of how `core.timeline.simulate` schedules (streams run their work one piece at a time):
+    - busy_s: no step is shorter than the busy time of one stream, and the 'comm' and 'host' streams carry exactly
+      these events (each at least its priced time; a wait for the later rank only lengthens it).
+    - edges_s: the first forward waits for its gathers (trigger 'before_forward' of micro-batch 0, stage 0), which
+      start at 0, and the optimizer waits for the reductions the last backward issues (trigger 'after_backward' of
+      the last micro-batch, stage 0), which start when it ends; in between the compute stream runs every forward,
+      recompute and backward, each after the tensor-parallel calls that block it. So a step lasts at least the first
+      gathers + (compute + the tensor-parallel floor) + the last reductions, each edge counted on one stream (the
+      longest stream's sum of them). Without overlap every stream is one, and the whole sum is an edge.
+    The step is then at least max(chain + edges_s, busy_s), where chain is the compute bound plus the tp floor."""
+
+    edges_s: float
+    """Communication before the first forward plus after the last backward, on the critical path."""
+    busy_s: float
+    """The busiest of the data-parallel ('comm') and host streams."""
+
+    def bound_s(self, chain_s: float) -> float:
+        """The step's lower bound given the compute stream's chain (compute bound plus tensor-parallel floor)."""
+        return max(chain_s + self.edges_s, self.busy_s) * (1.0 - ROUNDING_MARGIN)
+
+
+def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
+    """The events of `core.comm.comm_events` that run on the 'comm' and 'host' streams, without building the
+    tensor-parallel calls (the costly part, and priced by the tp floor instead)."""
+    rules = rules_for(scenario)
+    events = rules.step_events(scenario)
+    if scenario.strategy.offload == "optimizer":
+        events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
+    if scenario.state_ranks == 1:  # as comm_events: data-parallel groups of one rank send nothing
+        events = [event for event in events if event.group == "host"]
+    return [event for event in events if STREAM_OF_GROUP.get(event.group, "comm") in ("comm", "host")]
+
+
+def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> CommunicationFloor:
+    """The floor for the scenario's micro-batch count, from one and two micro-batches extended as plan_timing does
+    (each further micro-batch issues the same calls as the second)."""
+    net = network_model(hardware)
+    steps = scenario.training.grad_accum_steps
+    priced: dict[tuple[str, str, int, int], float] = {}
+
+    def seconds(event: CommEvent) -> float:
+        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
+        found = priced.get(key)
+        if found is None:
+            found = priced[key] = event_cost(event, scenario, net).time_s
+        return found
+
+    def per_stream(events: list[CommEvent]) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for event in events:
+            stream = STREAM_OF_GROUP.get(event.group, "comm")
+            sums[stream] = sums.get(stream, 0.0) + seconds(event)
+        return sums
+
+    simulated = min(steps, SIMULATED_MICRO_BATCHES)
+    events = _data_parallel_events(_with_micro_batches(scenario, simulated))
+    busy = per_stream(events)
+    if steps > simulated:
+        one = per_stream(_data_parallel_events(_with_micro_batches(scenario, 1)))
+        busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
+    if not hardware.overlap:
+        return CommunicationFloor(edges_s=sum(busy.values()), busy_s=0.0)
+    first = per_stream([e for e in events if (e.micro_batch, e.stage, e.trigger) == (0, 0, "before_forward")])
+    last_place = (simulated - 1, 0, "after_backward")
+    last = per_stream([e for e in events if (e.micro_batch, e.stage, e.trigger) == last_place])
+    return CommunicationFloor(
+        edges_s=max(first.values(), default=0.0) + max(last.values(), default=0.0),
+        busy_s=max(busy.values(), default=0.0),
+    )

@@ -1,0 +1,177 @@
+"""The tasks of one step before the timeline schedules them (`core.timeline`): the compute stages of every
+micro-batch and the optimizer, each communication event placed against the compute it waits for or blocks, and the
+compute slowed beside asynchronous collectives."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from shardscope.core.comm import CommEvent
+from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
+from shardscope.core.engines import rules_for
+from shardscope.core.kernels import stage_seconds
+from shardscope.core.network import CollectiveCost, NetworkModel, event_cost
+from shardscope.core.overheads import async_slowdown_s
+from shardscope.core.params import rank_layout
+from shardscope.core.sharding import flat_shard_numel
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel"}
+"""Streams other than 'comm' (the data-parallel collectives): tp and cp run on process groups, so NCCL streams, of
+their own."""
+
+
+class Task(NamedTuple):
+    """One piece of work before it is scheduled (a tuple: a 70B step has thousands and the planner simulates
+    hundreds of steps)."""
+
+    key: float
+    name: str
+    stream: str
+    category: str
+    duration_s: float
+    payload_bytes: int
+    after: tuple[int, ...]  # indices (into the task list) that must finish first
+
+
+def build_compute_tasks(
+    scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
+) -> tuple[list[Task], dict[tuple[str, int, int], int]]:
+    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
+    stages = rank_stage_flops(scenario)
+    rules = rules_for(scenario)
+    framework = rules.framework_s(scenario, profile)
+    tasks: list[Task] = []
+    where: dict[tuple[str, int, int], int] = {}
+
+    # Every micro-batch repeats the same stages: each stage's forward, recompute and backward time computed once.
+    forward, recompute, backward = stage_seconds(scenario, compute)
+
+    def add(kind: str, micro_batch: int, stage: int, seconds: float) -> None:
+        where[(kind, micro_batch, stage)] = len(tasks)
+        name = f"{kind} {stages[stage].name}" + (f" (micro-batch {micro_batch})" if micro_batch else "")
+        seconds += framework.get((kind, stage), 0.0)
+        tasks.append(Task(len(tasks), name, "compute", kind, seconds, 0, ()))
+
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        for index in range(len(stages)):
+            add("forward", micro_batch, index, forward[index])
+        for index in reversed(range(len(stages))):
+            if stages[index].recompute_flops:
+                add("recompute", micro_batch, index, recompute[index])
+            add("backward", micro_batch, index, backward[index])
+    layout = rank_layout(scenario)
+    degree = scenario.parallelism.dp_shard
+    shard_tensors = rules.optimizer_tensors(scenario)
+    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
+    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
+    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
+    where[("optimizer", 0, -1)] = len(tasks)
+    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
+    return tasks, where
+
+
+def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
+    """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
+    stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
+    trigger = event.trigger
+    kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
+    recompute = where.get(("recompute", event.micro_batch, event.stage))
+    if recompute is not None and trigger in ("before_backward", "during_recompute"):
+        return recompute
+    return where[(kind, event.micro_batch, event.stage)]
+
+
+def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
+    """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
+    kind and op) hundreds of times."""
+    priced: dict[tuple[str, str, int, int], CollectiveCost] = {}
+    costs = []
+    for event in events:
+        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
+        cost = priced.get(key)
+        if cost is None:
+            cost = priced[key] = event_cost(event, scenario, net)
+        costs.append(cost)
+    return tuple(costs)
+
+
+INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
+
+
+def build_comm_tasks(
+    events: tuple[CommEvent, ...],
+    costs: tuple[CollectiveCost, ...],
+    compute_tasks: list[Task],
+    where: dict[tuple[str, int, int], int],
+    sync_wait_s: float,
+    asynchronous: tuple[bool, ...],
+) -> tuple[list[Task], dict[int, list[int]]]:
+    """Communication tasks with their issue keys, and the gathers each compute task waits for.
+
+    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
+    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
+
+    The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
+    async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
+    and the skew between the ranks is absorbed once, by the first."""
+    optimizer = where[("optimizer", 0, -1)]
+    first = len(compute_tasks)  # the index the first communication task will have
+    tasks: list[Task] = []
+    waits: dict[int, list[int]] = {}
+    previous: tuple[int, int, str] | None = None
+    waited_async = False
+    for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
+        duration = cost.time_s
+        stream = STREAM_OF_GROUP.get(event.group, "comm")
+        trigger = event.trigger
+        after: list[int]
+        if trigger in INSIDE_STAGE:
+            consumer = _consumer(event, where)
+            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
+            after = [consumer - 1] if consumer >= 1 else []
+            waits.setdefault(consumer, []).append(position)
+        elif trigger == "before_forward" or trigger == "before_backward":
+            consumer = _consumer(event, where)
+            key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
+            after = [consumer - 2] if consumer >= 2 else []
+            waits.setdefault(consumer, []).append(position)
+        elif trigger == "after_backward":
+            producer = where[("backward", event.micro_batch, event.stage)]
+            key, after = producer + 0.5, [producer]
+        else:
+            key, after = optimizer + 0.5, [optimizer]
+        place = (event.micro_batch, event.stage, trigger)
+        if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
+            after.append(position - 1)
+        elif stream != "host" and not (waited_async and asynchronous[position - first]):
+            duration += sync_wait_s  # the first collective after compute waits for the later rank
+            waited_async = waited_async or asynchronous[position - first]
+        row = event.row
+        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
+        previous = place
+    return tasks, waits
+
+
+def slow_beside_async(
+    asynchronous: tuple[bool, ...],
+    events: tuple[CommEvent, ...],
+    costs: tuple[CollectiveCost, ...],
+    compute_tasks: list[Task],
+    where: dict[tuple[str, int, int], int],
+    slowdown: float,
+) -> None:
+    """Lengthen the compute tasks that run while an async collective is in flight (core.overheads)."""
+    issued = [
+        (where[("backward", event.micro_batch, event.stage)], cost.time_s)
+        for event, cost, issued_async in zip(events, costs, asynchronous, strict=True)
+        if issued_async
+    ]
+    if not issued:
+        return
+    durations = [task.duration_s for task in compute_tasks]
+    extra = async_slowdown_s(durations, issued, where[("optimizer", 0, -1)], slowdown)
+    for index, seconds in enumerate(extra):
+        if seconds:
+            compute_tasks[index] = compute_tasks[index]._replace(duration_s=durations[index] + seconds)

@@ -1,0 +1,57 @@
+"""The planner's fast path (`core.timeline.step_totals`) gives `simulate`'s numbers to the last bit: the same run of
+the streams, read without building the ledger and the spans."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from timecases import scenario
+
+from shardscope.core.timeline import simulate, step_totals
+from shardscope.presets import gpu_preset
+from shardscope.presets.hardware import default_profile
+from shardscope.specs import Scenario
+
+H100 = default_profile(gpu_preset("h100-80gb"))
+NO_OVERLAP = dataclasses.replace(H100, overlap=False)
+
+
+def _with(base: Scenario, *, tp: int = 1, cp: int = 1, micro_batch: int = 1) -> Scenario:
+    return dataclasses.replace(
+        base,
+        strategy=dataclasses.replace(base.strategy, tp=tp, cp=cp),
+        training=dataclasses.replace(base.training, micro_batch_size=micro_batch),
+    )
+
+
+CASES = [
+    scenario(strategy="ddp"),
+    scenario(strategy="zero1", grad_accum=3),
+    scenario(strategy="zero2", engine="paper", grad_accum=2),
+    scenario(strategy="zero3", checkpointing="full", grad_accum=2),
+    scenario(strategy="zero3", engine="deepspeed", offload="optimizer"),
+    scenario(strategy="hsdp", shard_group=8, offload="optimizer+params", grad_accum=2, world_size=32),
+    scenario(model="gpt2", strategy="zero2", checkpointing="selective", world_size=4, sequence_length=1024),
+    scenario(model="llama-3-70b", strategy="zero3", checkpointing="full", world_size=976, grad_accum=2),
+    _with(scenario(strategy="zero3", checkpointing="full", grad_accum=2), tp=2),
+    _with(scenario(strategy="hsdp", shard_group=2, checkpointing="op", world_size=32), tp=4, micro_batch=2),
+    _with(scenario(strategy="zero2", offload="optimizer", sequence_length=8192), cp=2),
+    _with(scenario(strategy="zero3", checkpointing="selective", world_size=64, sequence_length=8192), tp=8, cp=2),
+]
+
+
+@pytest.mark.parametrize("profile", [H100, NO_OVERLAP], ids=["overlap", "one-stream"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case.model.name}-{case.strategy.label}")
+def test_step_totals_equal_the_full_simulation(case: Scenario, profile: object) -> None:
+    assert isinstance(profile, type(H100))
+    full, fast = simulate(case, profile), step_totals(case, profile)
+    assert fast.step_time_s == full.step_time_s > 0
+    assert fast.compute_time_s == full.compute_time_s
+    assert fast.comm_time_s == full.comm_time_s
+    assert fast.exposed_comm_s == full.exposed_comm_s
+    assert fast.host_copy_s == full.host_copy_s
+    assert fast.wire_bytes_per_rank == full.wire_bytes_per_rank
+    assert fast.peak_flops_per_s == full.peak_flops_per_s
+    if case.strategy.offload != "none":
+        assert fast.host_copy_s > 0
