@@ -17,7 +17,6 @@ import pytest
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow
-from shardscope.presets import model_preset
 from shardscope.runtime import RunConfig, RunResult, run_suite
 
 pytestmark = pytest.mark.distributed
@@ -87,16 +86,7 @@ def test_sharded_model_parallel_run_holds_what_the_paper_engine_predicts(
         assert rank.activations_bytes == pytest.approx(predicted.activations_bytes, rel=0.05)
         assert rank.peak_bytes == pytest.approx(predicted.peak_bytes, rel=0.05)
     measured, expected = by_call(result.ledger), by_call(run_ledger(config.scenario()))
-    if config.strategy.uses_sequence_parallel:
-        # The teaching column-parallel linears keep their sequence-sharded input and all-gather it again for the
-        # weight gradient in backward, as Megatron-LM does (the paper engine's memory counts it, core/engines/
-        # paper.py), once per entry into a parallel region: two per block and the head. core/model_parallel_comm.py
-        # lists only the conjugates of the forward calls (benchmarks/bench_tp_ledger.py shows it under ddp too).
-        spec = model_preset("tiny-llama")
-        activation = MICRO_BATCH * SEQUENCE * spec.hidden_size * 2  # bf16
-        key = ("backward", "all_gather", 2, activation)
-        assert measured[key] - expected[key] == 2 * spec.num_layers + 1
-        measured[key] = expected[key]
+    # under sequence parallelism this includes the Megatron re-gathers of backward (core/model_parallel_comm.py)
     assert measured == expected
 
 
