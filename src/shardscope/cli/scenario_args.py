@@ -255,15 +255,19 @@ def layer_list(text: str) -> tuple[int, ...]:
 PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come later"
 
 
-def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline settings of the command line as Strategy fields; CliError for the commands that cannot take a
-    pipeline yet (trace, run, timeline, report)."""
+def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
+    """CliError for the commands that cannot take a pipeline (trace, run, timeline, report) or experts (run) yet."""
     if args.pp > 1 and args.command in ("trace", "run"):
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
     if args.ep > 1 and args.command == "run":
         raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
         raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
+
+
+def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
+    """The pipeline settings of the command line as Strategy fields, once the command is known to take them."""
+    refuse_unbuilt_parallelism(args)
     return {
         "pp": args.pp,
         "pp_schedule": args.pp_schedule,
