@@ -194,8 +194,11 @@ CASES: list[tuple[list[str], str]] = [
     (["estimate", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--pp-layers", "32"], "has 1 stages (32)"),
     (["estimate", "--model", "llama-3-8b", "--pp", "2", "--pp-layers", "16,x"], "'16,x'"),
     (["estimate", "--params", "7B", "--pp", "2", "--grad-accum", "2"], "has only a parameter count"),
-    (["trace", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "replay and run come later"),
-    (["run", "--model", "tiny-llama", "--pp", "2"], "replay and run come later"),
+    (
+        ["trace", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--strategy", "ddp"],
+        "--strategy ddp: the pipeline",
+    ),
+    (["run", "--model", "tiny-llama", "--pp", "2"], "its runs come later"),
     (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "timeline comes later"),
     (["report", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "report comes later"),
     # expert parallelism: validated, then refused until it is predicted

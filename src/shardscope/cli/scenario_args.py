@@ -252,12 +252,12 @@ def layer_list(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in words)
 
 
-PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come later"
+PIPELINE_LATER = "pipeline parallelism is predicted and traced; its runs come later"
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace, run, timeline, report) or experts (run) yet."""
-    if args.pp > 1 and args.command in ("trace", "run"):
+    """CliError for the commands that cannot take a pipeline (run, timeline, report) or experts (run) yet."""
+    if args.pp > 1 and args.command == "run":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
     if args.ep > 1 and args.command == "run":
         raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")

@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   shardscope trace --model tiny-llama --gpus 64 --strategy hsdp --shard-group 8 --json
   shardscope trace --config path/to/config.json --gpus 16 --strategy zero2
   shardscope trace --module mypackage.models:make --gpus 8 --strategy fsdp
+  shardscope trace --model tiny-llama --gpus 4 --pp 2 --pp-schedule 1f1b --grad-accum 4 --strategy fsdp
 """
 
 
@@ -120,6 +121,18 @@ def render(result: Any, units: str) -> str:
     if result.reserved_peak_bytes is not None:
         rows.append(["reserved", format_bytes(result.reserved_peak_bytes, units), "CUDA caching allocator, replayed"])
     lines += [render_table(["category", "bytes per rank", "source"], rows), ""]
+    if result.per_stage:
+        stages = [
+            [
+                str(entry.pipeline_rank),
+                ", ".join(entry.stages),
+                format_bytes(entry.per_rank.activations_bytes, units),
+                format_bytes(entry.per_rank.peak_bytes, units),
+                entry.peak_moment,
+            ]
+            for entry in result.per_stage
+        ]
+        lines += [render_table(["pipeline rank", "stages", "activations", "peak", "when"], stages), ""]
     if result.ledger:
         ledger = [
             [row.phase, row.op, str(row.group_size), format_bytes(row.payload_bytes, "MiB"), str(row.count)]
