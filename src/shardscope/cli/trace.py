@@ -152,7 +152,7 @@ def render(result: Any, units: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Trace the scenario in a subprocess and print it."""
     scenario = _scenario(args)
-    from shardscope.trace.request import TraceRequest
+    from shardscope.trace.request import TraceRequest, pipeline_refusal
     from shardscope.trace.runner import TraceError, run_in_subprocess, stderr_progress
 
     if args.time_limit <= 0:
@@ -173,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         traced_blocks=args.traced_blocks,
         memory_snapshot=snapshot,
     )
+    refusal = pipeline_refusal(request) if scenario.strategy.pp > 1 else ""
+    if refusal:
+        raise CliError(refusal)
     try:
         result = run_in_subprocess(request, stderr_progress("trace"))
     except TraceError as error:

@@ -38,31 +38,13 @@ from shardscope.core.result import CollectiveRow, MemoryBreakdown, merge_ledger
 from shardscope.reference_models import TransformerLM, build_model, lm_loss
 from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, storage_resize_hook
-from shardscope.trace.request import TraceRequest
+from shardscope.trace.request import TraceRequest, pipeline_refusal
 from shardscope.trace.result import FlopCount, StageTrace, TraceResult
 from shardscope.trace.setup import COMPUTE_DTYPES, DTYPES, TraceSetupError, make_optimizer
 from shardscope.trace.tracker import StepRecorder
 
 Progress = Callable[[str], None]
 SCHEDULE_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
-
-
-def pipeline_refusal(request: TraceRequest) -> str:
-    """Why this pipeline cannot be replayed, in one line, or '' when it can."""
-    strategy = request.scenario.strategy
-    if request.factory or request.config_path:
-        source = "--module" if request.factory else "--config"
-        return f"--pp {strategy.pp} with {source}: the trace cuts shardscope's reference modules only (--model)"
-    if strategy.tp > 1 or strategy.cp > 1:
-        return f"--pp {strategy.pp} with --tp or --cp is not replayed yet; use `shardscope estimate`"
-    if strategy.preset.zero_stage in (0, 1):
-        return (
-            f"--pp {strategy.pp} with --strategy {strategy.name}: the pipeline trace shards stages with fully_shard "
-            "(fsdp, zero2, zero3, hsdp); use one of those or `shardscope estimate`"
-        )
-    if request.scenario.model.family == "moe":
-        return f"--pp {strategy.pp} with model {request.scenario.model.name}: experts are not replayed in a pipeline"
-    return ""
 
 
 class StageModule(TransformerLM):
