@@ -54,14 +54,20 @@ def test_stage_activations_are_its_share_times_the_micro_batches_in_flight() -> 
     scenario = tiny()
     acts = activations_for(scenario, autocast=False)
     block = acts.stored_blocks_bytes // 2
-    embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes
+    ids = 32 * 8  # one micro-batch's int64 token ids (first stage) or targets (last stage), held for the whole step
+    shared = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes - 2 * ids  # RoPE's tables, per stage
+    # Each stage in flight also caches its output for backward (hidden states, or the last stage's logits); the
+    # last stage's input is its receive buffer (counted in buffers), not an activation. tests/trace/
+    # test_pipeline_trace.py checks these against torch's PipelineStage replayed on fake tensors.
+    first = block + shared + acts.hidden_bytes
+    last = block + shared + acts.logits_bytes - acts.hidden_bytes + acts.head_bytes
     one_f_one_b = estimate_memory(scenario).per_stage
     assert [entry.in_flight for entry in one_f_one_b] == [(2,), (1,)]  # min(p - s, m)
-    assert one_f_one_b[0].per_rank.activations_bytes == 2 * (block + embedding)
-    assert one_f_one_b[1].per_rank.activations_bytes == block + acts.head_bytes
+    assert one_f_one_b[0].per_rank.activations_bytes == 2 * first + 4 * ids
+    assert one_f_one_b[1].per_rank.activations_bytes == last + 4 * ids
     gpipe = estimate_memory(tiny("gpipe")).per_stage
     assert [entry.in_flight for entry in gpipe] == [(4,), (4,)]
-    assert gpipe[1].per_rank.activations_bytes == 4 * (block + acts.head_bytes)
+    assert gpipe[1].per_rank.activations_bytes == 4 * last + 4 * ids
 
 
 def test_per_rank_and_fits_are_the_busiest_stages() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardscope.core.activations import ActivationEstimate
+from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import activations_for
 from shardscope.core.model_states import ModelStates
@@ -86,13 +86,30 @@ def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelState
     return replace(base, **values)
 
 
-def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int) -> int:
-    """One micro-batch's saved activations of one stage: its blocks' share of every block's, plus the embeddings'
-    part (token ids and what the embeddings keep) on the first stage and the head's on the last."""
+def token_ids_bytes(scenario: Scenario) -> int:
+    """One micro-batch's token ids (or targets) on one rank: int64 per token of the rank's share."""
+    return scenario.training.tokens_per_micro_batch // rank_share(scenario).cp * INDEX_BYTES
+
+
+def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int, ids_bytes: int) -> int:
+    """One micro-batch's activations of one stage while it is in flight, as torch's PipelineStage holds them: its
+    blocks' share of every block's saved tensors; the tensors every block shares (RoPE's tables), which each stage
+    makes for itself; the head's on the last stage. The stage also caches its output until that micro-batch's
+    backward (`fwd_cache` in torch/distributed/pipelining/stage.py, torch 2.13): the hidden states, or the logits on
+    the last stage. A stage after the first saves its input as its first block's, but that input is the receive
+    buffer, counted in buffers. The token ids and targets are held for the whole step (`step_held_bytes`)."""
     blocks = acts.stored_blocks_bytes * stage.layers // num_layers
-    head = acts.head_bytes
-    embedding = acts.saved_bytes - acts.stored_blocks_bytes - head
-    return blocks + (embedding if stage.embedding else 0) + (head if stage.head else 0)
+    shared = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes - 2 * ids_bytes
+    output = acts.logits_bytes if stage.head else acts.hidden_bytes
+    received = 0 if stage.embedding else acts.hidden_bytes
+    return blocks + shared + output - received + (acts.head_bytes if stage.head else 0)
+
+
+def step_held_bytes(stages: tuple[PipelineStage, ...], ids_bytes: int, micro_batches: int) -> int:
+    """What the schedule holds for the whole step: `step` takes every micro-batch's token ids (first stage) and
+    targets (last stage) at once and splits them into views."""
+    held = sum(stage.embedding for stage in stages) + sum(stage.head for stage in stages)
+    return held * ids_bytes * micro_batches
 
 
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
@@ -104,11 +121,13 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
     in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
     acts = activations_for(scenario, states.autocast)
-    weights = {stage.index: stage_activation_bytes(acts, stage, model.num_layers) for stage in stages}
+    ids_bytes = token_ids_bytes(scenario)
+    weights = {stage.index: stage_activation_bytes(acts, stage, model.num_layers, ids_bytes) for stage in stages}
     actions = rank_actions(
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
     )
-    activations, counts = peak_in_flight(actions, weights)
+    in_flight_bytes, counts = peak_in_flight(actions, weights)
+    activations = in_flight_bytes + step_held_bytes(stages, ids_bytes, training.grad_accum_steps)
     boundary = boundary_bytes(scenario)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)

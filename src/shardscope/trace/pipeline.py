@@ -38,6 +38,7 @@ from shardscope.core.result import CollectiveRow, MemoryBreakdown, merge_ledger
 from shardscope.reference_models import TransformerLM, build_model, lm_loss
 from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, storage_resize_hook
+from shardscope.trace.gpu_kernels import use_gpu_kernels
 from shardscope.trace.request import TraceRequest, pipeline_refusal
 from shardscope.trace.result import FlopCount, StageTrace, TraceResult
 from shardscope.trace.setup import COMPUTE_DTYPES, DTYPES, TraceSetupError, make_optimizer
@@ -78,6 +79,8 @@ def build_stage(scenario: Scenario, stage: PipelineStage) -> StageModule:
     module.layers = whole.layers
     module.norm = whole.norm if stage.head else None  # type: ignore[assignment]
     module.lm_head = whole.lm_head if stage.head else None  # type: ignore[assignment]
+    if scenario.cluster.gpu_kernels:
+        use_gpu_kernels(module)
     return module
 
 
