@@ -3,6 +3,8 @@ time, against the core's pytorch-engine prediction of the same scenario (core.pi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shardscope.core.pipeline_memory import pipeline_memory
@@ -81,6 +83,28 @@ def test_activations_equal_the_prediction(world_size: int, schedule: str) -> Non
         assert entry.per_rank.activations_bytes == pytest.approx(expected.per_rank.activations_bytes, rel=0.01)
         assert abs(entry.per_rank.activations_bytes - expected.per_rank.activations_bytes) <= 16
     assert [entry.in_flight for entry in predicted] == ([(2,), (1,)] if schedule == "1f1b" else [(4,), (4,)])
+
+
+def test_interleaved_1f1b_equals_the_prediction() -> None:
+    """tiny-llama cut to 4 layers on 2 ranks x 2 virtual stages (torchtitan's split: 1, 2, 1, 0 layers): rank 0
+    holds stages 0 and 2, rank 1 stages 1 and 3 (the head alone); ledger equal, activations within 1%."""
+    base = _scenario(2, "1f1b")
+    scenario = Scenario(
+        model=replace(model_preset("tiny-llama"), num_layers=4),
+        cluster=base.cluster,
+        training=base.training,
+        strategy=Strategy(name="fsdp", engine="pytorch", pp=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
+    )
+    result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300))
+    predicted = pipeline_memory(scenario).per_stage
+    assert [entry.stages for entry in result.per_stage] == [("embed+layer 0", "layer 3"), ("layers 1-2", "head")]
+    for entry, expected in zip(result.per_stage, predicted, strict=True):
+        assert entry.per_rank.parameters_bytes == expected.per_rank.parameters_bytes
+        assert entry.per_rank.activations_bytes == pytest.approx(expected.per_rank.activations_bytes, rel=0.01)
+        traced = sorted((row.phase, row.op, row.payload_bytes, row.count) for row in entry.ledger if row.group == "pp")
+        assert traced == sorted(
+            (row.phase, row.op, row.payload_bytes, row.count) for row in pipeline_ledger(scenario, entry.pipeline_rank)
+        )
 
 
 def test_the_busiest_stage_is_reported() -> None:

@@ -69,14 +69,14 @@ class StageModule(TransformerLM):
 def build_stage(scenario: Scenario, stage: PipelineStage) -> StageModule:
     """The stage's module on the meta device."""
     training = scenario.training
-    spec = replace(scenario.model, num_layers=stage.layers)
+    spec = replace(scenario.model, num_layers=max(1, stage.layers))  # a stage may hold no block (only the head)
     whole = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
     with torch.device("meta"):
         module = StageModule.__new__(StageModule)
         nn.Module.__init__(module)
     module.spec, module.checkpointing = whole.spec, whole.checkpointing
     module.embed_tokens = whole.embed_tokens if stage.embedding else None  # type: ignore[assignment]
-    module.layers = whole.layers
+    module.layers = whole.layers if stage.layers else nn.ModuleList()
     module.norm = whole.norm if stage.head else None  # type: ignore[assignment]
     module.lm_head = whole.lm_head if stage.head else None  # type: ignore[assignment]
     if scenario.cluster.gpu_kernels:
