@@ -94,10 +94,10 @@ def token_ids_bytes(scenario: Scenario) -> int:
 def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int, ids_bytes: int) -> int:
     """One micro-batch's activations of one stage while it is in flight, as torch's PipelineStage holds them: its
     blocks' share of every block's saved tensors; the tensors every block shares (RoPE's tables), which each stage
-    with blocks makes for itself; the head's on the last stage. The stage also caches its output until that micro-batch's
-    backward (`fwd_cache` in torch/distributed/pipelining/stage.py, torch 2.13): the hidden states, or the logits on
-    the last stage. A stage after the first saves its input as its first block's, but that input is the receive
-    buffer, counted in buffers. The token ids and targets are held for the whole step (`step_held_bytes`)."""
+    with blocks makes for itself; the head's on the last stage. The stage also caches its output until that
+    micro-batch's backward (`fwd_cache` in torch/distributed/pipelining/stage.py, torch 2.13): the hidden states, or
+    the logits on the last stage. A stage after the first saves its input as its first block's, but that input is
+    the receive buffer, counted in buffers. Token ids and targets are held for the whole step (`step_held_bytes`)."""
     blocks = acts.stored_blocks_bytes * stage.layers // num_layers
     shared = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes - 2 * ids_bytes if stage.layers else 0
     output = acts.logits_bytes if stage.head else acts.hidden_bytes
