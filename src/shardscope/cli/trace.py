@@ -107,8 +107,12 @@ def _scenario(args: argparse.Namespace) -> Scenario:
 def render(result: Any, units: str) -> str:
     """The human-readable report of one trace."""
     per_rank = result.per_rank
+    shown = "rank 0"
+    if result.per_stage:
+        busiest = next(entry for entry in result.per_stage if entry.per_rank == per_rank)
+        shown = f"pipeline rank {busiest.pipeline_rank} (the busiest; each traced as its first rank)"
     lines = [
-        f"trace of rank 0 of {result.world_size}, {result.strategy} on {result.engine} ({result.elapsed_s:.1f} s)",
+        f"trace of {shown} of {result.world_size}, {result.strategy} on {result.engine} ({result.elapsed_s:.1f} s)",
         "",
     ]
     fallback = dict(result.fallbacks)
