@@ -4,7 +4,7 @@ in float64 after 3 steps, and its rank 0 holds and sends what the fake-tensor tr
 byte: model states, every collective and every send/recv of the ring.
 
 The fsdp case runs by default (about 35 s on 2 shared cores: the run and the trace); the case with tensor parallelism
-too is slower and runs only when asked for: `pytest -m slow tests/distributed/test_torch_context_parallel.py`.
+too is slower and runs only when asked for: `pytest -m long tests/distributed/test_torch_context_parallel.py`.
 """
 
 from __future__ import annotations
@@ -94,14 +94,7 @@ def test_activations_and_peak_equal_the_trace_but_the_targets(fsdp_cp: tuple[Run
     assert trace.per_rank.peak_bytes - real.peak_bytes == targets  # 2,854,884 B against 2,854,628
 
 
-@pytest.fixture
-def only_when_asked(request: pytest.FixtureRequest) -> None:
-    """The slower cases stay out of the default run (`make test`): they run under `-m slow`."""
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("slower case: run with -m slow")
-
-
-@pytest.mark.usefixtures("only_when_asked")
+@pytest.mark.long
 def test_tensor_and_context_parallel_together_equal_the_trace() -> None:
     # tp 2 x cp 2 on 4 ranks (dp 1): DTensor's sequence-parallel plan inside each cp rank's tokens, the ring over
     # cp, fully_shard over the cp ranks
