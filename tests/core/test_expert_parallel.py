@@ -15,7 +15,8 @@ Hand derivation for mixtral-8x7b (Mixtral of Experts; models.json: hidden 4096, 
   70,054,189,056 bytes (plus Adam's 4-byte steps).
 - all-to-all per MoE layer and micro-batch of 1 x 2048 tokens: each token sent to 2 experts, 4096 bf16 values each:
   2048 x 2 x 4096 x 2 = 33,554,432 bytes per dispatch and per combine, forward and backward: 4 calls per layer,
-  64 forward and 64 backward per step; 7/8 of each (29,360,128 bytes) leaves the rank.
+  64 forward and 64 backward per step; 7/8 of each (29,360,128 bytes) leaves the rank. Before each dispatch the
+  ranks swap their row counts per expert: one all-to-all of 8 int64 = 64 bytes per layer in forward.
 """
 
 import pytest
@@ -70,13 +71,17 @@ def test_fsdp_shards_are_those_without_ep_and_the_gathered_block_holds_one_exper
 
 def test_all_to_all_rows_per_step() -> None:
     assert dispatch_bytes(scenario("fsdp", 8)) == DISPATCH
-    rows = {(r.phase, r.op): r for r in collective_ledger(scenario("fsdp", 8)) if r.group == "ep"}
-    assert set(rows) == {("forward", "all_to_all"), ("backward", "all_to_all")}
-    for row in rows.values():
-        assert (row.group_size, row.payload_bytes, row.count) == (8, DISPATCH, 64)
-    # Full checkpointing re-forwards every block, with its dispatch and combine.
-    again = {(r.phase, r.op): r.count for r in collective_ledger(scenario("fsdp", 8, "full")) if r.group == "ep"}
-    assert again == {("forward", "all_to_all"): 64, ("backward", "all_to_all"): 128}
+    rows = {(r.phase, r.payload_bytes): r for r in collective_ledger(scenario("fsdp", 8)) if r.group == "ep"}
+    assert {key: (row.op, row.group_size, row.count) for key, row in rows.items()} == {
+        ("forward", DISPATCH): ("all_to_all", 8, 64),
+        ("forward", 64): ("all_to_all", 8, 32),
+        ("backward", DISPATCH): ("all_to_all", 8, 64),
+    }
+    # Full checkpointing re-forwards every block, with its counts, dispatch and combine.
+    again = {
+        (r.phase, r.payload_bytes): r.count for r in collective_ledger(scenario("fsdp", 8, "full")) if r.group == "ep"
+    }
+    assert again == {("forward", DISPATCH): 64, ("forward", 64): 32, ("backward", DISPATCH): 128, ("backward", 64): 32}
     assert not [r for r in collective_ledger(scenario("fsdp", 1)) if r.op == "all_to_all"]
 
 

@@ -13,7 +13,12 @@ X / D per rank: the same as without expert parallelism. What ep saves is what th
 Tokens. Routing is dropless, as Mixtral and torchtitan's default MoE run it: every token goes to its top-k experts,
 no capacity factor, none dropped. Per MoE layer and micro-batch a rank sends each of its tokens k times, so its
 dispatch all-to-all carries tokens x k x hidden elements in the working dtype, and the combine all-to-all brings the
-same number of expert outputs back. Routing is data-dependent; the prediction assumes every expert gets an even
+same number of expert outputs back. A ledger row's payload is the rank's send buffer: exactly tokens x k rows for the
+forward dispatch and the backward combine, whatever the routing; the forward combine and the backward dispatch send
+back the rows the rank received, which routing decides (even routing: the same tokens x k; over an expert group
+they always add up to ep times that). Before the dispatch the ranks swap how many rows each sends to each expert (an
+all-to-all of num_experts int64 counts, as torchtitan's token dispatch does before its own), since the receivers
+cannot know it. Routing is data-dependent; the prediction assumes every expert gets an even
 share, so (ep - 1) / ep of those bytes leave the rank (core/network.py applies that fraction). Backward runs the
 two all-to-alls again, each the other's conjugate, in reverse order; a whole block's re-forward (full checkpointing)
 repeats both, while torchtitan's op policy saves all_to_all_single's output (shardscope.reference_models.OP_SAVE_LIST)
@@ -42,6 +47,9 @@ def dispatch_bytes(scenario: Scenario) -> int:
     model, training = scenario.model, scenario.training
     tokens = training.micro_batch_size * training.sequence_length // scenario.strategy.cp
     return tokens * model.experts_per_token * model.hidden_size * dtype_bytes(training.precision)
+
+
+COUNT_BYTES = 8  # the row counts per expert are int64 (torch.bincount's dtype)
 
 
 def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStates:
@@ -84,18 +92,21 @@ def expert_parallel_events(scenario: Scenario, micro_batch: int) -> list[CommEve
     ep = scenario.strategy.ep
     if ep == 1:
         return []
-    payload, layers = dispatch_bytes(scenario), scenario.model.num_layers
-    checkpointing = scenario.training.checkpointing
+    rows, counts = dispatch_bytes(scenario), scenario.model.num_experts * COUNT_BYTES
+    layers, checkpointing = scenario.model.num_layers, scenario.training.checkpointing
+    forward = (("counts", counts), ("dispatch", rows), ("combine", rows))
     events: list[CommEvent] = []
 
-    def exchange(phase: str, block: int, at: Place, what: tuple[str, str]) -> None:
-        for name in what:
+    def exchange(phase: str, block: int, at: Place, calls: tuple[tuple[str, int], ...]) -> None:
+        for name, payload in calls:
             events.append(event(phase, "all_to_all", ep, payload, "ep", at, f"all_to_all ep {phase} {name} {block}"))
 
     for block in range(1, layers + 1):
-        exchange("forward", block - 1, (micro_batch, block, "during_forward"), ("dispatch", "combine"))
+        exchange("forward", block - 1, (micro_batch, block, "during_forward"), forward)
     for block in reversed(range(1, layers + 1)):
         if checkpoints_block(checkpointing, block - 1):
-            exchange("backward", block - 1, (micro_batch, block, "during_recompute"), ("dispatch", "combine"))
-        exchange("backward", block - 1, (micro_batch, block, "during_backward"), ("combine", "dispatch"))
+            exchange("backward", block - 1, (micro_batch, block, "during_recompute"), forward)
+        exchange(
+            "backward", block - 1, (micro_batch, block, "during_backward"), (("combine", rows), ("dispatch", rows))
+        )
     return events
