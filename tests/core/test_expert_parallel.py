@@ -99,3 +99,20 @@ def test_every_engine_predicts_expert_parallelism() -> None:
     for engine in ("paper", "pytorch", "deepspeed"):
         case = scenario("zero2", 8, engine=engine)
         assert rules_for(case).rank_memory(case, 0).states.parameters_bytes < 46_702_792_704
+
+
+def test_estimate_takes_ep_and_its_document_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import jsonschema
+
+    from shardscope.cli import main
+    from shardscope.schemas import load_schema
+
+    argv = ["estimate", "--model", "mixtral-8x7b", "--strategy", "zero1", "--ep", "8", "--engine", "paper", "--json"]
+    assert main([*argv, "--time"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, load_schema(document["schema"]))
+    strategy = document["strategies"][0]
+    assert strategy["parallelism"]["ep"] == 8
+    assert strategy["per_rank"]["parameters_bytes"] == 14_485_561_344
