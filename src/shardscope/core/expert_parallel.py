@@ -8,7 +8,10 @@ and dp_shard_in_ep = ep / cp, and fully_shard()s the experts over dp_shard_mod_e
 sharded over the whole dp_shard x cp (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py, `_build_mesh_with_
 ep`, at commit 73bb964d8f66f585d977b40fe3de88301cdd03cd). So a sharded state holds X / ep experts over D / ep ranks,
 X / D per rank: the same as without expert parallelism. What ep saves is what the strategy does not shard (ZeRO-1's
-16-bit weights and gradients, ZeRO-2's weights) and the experts a unit gathers (FSDP's gathered block).
+16-bit weights and gradients, ZeRO-2's weights) and the experts a unit gathers (FSDP's gathered block). The
+data-parallel ledger keeps one call per unit: its payload holds the rank's experts (X / ep, right), but the call is
+priced on the dense weights' group of D ranks, where torchtitan gathers and reduces the experts over D / ep (none
+at all when ep = D): an approximation that overstates the experts' data-parallel time.
 
 Tokens. Routing is dropless, as Mixtral and torchtitan's default MoE run it: every token goes to its top-k experts,
 no capacity factor, none dropped. Per MoE layer and micro-batch a rank sends each of its tokens k times, so its
