@@ -19,6 +19,8 @@ Hand derivation for mixtral-8x7b (Mixtral of Experts; models.json: hidden 4096, 
   ranks swap their row counts per expert: one all-to-all of 8 int64 = 64 bytes per layer in forward.
 """
 
+import dataclasses
+
 import pytest
 
 from shardscope.core.comm import collective_ledger
@@ -116,3 +118,15 @@ def test_estimate_takes_ep_and_its_document_is_valid(capsys: pytest.CaptureFixtu
     strategy = document["strategies"][0]
     assert strategy["parallelism"]["ep"] == 8
     assert strategy["per_rank"]["parameters_bytes"] == 14_485_561_344
+
+
+def test_offloaded_shards_are_those_without_ep() -> None:
+    # the optimizer shards are X / D with or without ep, so the host holds the same (DeepSpeed offloads in its states)
+    for engine in ("paper", "deepspeed"):
+        with_ep, without = (
+            dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, offload="optimizer"))
+            for case in (scenario("zero2", 8, engine=engine), scenario("zero2", 1, engine=engine))
+        )
+        host = rules_for(with_ep).rank_memory(with_ep, 0).states.host_bytes
+        assert host == pytest.approx(rules_for(without).rank_memory(without, 0).states.host_bytes, rel=1e-6)
+        assert host > 0

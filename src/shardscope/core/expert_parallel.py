@@ -86,7 +86,7 @@ def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStat
         optimizer_temporary_bytes=sharded(states.optimizer_temporary_bytes, 1),
         autocast=states.autocast,
         gradients_persist=states.gradients_persist,
-        host_bytes=states.host_bytes,
+        host_bytes=sharded(states.host_bytes, 1),  # offloaded shards (DeepSpeed's engine offloads in its states)
     )
 
 
