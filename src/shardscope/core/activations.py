@@ -124,6 +124,11 @@ def _mlp_bytes(model: ModelSpec, sizes: Sizes) -> int:
     # Under tensor parallelism the router runs on every rank over the gathered tokens; each expert's FFN is split.
     router = sizes.gathered + tokens * experts * element + routed * (8 + element) + tokens * element
     per_routed = 3 * hidden * element + 4 * sizes.ffn * element + 16 + element
+    if sizes.experts < model.num_experts:
+        # Expert parallelism (runtime/teaching/expert_parallel.py): the expert's rank keeps each output (its combine
+        # buffer's input), the token's rank the copy the combine brings back, and three int64 token orders instead
+        # of the row pair (measured with saved_tensors_hooks on tiny-moe).
+        per_routed += hidden * element + 2 * INDEX_BYTES
     return router + routed * per_routed
 
 
