@@ -154,7 +154,9 @@ def data_parallel_mesh(
     data_parallel = world_size // split
     preset = DATA_PARALLEL_PRESETS[strategy]
     if preset.groups_replicate:
-        mesh = Parallelism(dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp, pp=pp)
+        mesh = Parallelism(
+            dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp, pp=pp, ep=ep
+        )
     elif preset.shards:
         mesh = Parallelism(dp_shard=data_parallel, cp=cp, tp=tp, pp=pp, ep=ep)
     else:

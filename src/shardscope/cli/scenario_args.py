@@ -260,7 +260,7 @@ def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
     if args.pp > 1 and args.command in ("trace", "run"):
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
     if args.ep > 1 and args.command == "run":
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
+        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
         raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
 
@@ -393,8 +393,8 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
-    if args.ep > 1:  # the scenarios are valid: their errors came first
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction comes later")
+    if args.ep > 1 and args.command != "estimate":  # the scenarios are valid: their errors came first
+        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; {args.command} comes later")
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):
