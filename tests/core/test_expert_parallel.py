@@ -71,6 +71,17 @@ def test_fsdp_shards_are_those_without_ep_and_the_gathered_block_holds_one_exper
     assert with_ep.backward_buffers_bytes - without.backward_buffers_bytes == 2 * (block_with_ep - block)
 
 
+def test_fully_shard_zero2_keeps_its_parameters_sharded_at_rest_under_ep() -> None:
+    # torch's zero2 is fully_shard(reshard_after_forward=False): its fp32 parameters are sharded at rest as zero3's
+    # are, so with ep the rank holds the same shard bytes as without (46,702,792,704 x 4 / 8), not the experts' part
+    held = {}
+    for name, ep in (("zero2", 8), ("zero2", 1), ("fsdp", 8)):
+        case = scenario(name, ep, engine="pytorch")
+        held[name, ep] = rules_for(case).rank_memory(case, 0).states.parameters_bytes
+    assert held["zero2", 8] == pytest.approx(held["zero2", 1], abs=1024) == 4 * 46_702_792_704 // 8
+    assert held["zero2", 8] == held["fsdp", 8]
+
+
 def test_all_to_all_rows_per_step() -> None:
     assert dispatch_bytes(scenario("fsdp", 8)) == DISPATCH
     rows = {(r.phase, r.payload_bytes): r for r in collective_ledger(scenario("fsdp", 8)) if r.group == "ep"}
@@ -118,6 +129,10 @@ def test_estimate_takes_ep_and_its_document_is_valid(capsys: pytest.CaptureFixtu
     strategy = document["strategies"][0]
     assert strategy["parallelism"]["ep"] == 8
     assert strategy["per_rank"]["parameters_bytes"] == 14_485_561_344
+    # without --strategy the comparison holds the stages that shard (ep borrows their GPUs; ddp has none)
+    assert main(["estimate", "--model", "mixtral-8x7b", "--ep", "8", "--json"]) == 0
+    compared = [entry["strategy"] for entry in json.loads(capsys.readouterr().out)["strategies"]]
+    assert compared == ["zero1", "zero2", "zero3"]  # the ep degree is in each entry's parallelism object
 
 
 def test_offloaded_shards_are_those_without_ep() -> None:

@@ -328,10 +328,12 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:
-    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
+    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists (the sharding
+    stages only under expert parallelism)."""
     text: str = args.strategy
     if text == "all":
-        return list(comparable_strategies(grouped=bool(args.shard_group) or cluster.num_nodes > 1))
+        grouped = bool(args.shard_group) or cluster.num_nodes > 1
+        return list(comparable_strategies(grouped, sharded=getattr(args, "ep", 1) > 1))
     words = [word.strip() for word in text.split(",") if word.strip()]
     if not words:
         raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")

@@ -63,6 +63,8 @@ def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStat
     ep = scenario.strategy.ep
     if ep == 1 or not scenario.model.has_shape:
         return states
+    from shardscope.core.engines import rules_for  # the engines build their states on this module's hook
+
     tp, model = scenario.strategy.tp, scenario.model
     whole = param_layout(model, tp).total_numel
     mine = param_layout(model, tp, ep).total_numel
@@ -72,7 +74,7 @@ def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStat
         return value * whole // mine if stage >= from_stage else value
 
     return ModelStates(
-        parameters_bytes=sharded(states.parameters_bytes, 3),
+        parameters_bytes=sharded(states.parameters_bytes, rules_for(scenario).parameters_sharded_from_stage),
         gradients_bytes=sharded(states.gradients_bytes, 2),
         optimizer_state_bytes=sharded(states.optimizer_state_bytes, 1),
         persistent_buffers_bytes=states.persistent_buffers_bytes,
