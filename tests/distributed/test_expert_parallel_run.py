@@ -168,7 +168,6 @@ def test_ep2_inside_dp2_matches_one_process_and_the_predicted_all_to_alls(monkey
 
 
 @pytest.mark.slow
-def test_ep4_one_expert_per_rank(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("a second launch: run with -m slow")
+@pytest.mark.long
+def test_ep4_one_expert_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     check("tiny-moe", 4, timeout_s=180, monkeypatch=monkeypatch)
