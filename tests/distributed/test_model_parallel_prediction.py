@@ -100,7 +100,7 @@ def test_a_teaching_model_parallel_run_holds_and_sends_what_the_paper_engine_pre
 def test_the_teaching_ring_keeps_its_log_sum_exp_in_the_compute_dtype(
     runs: dict[str, tuple[RunConfig, RunResult]],
 ) -> None:
-    # The one residual: the teaching ring attention (runtime/teaching/context_parallel.py) keeps its log-sum-exp in
+    # The one residual: the teaching ring attention (ring_attention.py) keeps its log-sum-exp in
     # the compute dtype, bf16 under bf16-mixed, where the core counts fp32 as FlashAttention's kernels (and ring
     # attention built on them) keep it: batch 2 x heads 4/tp 2 x 16 rows per cp rank x 2 bytes fewer in each of the
     # 2 blocks. The peak, at the optimizer step, and everything else agree.

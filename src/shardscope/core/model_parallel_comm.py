@@ -26,7 +26,7 @@ Payloads are b x (s / cp) x h in the working dtype: the unsharded buffer for all
 everywhere in the ledger.
 
 Context parallelism is ring attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et
-al.), as the teaching implementation (runtime/teaching/context_parallel.py) and zhuzilin/ring-flash-attention
+al.), as the teaching implementation (ring_attention.py) and zhuzilin/ring-flash-attention
 (`ring_flash_attn_forward` / `_backward`) run it: per attention layer the rank's K and V chunk (b x s/cp tokens x the
 rank's kv heads x head_dim) goes round the ring in cp - 1 send/recv steps in forward; backward sends K and V cp - 1
 times again and the accumulated dK and dV cp times, so that each chunk's gradient ends where the chunk started. dK

@@ -5,7 +5,7 @@ giving DTensor sharding rules to the CUDA attention kernels (flash, memory-effic
 included, `F.scaled_dot_product_attention` dispatches to `aten._scaled_dot_product_flash_attention_for_cpu`, for which
 DTensor has no rule ("Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
 strategy registered", torch 2.13). So the reference model's attention core is swapped for the teaching ring
-attention (shardscope.runtime.teaching.context_parallel, imported, not copied): the sequence cut into 2 x cp
+attention (shardscope.ring_attention, imported, not copied): the sequence cut into 2 x cp
 chunks, rank i keeping chunks i and 2cp-1-i (load-balanced under the causal mask), K and V passed round the cp ranks
 by send/recv (batch_isend_irecv), dK and dV brought home the same way. torch's fake process group runs send and recv
 as it runs collectives (it allocates nothing and moves nothing), so the replay issues the very calls a gloo run does.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
-from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
+from shardscope.ring_attention import use_ring_attention, zigzag_positions
 
 
 class SequenceSplit:
