@@ -36,6 +36,8 @@ _C10D_OPS = {
     "reduce_scatter_": ("reduce_scatter", 1),
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
 }
 # functional collective (its group is named by its last string argument) -> (ledger op, whether the payload, its
 # first argument, is one rank's part of the gathered buffer)
