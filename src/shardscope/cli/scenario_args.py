@@ -256,15 +256,10 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace, run on torch's engines, timeline, report) or
-    experts (run) yet."""
+    """CliError for the commands that cannot take a pipeline (trace, timeline, report) or experts (run) yet; `run`
+    asks its engine (runtime/config.py MODEL_PARALLEL_REFUSALS) whether it runs a pipeline."""
     if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-    if args.pp > 1 and args.command == "run" and args.engine == "pytorch":
-        raise CliError(
-            f"--pp {args.pp} with --engine pytorch: torch.distributed.pipelining runs come later; --engine paper runs "
-            "the teaching pipeline"
-        )
     if args.ep > 1 and args.command == "run":
         raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
