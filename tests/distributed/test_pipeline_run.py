@@ -120,3 +120,16 @@ def test_pp4_gpipe_with_a_stage_of_the_embeddings_only() -> None:
         },
         peak_checked=(1, 2, 3),
     )
+
+
+def test_the_worker_reads_a_pipeline_from_its_flags() -> None:
+    # under torchrun each rank gets the config as flags (runtime/worker.py), --pp-layers as options() writes it
+    from shardscope.runtime.worker import parse_config
+
+    config = RunConfig.from_options(
+        **{**OPTIONS, "model": "tiny-llama-8", "world_size": 4, "pp": 4, "grad_accum": 4, "pp_layers": (0, 3, 3, 2)}
+    )
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in config.options().items()]
+    (parsed,), _ = parse_config(argv)
+    assert parsed.options() == config.options()
+    assert parsed.strategy.pp_layers == (0, 3, 3, 2) and parsed.training.grad_accum_steps == 4
