@@ -205,10 +205,11 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--model", "tiny-llama", "--grad-accum", "2"], "except a pipeline's"),
     (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "timeline comes later"),
     (["report", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "report comes later"),
-    # expert parallelism: validated, then refused until it is predicted
+    # expert parallelism: validated; predicted by estimate, refused by the commands that do not take it yet
     (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
     (["estimate", "--model", "mixtral-8x7b", "--strategy", "ddp", "--ep", "2"], "ep 2 must divide dp_shard 1 x cp 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
-    (["estimate", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "--ep 2: expert parallelism is"),
-    (["run", "--model", "tiny-moe", "--ep", "2"], "--ep 2: expert parallelism is validated only"),
+    (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "trace comes later"),
+    (["timeline", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "timeline comes later"),
+    (["run", "--model", "tiny-moe", "--ep", "2"], "--ep 2: expert parallelism is predicted by estimate only"),
 ]

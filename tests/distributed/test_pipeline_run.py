@@ -5,8 +5,8 @@ Each case trains in float64 for 3 AdamW steps on gloo (parity within 1e-10, DESI
 model states and every message of its step (the sends and receives of each micro-batch and boundary, and its
 data-parallel all-reduces) must equal the prediction for its pipeline rank (core/pipeline_memory.py,
 core/pipeline_time.py `pipeline_rank_ledger`), its activations and peak within 5% (validate's targets). One short
-case runs by default; the 4-stage ones (tiny-llama-8, so 8 interleaved stages have a layer each) are slow and run
-under `-m slow`, each launch with a hard deadline (RunConfig.timeout_s).
+case runs by default; the 4-stage ones (tiny-llama-8, so 8 interleaved stages have a layer each) are long and run
+under `pytest -m long`, each launch with a hard deadline (RunConfig.timeout_s).
 """
 
 from __future__ import annotations
@@ -72,21 +72,14 @@ def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction() -> None:
     assert {row["payload_bytes"] for row in ranks[0]["ledger"] if row["op"] == "send"} == {2 * 32 * 64 * 8}
 
 
-@pytest.fixture
-def only_when_asked(request: pytest.FixtureRequest) -> None:
-    """The 4-stage cases stay out of the default run (`make test`): they run under `-m slow`."""
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("4 pipeline stages: run with -m slow")
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("only_when_asked")
+@pytest.mark.long
 def test_pp4_one_f_one_b() -> None:
     run_and_compare({"model": "tiny-llama-8", "world_size": 4, "pp": 4, "grad_accum": 4, "pp_schedule": "1f1b"})
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("only_when_asked")
+@pytest.mark.long
 def test_pp4_interleaved_one_f_one_b() -> None:
     ranks = run_and_compare(
         {
@@ -104,7 +97,7 @@ def test_pp4_interleaved_one_f_one_b() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("only_when_asked")
+@pytest.mark.long
 def test_pp4_gpipe_with_a_stage_of_the_embeddings_only() -> None:
     # Stage 0 holds only the embeddings: its states, activations and messages are exact, but its peak is the
     # optimizer step, where the paper engine counts three Adam temporaries of the largest unit (core/engines/paper.py

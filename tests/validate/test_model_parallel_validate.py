@@ -61,14 +61,16 @@ def test_the_model_parallel_cases_name_their_mesh() -> None:
 def test_cases_no_run_engine_implements_say_why() -> None:
     runnable = [case for case in model_parallel_matrix() if not case.not_runnable()]
     # the teaching grid runs every data-parallel strategy under tp and cp; torch's DTensor plan composes with FSDP2
-    # only (runtime/config.py MODEL_PARALLEL_STAGES), refuses cp (no CPU sharding rule) and gpt2's fused c_attn
+    # only (runtime/config.py MODEL_PARALLEL_STAGES), with the teaching ring for cp, and refuses gpt2's fused c_attn
     pairs = {(case.strategy, case.engine) for case in runnable}
     assert pairs == {("ddp", "paper"), ("fsdp", "paper"), ("fsdp", "pytorch")}
-    assert len(runnable) == 38
+    assert len(runnable) == 42
     torch_ddp = ValidationCase(model="tiny-llama", strategy="ddp", engine="pytorch", world_size=4, tp=2)
     assert "engine pytorch runs tensor and context parallelism with zero2, zero3, fsdp" in torch_ddp.not_runnable()
-    torch_cp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=4, tp=2, cp=2)
-    assert "context_parallel" in torch_cp.not_runnable()
+    torch_cp = ValidationCase(model="tiny-gpt2", strategy="fsdp", engine="pytorch", world_size=4, tp=2, cp=2)
+    assert "fused c_attn" in torch_cp.not_runnable()
+    torch_ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=4, cp=2)
+    assert torch_ring.not_runnable() == ""
     assert ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4).not_runnable() == ""
 
 

@@ -261,7 +261,7 @@ def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
     if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
     if args.ep > 1 and args.command == "run":
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
+        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
         raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
 
@@ -329,10 +329,12 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:
-    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
+    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists (the sharding
+    stages only under expert parallelism)."""
     text: str = args.strategy
     if text == "all":
-        return list(comparable_strategies(grouped=bool(args.shard_group) or cluster.num_nodes > 1))
+        grouped = bool(args.shard_group) or cluster.num_nodes > 1
+        return list(comparable_strategies(grouped, sharded=getattr(args, "ep", 1) > 1))
     words = [word.strip() for word in text.split(",") if word.strip()]
     if not words:
         raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")
@@ -394,8 +396,8 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
-    if args.ep > 1:  # the scenarios are valid: their errors came first
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction comes later")
+    if args.ep > 1 and args.command != "estimate":  # the scenarios are valid: their errors came first
+        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; {args.command} comes later")
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):

@@ -127,6 +127,11 @@ def _mlp_bytes(model: ModelSpec, sizes: Sizes) -> int:
     # Under tensor parallelism the router runs on every rank over the gathered tokens; each expert's FFN is split.
     router = sizes.gathered + tokens * experts * element + routed * (8 + element) + tokens * element
     per_routed = 3 * hidden * element + 4 * sizes.ffn * element + 16 + element
+    if sizes.experts < model.num_experts:
+        # Expert parallelism (runtime/teaching/expert_parallel.py): the expert's rank keeps each output (its combine
+        # buffer's input), the token's rank the copy the combine brings back, and three int64 token orders instead
+        # of the row pair (measured with saved_tensors_hooks on tiny-moe).
+        per_routed += hidden * element + 2 * INDEX_BYTES
     return router + routed * per_routed
 
 
@@ -154,11 +159,12 @@ def _moe_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int) -> int:
     routed inputs' gradients accumulate into one tokens x hidden tensor, and this expert holds its output projection's
     weight gradient and two of its tokens x ffn gradients. Routing is data-dependent: the core assumes each expert
     gets tokens x top-k / experts rows; tests/core/test_backend_peak.py pins how far under a measured uneven routing
-    that puts it."""
+    that puts it. Under expert parallelism the rank's num_experts / ep experts get as many rows in all (its expert
+    group's tokens routed to them, dropless and even: core/expert_parallel.py)."""
     element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // model.num_experts)
-    others = model.num_experts - 1
+    per_expert = -(-routed // sizes.experts)
+    others = sizes.experts - 1
     saved_per_row = hidden * element + 4 * ffn * element + 16  # gathered input, SwiGLU's four, the row pair
     freed = routed * (2 * hidden * element + element) + others * per_expert * saved_per_row
     made = others * 3 * weight + weight + 2 * per_expert * ffn * element + sizes.tokens * hidden * element
@@ -189,7 +195,7 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     norms see fp32 inputs, RoPE's tables stay fp32 and llama's rotated q and k are made in fp32 and cast again
     (three more tokens x hidden 16-bit tensors per block, measured).
     """
-    layout = param_layout(model, share.tp)
+    layout = param_layout(model, share.tp, share.ep)
     head_weight = model.vocab_size // share.tp * model.hidden_size * sizes.element  # lm_head's copy, tied or not
     block_weights = sum(t.numel for t in layout.block if len(t.shape) == 2) * sizes.element
     widen = 4 - sizes.element
@@ -213,10 +219,10 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, sha
     matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
     dependent: each expert is assumed to get an even share of the routed rows."""
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // max(1, model.num_experts))
+    per_expert = -(-routed // max(1, sizes.experts))
     linears = sum(
         (per_expert if ".experts." in tensor.name else sizes.tokens) * tensor.shape[0] * sizes.element
-        for tensor, saved in saved_linears(model, share.tp)
+        for tensor, saved in saved_linears(model, share.tp, share.ep)
         if saved
     )
     attention = sizes.query + (sizes.lse if training.attention == "sdpa" or sizes.ring else sizes.probs)

@@ -107,6 +107,7 @@ LEDGER_GROUP: dict[CommGroup, LedgerGroup] = {
     "host": "host",
     "tp": "tp",
     "cp": "cp",
+    "ep": "ep",
 }
 """The mesh dimension of the ledger row of an event on each group: the data-parallel groups are one dimension."""
 

@@ -65,7 +65,11 @@ def dtype_bytes(precision: str) -> int:
 
 def offload(scenario: Scenario, states: ModelStates) -> ModelStates:
     """ZeRO-Offload ("ZeRO-Offload: Democratizing Billion-Scale Model Training"): the optimizer state (and, with
-    'optimizer+params', the parameter and gradient shards) live in host memory and are updated there."""
+    'optimizer+params', the parameter and gradient shards) live in host memory and are updated there. Every engine
+    calls it last on its states, so it first puts expert parallelism's shards right (core/expert_parallel.py)."""
+    from shardscope.core.expert_parallel import expert_parallel_states  # it builds on this module
+
+    states = expert_parallel_states(scenario, states)
     mode = scenario.strategy.offload
     if mode == "none":
         return states

@@ -142,6 +142,8 @@ def _step_factor(op: str, ranks: int) -> tuple[float, int]:
         return (ranks - 1) / ranks, ranks - 1
     if op == "broadcast":
         return 1.0, ranks - 1
+    if op == "all_to_all":  # pairwise exchange: each rank keeps 1/n of its buffer and sends the rest in n - 1 steps
+        return (ranks - 1) / ranks, ranks - 1
     raise SpecError(f"op {op!r} is not a collective")
 
 

@@ -139,13 +139,15 @@ def _swiglu(prefix: str, hidden: int, ffn: int) -> tuple[ParamTensor, ...]:
     )
 
 
-def _llama_block(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+def _llama_block(model: ModelSpec, tp: int, ep: int) -> tuple[ParamTensor, ...]:
     hidden, ffn = model.hidden_size, model.ffn_hidden_size // tp
     if model.family == "moe":
-        # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts).
+        # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts), num_experts / ep of them on
+        # one expert-parallel rank (core/expert_parallel.py).
+        experts = model.num_experts // ep
         mlp: tuple[ParamTensor, ...] = (
             *_linear("moe.router", model.num_experts, hidden, bias=False),
-            *(t for expert in range(model.num_experts) for t in _swiglu(f"moe.experts.{expert}", hidden, ffn)),
+            *(t for expert in range(experts) for t in _swiglu(f"moe.experts.{expert}", hidden, ffn)),
         )
     else:
         mlp = _swiglu("mlp", hidden, ffn)
@@ -201,32 +203,34 @@ def _whole_root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
 
 
 @cache
-def param_layout(model: ModelSpec, tp: int = 1) -> ParamLayout:
-    """The parameter tensors of a shaped model (not for family 'count') that one of `tp` tensor-parallel ranks
-    holds (the whole model for tp 1); `Scenario` has checked that tp divides the widths it splits."""
+def param_layout(model: ModelSpec, tp: int = 1, ep: int = 1) -> ParamLayout:
+    """The parameter tensors of a shaped model (not for family 'count') that one of `tp` tensor-parallel and `ep`
+    expert-parallel ranks holds (the whole model for tp 1 and ep 1); `Scenario` has checked that tp divides the
+    widths it splits and ep the experts."""
     if not model.has_shape:
         raise ValueError(f"model {model.name!r} has only a parameter count, no shape")
-    block = _gpt2_block(model, tp) if model.family == "gpt2" else _llama_block(model, tp)
+    block = _gpt2_block(model, tp) if model.family == "gpt2" else _llama_block(model, tp, ep)
     return ParamLayout(root=_root(model, tp), block=block, num_blocks=model.num_layers)
 
 
 def rank_layout(scenario: Scenario) -> ParamLayout:
-    """The parameter tensors one rank of the scenario holds before data-parallel sharding (its tp slice)."""
-    return param_layout(scenario.model, scenario.strategy.tp)
+    """The parameter tensors one rank of the scenario holds before data-parallel sharding (its tp slice, and its
+    experts under expert parallelism)."""
+    return param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep)
 
 
 @cache
-def _rank_facts(model: ModelSpec, tp: int) -> tuple[int, ParamLayout | None]:
+def _rank_facts(model: ModelSpec, tp: int, ep: int) -> tuple[int, ParamLayout | None]:
     if not model.has_shape:
         return model.declared_parameters, None
-    layout = param_layout(model, tp)
+    layout = param_layout(model, tp, ep)
     return layout.total_numel, layout
 
 
 def rank_facts(scenario: Scenario) -> tuple[int, ParamLayout | None]:
     """The parameters one tensor-parallel rank holds before data-parallel sharding, and their layout (None without
     a shape), in one cache lookup for hot paths."""
-    return _rank_facts(scenario.model, scenario.strategy.tp)
+    return _rank_facts(scenario.model, scenario.strategy.tp, scenario.strategy.ep)
 
 
 @cache

@@ -37,8 +37,10 @@ _C10D_OPS = {
     "reduce_scatter_": ("reduce_scatter", 1),
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "send": ("send", 0),
+    "send": ("send", 0),  # point to point (ring attention's exchange): the tensor sent or received
     "recv_": ("recv", 0),
+    "alltoall_base_": ("all_to_all", 1),  # all_to_all_single: the send buffer, as core/expert_parallel.py counts
+    "alltoall_": ("all_to_all", 1),
 }
 # functional collective (its group is named by its last string argument) -> (ledger op, whether the payload, its
 # first argument, is one rank's part of the gathered buffer)

@@ -48,9 +48,9 @@ STRATEGY_OPTIONS = {
 }
 MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0, 1, 2, 3), "pytorch": (2, 3)}
 """The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
-runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's DTensor tensor parallelism (runtime/engines.py
-TorchTensorParallel) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor
-parameters)."""
+runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's engines (runtime/engines.py TorchTensorParallel: DTensor
+tensor parallelism, the teaching ring attention for cp) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes
+them (DDP takes no DTensor parameters)."""
 
 
 def teaching_refusal(scenario: Scenario) -> str:
@@ -69,19 +69,19 @@ def teaching_refusal(scenario: Scenario) -> str:
     return ""
 
 
-def torch_refusal(scenario: Scenario) -> str:
-    """Why torch's engines cannot run a model-parallel scenario ('' when they can)."""
+def _torch_refusal(scenario: Scenario) -> str:
     if scenario.strategy.pp > 1:
         return "pipelines run on torch.distributed.pipelining later; --engine paper runs the teaching pipeline"
-    return torch_model_parallel_refusal(scenario)
+    why = torch_model_parallel_refusal(scenario)
+    return f"{why}; --engine paper runs it (the teaching implementation)" if why else ""
 
 
 MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
     "paper": teaching_refusal,
-    "pytorch": torch_refusal,
+    "pytorch": _torch_refusal,
 }
-"""Why an engine cannot run a model-parallel scenario its stages allow ('' when it can): torch's plan has its own
-limits (trace/tensor_parallel.py), the teaching pipeline its own."""
+"""Why an engine cannot run a model-parallel scenario its stages allow ('' when it can), with what runs it instead:
+torch's plan has its own limits (trace/tensor_parallel.py), the teaching pipeline its own."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 

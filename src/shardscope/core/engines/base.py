@@ -90,6 +90,9 @@ class EngineRules(Protocol):
     """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
     torch_engines: bool
     """Its rules are those of torch's own engines, which `trace` replays on fake tensors."""
+    parameters_sharded_from_stage: int
+    """The lowest ZeRO stage whose parameters stay sharded at rest: 3 by the ZeRO paper, 2 under FSDP2's fully_shard
+    (zero2 there is fully_shard with reshard_after_forward=False, which gathers for the step and frees after it)."""
     megatron_tensor_parallel: bool
     """Tensor parallelism runs as Megatron-LM's (the teaching TensorParallelLM), not torch's DTensor plan: the
     column-parallel linears all-gather their input again in backward, the vocab-parallel loss keeps masks
@@ -149,6 +152,7 @@ class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
 
     megatron_tensor_parallel = False
+    parameters_sharded_from_stage = 3
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """Every rank holds the same: rank 0."""

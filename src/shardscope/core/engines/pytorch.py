@@ -51,6 +51,7 @@ class PyTorchRules(RulesDefaults):
     summary = "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)"
     fused_optimizer = False
     torch_engines = True
+    parameters_sharded_from_stage = 2  # zero2 is fully_shard(reshard_after_forward=False): sharded at rest
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         if not runs_on_ddp(scenario):

@@ -66,6 +66,7 @@ def _start_ring_pass(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[to
 def _finish(requests: list[Any]) -> None:
     for request in requests:
         request.wait()
+    requests.clear()  # a gloo Work holds the tensor it sent or received until it is dropped
 
 
 def _block_probabilities(
