@@ -195,7 +195,14 @@ CASES: list[tuple[list[str], str]] = [
     (["estimate", "--model", "llama-3-8b", "--pp", "2", "--pp-layers", "16,x"], "'16,x'"),
     (["estimate", "--params", "7B", "--pp", "2", "--grad-accum", "2"], "has only a parameter count"),
     (["trace", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "replay and run come later"),
-    (["run", "--model", "tiny-llama", "--pp", "2"], "replay and run come later"),
+    (["run", "--model", "tiny-llama", "--pp", "2"], "grad_accum_steps=1 < pp=2"),
+    (["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2"], "pp 2 runs inside ddp only, not zero3"),
+    (
+        ["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--engine", "pytorch"],
+        "torch.distributed.pipelining later",
+    ),
+    (["run", "--model", "tiny-gpt2", "--pp", "2", "--grad-accum", "2", "--strategy", "ddp"], "tied embeddings"),
+    (["run", "--model", "tiny-llama", "--grad-accum", "2"], "except a pipeline's"),
     (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "timeline comes later"),
     (["report", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2"], "report comes later"),
     # expert parallelism: validated; predicted by estimate, refused by the commands that do not take it yet

@@ -14,7 +14,7 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.core.result import CollectiveRow
-from shardscope.validate.cases import ValidationCase, every_case, full_matrix, model_parallel_matrix
+from shardscope.validate.cases import ValidationCase, every_case, full_matrix, model_parallel_matrix, pipeline_matrix
 from shardscope.validate.compare import ledger_differences, point_to_point_bytes, step_payload_bytes
 
 
@@ -166,3 +166,19 @@ def test_one_tensor_parallel_case_through_validate(matches_schema: Callable[[dic
     for category in ("activations", "peak"):
         assert rows[category]["error"] <= 0.05, rows[category]
     assert all(row["ok"] for row in document["rows"])
+
+
+def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
+    cases = pipeline_matrix()
+    assert [case.label for case in cases] == [
+        "tiny-llama ddp paper w4 pp2 1f1b m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 gpipe m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 1f1b m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 interleaved-1f1b m4 fp32",
+    ]
+    assert all(case.not_runnable() == "" for case in cases)
+    assert every_case()[-len(cases) :] == cases
+    assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
+    assert cases[3].scenario().strategy.pipeline_stages == 8
+    fsdp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, grad_accum=4)
+    assert "runs inside ddp only" in fsdp.not_runnable()

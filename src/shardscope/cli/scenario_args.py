@@ -256,8 +256,9 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace, run, timeline, report) or experts (run) yet."""
-    if args.pp > 1 and args.command in ("trace", "run"):
+    """CliError for the commands that cannot take a pipeline (trace, timeline, report) or experts (run) yet; `run`
+    asks its engine (runtime/config.py MODEL_PARALLEL_REFUSALS) whether it runs a pipeline."""
+    if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
     if args.ep > 1 and args.command == "run":
         raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; runs come later")

@@ -72,6 +72,9 @@ class ActivationEstimate:
     """`block_backward_bytes` of the bottom block (that field is the top block's)."""
     stored_blocks_bytes: int = 0
     """What all the blocks keep together."""
+    shared_bytes: int = 0
+    """What every block reads and some block saves, made once per forward before the blocks (the rotary tables and
+    the causal mask): part of `saved_bytes`, once per pipeline stage that runs blocks."""
 
 
 def _norm_bytes(model: ModelSpec, sizes: Sizes, fused_rms: bool, input_element: int) -> int:
@@ -332,4 +335,5 @@ def estimate_activations(
         first_stored_block_bytes=first.stored,
         first_block_backward_bytes=first.backward + own_backward,
         stored_blocks_bytes=stored_blocks,
+        shared_bytes=shared,
     )

@@ -159,7 +159,37 @@ def _llama_block(model: ModelSpec, tp: int, ep: int) -> tuple[ParamTensor, ...]:
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageModel(ModelSpec):
+    """The part of a model one pipeline rank holds (core.pipeline): `num_layers` of its blocks, and of the root the
+    embeddings where it holds the first stage and the final norm and output head where it holds the last. A tied
+    head is then the last stage's own copy of the embedding's weight, as Megatron-LM keeps the word embeddings on
+    the first and the last stage."""
+
+    holds_embedding: bool = True
+    """It holds the first stage: the embeddings."""
+    holds_head: bool = True
+    """It holds the last stage: the final norm and the output head."""
+
+    def __post_init__(self) -> None:
+        # a pipeline rank may hold no block (its stages hold the embeddings or the head only): the rest of the shape
+        # is checked as a whole model's
+        values = {name: getattr(self, name) for name in ModelSpec.__dataclass_fields__}
+        ModelSpec(**{**values, "num_layers": max(1, self.num_layers)})
+
+
 def _root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+    tensors = _whole_root(model, tp)
+    if not isinstance(model, StageModel) or (model.holds_embedding and model.holds_head):
+        return tensors
+    embedding = [t for t in tensors if t.name.startswith("embed")]
+    head = [t for t in tensors if not t.name.startswith("embed")]
+    if model.tie_embeddings:
+        head.append(ParamTensor(name="lm_head.weight", shape=tensors[0].shape))
+    return tuple((embedding if model.holds_embedding else []) + (head if model.holds_head else []))
+
+
+def _whole_root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
     hidden, vocab = model.hidden_size, model.vocab_size // tp
     tensors = [ParamTensor(name="embed_tokens.weight", shape=(vocab, hidden))]
     if model.family == "gpt2":
@@ -215,5 +245,5 @@ def count_parameters(model: ModelSpec) -> int:
 def head_numel(layout: ParamLayout) -> int:
     """Parameters whose gradients backward makes first: the final norm and the output head (the tied embedding)."""
     tail = sum(t.numel for t in layout.root if not t.name.startswith("embed"))
-    tied = not any(t.name.startswith("lm_head") for t in layout.root)
+    tied = bool(layout.root) and not any(t.name.startswith("lm_head") for t in layout.root)
     return tail + (layout.root[0].numel if tied else 0)

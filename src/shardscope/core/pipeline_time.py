@@ -14,11 +14,12 @@ GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p 
 
 from __future__ import annotations
 
+from shardscope.core.comm import collective_ledger
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import Placement, collective_cost, network_model
 from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
-from shardscope.core.pipeline_memory import boundary_bytes, stage_proxy
+from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
 from shardscope.core.pipeline_schedule import simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.timeline import TimeEstimate, estimate_time
@@ -71,6 +72,14 @@ def pipeline_ledger(scenario: Scenario, pipeline_rank: int) -> list[CollectiveRo
     ]
 
 
+def pipeline_rank_ledger(scenario: Scenario, pipeline_rank: int) -> tuple[CollectiveRow, ...]:
+    """One GPU's step on pipeline rank `pipeline_rank`: its data-parallel collectives (the engine's, for the model
+    the rank holds: `rank_proxy`) and its messages to and from its neighbours."""
+    proxy = rank_proxy(scenario, rank_stages(scenario, pipeline_rank))
+    data_parallel = [row for row in collective_ledger(proxy) if row.payload_bytes]  # a rank of no root has no root unit
+    return merge_ledger([*data_parallel, *pipeline_ledger(scenario, pipeline_rank)])
+
+
 def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Step time of a pipeline scenario, shown for the pipeline rank that finishes last."""
     strategy, m = scenario.strategy, scenario.training.grad_accum_steps
@@ -81,12 +90,12 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, m, forward_s, backward_s, send.time_s
     )
     ends = []
-    tails: dict[int, TimeEstimate] = {}  # ranks with as many layers share their proxy's time
+    tails: dict[Scenario, TimeEstimate] = {}  # ranks that hold the same share their proxy's time
     for rank, actions in enumerate(timeline):
-        layers = max(1, sum(stage.layers for stage in rank_stages(scenario, rank)))
-        if layers not in tails:
-            tails[layers] = estimate_time(stage_proxy(scenario, layers), profile)
-        tail = tails[layers]
+        proxy = rank_proxy(scenario, rank_stages(scenario, rank))
+        if proxy not in tails:
+            tails[proxy] = estimate_time(proxy, profile)
+        tail = tails[proxy]
         optimizer = sum(duration for _, _, category, _, duration, _ in tail.schedule if category == "optimizer")
         ends.append((actions[-1][2] + tail.exposed_comm_s + optimizer, rank, tail, optimizer))
     step, shown, tail, optimizer = max(ends)
@@ -108,7 +117,7 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
     return TimeEstimate(
         scenario=scenario,
         hardware=profile,
-        ledger=merge_ledger([*tail.ledger, *messages]),
+        ledger=merge_ledger([*(row for row in tail.ledger if row.payload_bytes), *messages]),
         wire_bytes_per_rank=tail.wire_bytes_per_rank + round(sends * send.wire_bytes),
         comm_time_s=tail.comm_time_s + sends * send.time_s,
         exposed_comm_s=max(0.0, step - busy),

@@ -159,10 +159,10 @@ def flat_units(layout: ParamLayout | int, degree: int) -> FlatUnits:
     root, block = ceil_div(layout.root_numel, degree), ceil_div(layout.block_numel, degree)
     blocks = layout.num_blocks
     return FlatUnits(
-        count=1 + blocks,
+        count=(1 if root else 0) + blocks,  # a pipeline rank may hold no root (core.params.StageModel) or no block
         shard_numel=root + blocks * block,
         padded_numel=(root + blocks * block) * degree,
-        largest_shard_numel=max(root, block),
+        largest_shard_numel=max(root, block if blocks else 0),
         root_padded_numel=root * degree,
         block_padded_numel=block * degree,
     )

@@ -77,13 +77,13 @@ def _relative(value: float, reference: float) -> float:
 
 
 POINT_TO_POINT = ("send", "recv")
-"""Ring attention's exchange: the run's ledger reads collectives only (measure/ledger.py), so these predicted rows are
-reported beside the comparison, not in it (tests/distributed/test_tensor_context_parallel.py counts them exactly)."""
+"""Ring attention's exchange and a pipeline's messages: reported beside the comparison of collectives, not in it
+(tests/distributed/test_tensor_context_parallel.py and test_pipeline_run.py count them exactly)."""
 LedgerShape = tuple[str, str, int, int]
 
 
 def _step_collectives(ledger: tuple[CollectiveRow, ...]) -> list[CollectiveRow]:
-    """One step's collective rows: setup excluded (it happens once), send and recv excluded (not measured)."""
+    """One step's collective rows: setup excluded (it happens once), send and recv excluded (counted apart)."""
     return [row for row in ledger if row.phase != "setup" and row.op not in POINT_TO_POINT]
 
 
