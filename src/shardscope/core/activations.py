@@ -72,6 +72,9 @@ class ActivationEstimate:
     """`block_backward_bytes` of the bottom block (that field is the top block's)."""
     stored_blocks_bytes: int = 0
     """What all the blocks keep together."""
+    inputs_bytes: int = 0
+    """What is still saved once every block's backward is done (the blocks' shared RoPE tables and mask are freed
+    with the last of them): the token ids (and gpt2's position ids), the targets, and the loss's total weight."""
 
 
 def _norm_bytes(model: ModelSpec, sizes: Sizes, fused_rms: bool, input_element: int) -> int:
@@ -326,4 +329,5 @@ def estimate_activations(
         first_stored_block_bytes=first.stored,
         first_block_backward_bytes=first.backward + own_backward,
         stored_blocks_bytes=stored_blocks,
+        inputs_bytes=ids + total_weight,
     )
