@@ -75,6 +75,9 @@ class ActivationEstimate:
     shared_bytes: int = 0
     """What every block reads and some block saves, made once per forward before the blocks (the rotary tables and
     the causal mask): part of `saved_bytes`, once per pipeline stage that runs blocks."""
+    inputs_bytes: int = 0
+    """What is still saved once every block's backward is done (the blocks' shared RoPE tables and mask are freed
+    with the last of them): the token ids (and gpt2's position ids), the targets, and the loss's total weight."""
 
 
 def _norm_bytes(model: ModelSpec, sizes: Sizes, fused_rms: bool, input_element: int) -> int:
@@ -185,7 +188,20 @@ def _shared_bytes(model: ModelSpec, training: TrainingSpec, share: RankShare) ->
     rope = 2 * rows * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
     eager = training.attention == "eager" and share.cp == 1
     mask = rows * seq if eager or training.checkpointing == "selective" else 0
+    if _checkpoint_holds_context(training, share):
+        # torch.utils.checkpoint (non-reentrant) keeps a checkpointed block's inputs, which its recomputation
+        # closes over, until that block's backward: RoPE's tables and the mask, whatever the attention kind (under
+        # context parallelism the mask of the rank's own positions, rows x rows).
+        mask = max(mask, rows * rows)
     return rope + mask
+
+
+def _checkpoint_holds_context(training: TrainingSpec, share: RankShare) -> bool:
+    """Whether the shared tensors are kept as the inputs of checkpointed blocks: some block is checkpointed (whole,
+    or by the op policy). Followed under tensor or context parallelism only, where validation measured it; the same
+    inputs are kept without them, but the data-parallel numbers are held fixed until they are validated again."""
+    checkpointed = training.checkpointing == "op" or checkpoint_every(training.checkpointing) > 0
+    return checkpointed and share != WHOLE
 
 
 def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, share: RankShare) -> tuple[int, int, int]:
@@ -203,7 +219,8 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     if model.family == "gpt2":
         norm = boundary + 2 * sizes.boundary_tokens * widen  # fp32 input and statistics
         return block_weights + 2 * norm, boundary, head_weight + norm
-    rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if _keeps_shared(training) else 0
+    keeps_rope = _keeps_shared(training) or _checkpoint_holds_context(training, share)
+    rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if keeps_rope else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
@@ -263,7 +280,8 @@ def estimate_activations(
     widened = autocast and training.is_mixed
     norm = _norm_bytes(model, sizes, gpu_kernels, 4 if widened else sizes.element)
     block, selective_dropped = _block_bytes(model, training, sizes, norm)
-    shared = _shared_bytes(model, training, share) if _keeps_shared(training) else 0
+    keeps_shared = _keeps_shared(training) or _checkpoint_holds_context(training, share)
+    shared = _shared_bytes(model, training, share) if keeps_shared else 0
     block_extra = input_extra = head_extra = 0
     if widened:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes, share)
@@ -336,4 +354,5 @@ def estimate_activations(
         first_block_backward_bytes=first.backward + own_backward,
         stored_blocks_bytes=stored_blocks,
         shared_bytes=shared,
+        inputs_bytes=ids + total_weight,
     )
