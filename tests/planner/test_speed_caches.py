@@ -9,7 +9,9 @@ import dataclasses
 import pytest
 
 from shardscope.choices import SpecError
+from shardscope.core.engines import fsdp2, pytorch
 from shardscope.core.memory import estimate_memory
+from shardscope.core.model_states import offload
 from shardscope.core.params import param_layout
 from shardscope.core.sharding import WholeTensorShards, whole_tensor_shards
 from shardscope.mesh import data_parallel_mesh
@@ -95,3 +97,26 @@ def test_memory_search_records_direct_estimates_and_overshoots(small_request: Pl
     budget = small_request.budget_bytes
     for over, memory in search.closest.values():
         assert over == _over_by(memory, small_request, budget) == _overshoot(memory, small_request)[1] > 0
+
+
+def test_kept_states_equal_fresh_ones(small_request: PlanRequest) -> None:
+    """The torch engine's states are kept by what they read, not by the micro-batch, checkpointing or micro-batch
+    count: every point the memory search asks (ddp and zero1 on DDP, zero2, zero3 and hsdp on FSDP2; offloads, tp
+    degrees, GPU counts) gets the states a fresh computation gives, whichever point filled the cache first."""
+    search = _Search(small_request, None)
+    for shape in batch_shapes(small_request):
+        search.fitting(shape)
+    points = list(search.evaluator._memory)
+    settings = {(s.training.micro_batch_size, s.training.checkpointing, s.strategy.offload) for s in points}
+    assert {s.strategy.stage for s in points} == {0, 1, 2, 3} and len(settings) > 6
+    for order in (points, points[::-1]):  # either point of a setting first
+        fsdp2._STATES_CACHE.clear()
+        pytorch._STATES_CACHE.clear()
+        for scenario in order:
+            rank = estimate_memory(scenario).rank
+            if scenario.strategy.stage >= 2:
+                states, units = fsdp2._states(scenario, rank)
+                assert fsdp2._offloaded_states(scenario, rank) == (offload(scenario, states), units)
+            else:
+                kept = pytorch._offloaded_replicated(scenario, rank)
+                assert kept == offload(scenario, pytorch._replicated(scenario, rank))
