@@ -11,6 +11,7 @@ stage): see `DATA_PARALLEL_PRESETS`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from shardscope.choices import SpecError, StrategyName
@@ -134,6 +135,7 @@ def canonical_strategy(name: StrategyName) -> StrategyName:
     return STRATEGY_ALIASES.get(name, name)
 
 
+@lru_cache(maxsize=4096)  # pure and frozen: a planner sweep builds its scenarios from a few hundred meshes
 def data_parallel_mesh(
     strategy: StrategyName,
     world_size: int,

@@ -28,7 +28,14 @@ from shardscope.core.engines.base import (
     gradients_in_base,
     shared_moments,
 )
-from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
+from shardscope.core.model_states import (
+    ModelStates,
+    dtype_bytes,
+    kept_states,
+    offload,
+    optimizer_moments,
+    step_tensor_bytes,
+)
 from shardscope.core.params import ParamLayout, head_numel, rank_facts
 from shardscope.core.sharding import dim0_shards, dim0_unit_sizes, flat_shard_numel
 from shardscope.specs import Scenario
@@ -67,11 +74,38 @@ class _UnitMoments(NamedTuple):
 
 def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
     """The rank's states and every moment FSDP2 makes."""
-    states, units = _states(scenario, rank)
-    states = offload(scenario, states)
+    states, units = _offloaded_states(scenario, rank)
     acts = activations_for(scenario, states.autocast)
     moments = _moments(scenario, states, units, acts)
     return RankMemory(states=states, activations=acts, moments=tuple(moments))
+
+
+_STATES_CACHE: dict[tuple[object, ...], tuple[ModelStates, _UnitMoments]] = {}
+
+
+def _offloaded_states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
+    """`_states` after `offload`, kept by what the two read: the model, the precision and optimizer, tp, the stage,
+    resharding, offload, the shard degree, the backend and the rank (tests/planner/test_speed_caches.py holds the
+    kept value to a fresh one)."""
+    training, strategy = scenario.training, scenario.strategy
+    key = (
+        scenario.model,
+        training.precision,
+        training.optimizer,
+        strategy.tp,
+        strategy.stage,
+        strategy.reshard_after_forward,
+        strategy.offload,
+        scenario.shard_degree,
+        scenario.cluster.backend,
+        rank,
+    )
+
+    def make() -> tuple[ModelStates, _UnitMoments]:
+        states, units = _states(scenario, rank)
+        return offload(scenario, states), units
+
+    return kept_states(_STATES_CACHE, key, make)
 
 
 def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts: ActivationEstimate) -> list[Moment]:
