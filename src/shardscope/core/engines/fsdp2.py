@@ -307,7 +307,9 @@ def _embedding_terms(
     tp = scenario.strategy.tp
     if layout is None or tp == 1:
         return {"embedding_buffers": 0, "embedding_grads": 0}
-    tokens = next(tensor for tensor in layout.root if tensor.name.startswith("embed_tokens"))
+    tokens = next((tensor for tensor in layout.root if tensor.name.startswith("embed_tokens")), None)
+    if tokens is None:  # a pipeline stage without the embeddings
+        return {"embedding_buffers": 0, "embedding_grads": 0}
     copied = tokens.numel * compute  # this rank's rows, copied out of the whole gradient
     buffers = root * compute + (block * reduce_bytes if layout.num_blocks else 0) + copied
     return {"embedding_buffers": buffers, "embedding_grads": tokens.numel * tp * compute}
