@@ -28,15 +28,6 @@ LEGEND = (
 )
 
 
-def ideal_bubble_fraction(step: PipelineStep) -> float:
-    """(p - 1)/(V m + p - 1): the bubble of equal stages with free messages ("Efficient Large-Scale Language Model
-    Training on GPU Clusters Using Megatron-LM", Section 2.2: bubble time (p - 1)(F + B)/V against the ideal
-    m (F + B))."""
-    strategy = step.scenario.strategy
-    stages_minus_one = strategy.pp - 1
-    return stages_minus_one / (strategy.virtual_stages * step.scenario.training.grad_accum_steps + stages_minus_one)
-
-
 def picture_columns(step: PipelineStep) -> int:
     """The picture's width: LABEL_COLUMNS for the shortest forward or backward, within the bounds."""
     shortest = min(end - start for actions in step.actions for _, start, end in actions)
@@ -99,7 +90,7 @@ def render_pipeline(step: PipelineStep, estimate: TimeEstimate) -> str:
         f"step time           {step.step_time_s * 1e3:10.3f} ms (pipeline rank {shown} finishes last)",
         f"pipeline span       {step.span_s * 1e3:10.3f} ms (first forward to last backward)",
         f"bubble              {step.bubble_fraction:10.1%} of the pipeline ranks' time in the span is idle "
-        f"(equal stages, free messages: {ideal_bubble_fraction(step):.1%})",
+        f"(equal stages, free messages: {step.equal_stages_bubble_fraction:.1%})",
         f"message             {step.send.time_s * 1e3:10.3f} ms per send between stages",
         f"compute             {estimate.compute_time_s * 1e3:10.3f} ms (pipeline rank {shown})",
         f"communication       {estimate.comm_time_s * 1e3:10.3f} ms (sum of calls)",

@@ -129,6 +129,14 @@ class PipelineStep:
         busy = sum(end - start for actions in self.actions for _, start, end in actions)
         return 1 - busy / (len(self.actions) * self.span_s)
 
+    @property
+    def equal_stages_bubble_fraction(self) -> float:
+        """(p - 1)/(V m + p - 1): the bubble fraction of equal stages with free messages (Megatron-LM paper,
+        Section 2.2: bubble time (p - 1)(F + B)/V against the ideal m (F + B))."""
+        strategy = self.scenario.strategy
+        others = strategy.pp - 1
+        return others / (strategy.virtual_stages * self.scenario.training.grad_accum_steps + others)
+
 
 def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
     """Simulate a pipeline scenario's schedule on every pipeline rank and price what each does after it."""
