@@ -110,24 +110,38 @@ def test_the_trace_has_a_process_per_pipeline_rank_and_a_thread_per_stage(
     assert held == [4, 3, 2, 1]
 
 
-@pytest.mark.parametrize(("schedule", "pp", "micro_batches"), [("1f1b", 4, 8), ("gpipe", 4, 5), ("1f1b", 8, 16)])
-def test_the_bubble_of_equal_stages_is_the_formula(schedule: str, pp: int, micro_batches: int) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "pp", "virtual", "micro_batches"),
+    [("1f1b", 4, 0, 8), ("gpipe", 4, 0, 5), ("1f1b", 8, 0, 16), ("interleaved-1f1b", 4, 2, 8)],
+)
+def test_the_bubble_of_equal_stages_is_the_formula(schedule: str, pp: int, virtual: int, micro_batches: int) -> None:
     # "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Section 2.2: with equal
-    # stages and free messages, the bubble is (p - 1)/(m + p - 1) of each rank's time from first to last pass.
-    timeline, _ = simulate_pipeline(schedule, pp, 1, micro_batches, [1.0] * pp, [2.0] * pp)  # type: ignore[arg-type]
+    # stages and free messages, the bubble time is (p - 1)(F + B)/V against the ideal m (F + B), so it is
+    # (p - 1)/(V m + p - 1) of each rank's time from first to last pass: (p - 1)/(m + p - 1) for GPipe and 1F1B.
+    strategy = Strategy(name="ddp", pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual)  # type: ignore[arg-type]
+    virtual = strategy.virtual_stages  # 0 asks for the schedule's own: 1 for GPipe and 1F1B
+    stages = pp * virtual
+    timeline, _ = simulate_pipeline(
+        schedule,  # type: ignore[arg-type]
+        pp,
+        virtual,
+        micro_batches,
+        [1.0 / virtual] * stages,
+        [2.0 / virtual] * stages,
+    )
     step = PipelineStep(
-        scenario=llama_pipeline(schedule, micro_batches)
-        if pp == 4
-        else Scenario(
+        scenario=Scenario(
             model=model_preset("llama-3-8b"),
-            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=8),
+            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=pp),
             training=TrainingSpec(grad_accum_steps=micro_batches),
-            strategy=Strategy(name="ddp", pp=8, pp_schedule=schedule),  # type: ignore[arg-type]
+            strategy=strategy,
         ),
         actions=tuple(tuple(actions) for actions in timeline),
         tails=(),
         send=CollectiveCost(wire_bytes=0, inter_node_bytes=0, time_s=0.0),
     )
-    assert step.bubble_fraction == pytest.approx((pp - 1) / (micro_batches + pp - 1))
+    assert step.bubble_fraction == pytest.approx((pp - 1) / (virtual * micro_batches + pp - 1))
     assert step.bubble_fraction == pytest.approx(step.equal_stages_bubble_fraction)
-    assert step.span_s == (micro_batches + pp - 1) * 3.0
+    assert step.span_s == pytest.approx(micro_batches * 3.0 + (pp - 1) * 3.0 / virtual)
+    if virtual == 1:
+        assert step.bubble_fraction == pytest.approx((pp - 1) / (micro_batches + pp - 1))

@@ -21,6 +21,8 @@ otherwise none does, and the picture shows only their direction."""
 MOST_ROWS = 24
 """Stages drawn at most; a longer pipeline shows its first and last MOST_ROWS / 2."""
 FORWARD, BACKWARD, IDLE, EXPOSED, OPTIMIZER = ">", "<", ".", "~", "o"
+LABEL_WIDTH = 19
+"""Characters before a stage's row: 'stage 127 (rank 31)' and shorter line up."""
 LEGEND = (
     f"F3{FORWARD * 2} forward of micro-batch 3, B3{BACKWARD * 4} its backward (no numbers where one is under "
     f"{LABEL_COLUMNS} columns), {IDLE} idle (the bubble, and the wait for the last rank), {EXPOSED} exposed "
@@ -66,12 +68,12 @@ def schedule_picture(step: PipelineStep, columns: int) -> list[str]:
             row[low:high] = mark * (high - low)
             moment += duration
         label = f"stage {stage.index}" + (f" (rank {stage.rank})" if virtual > 1 else "")
-        lines.append(f"{label:>16} |{''.join(row[:columns])}|")
+        lines.append(f"{label:>{LABEL_WIDTH}} |{''.join(row[:columns])}|")
     if len(lines) > MOST_ROWS:
         half = MOST_ROWS // 2
-        lines = [*lines[:half], f"{'...':>16}  {len(lines) - MOST_ROWS} stages not drawn", *lines[-half:]]
+        lines = [*lines[:half], f"{'...':>{LABEL_WIDTH}}  {len(lines) - MOST_ROWS} stages not drawn", *lines[-half:]]
     last = f"{step.step_time_s * 1e3:.1f} ms"
-    lines.append(f"{'':>16}  0 ms{last:>{columns - 4}}")
+    lines.append(f"{'':>{LABEL_WIDTH}}  0 ms{last:>{columns - 4}}")
     return lines
 
 
