@@ -256,12 +256,10 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace, timeline, report) or experts (run) yet; `run`
-    asks its engine (runtime/config.py MODEL_PARALLEL_REFUSALS) whether it runs a pipeline."""
+    """CliError for the commands that cannot take a pipeline (trace, timeline, report) yet; `run` asks its engine
+    (runtime/config.py MODEL_PARALLEL_REFUSALS, expert_parallel_refusal) whether it runs a pipeline or experts."""
     if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-    if args.ep > 1 and args.command == "run":
-        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; runs come later")
     if args.pp > 1 and args.command in ("timeline", "report"):
         raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
 
