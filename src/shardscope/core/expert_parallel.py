@@ -87,8 +87,9 @@ def expert_flat_units(layout: ParamLayout, degree: int, ep: int) -> FlatUnits:
 def expert_unit_events(scenario: Scenario, param_bytes: int, grad_bytes: int) -> list[CommEvent]:
     """The experts' own calls under the teaching zero3 (`expert_flat_units`): per micro-batch and block, the rank's
     experts all-gathered over the D / ep ranks holding them before the MoE layer runs, again before its backward
-    (reshard after forward), and their gradients reduce-scattered over the same ranks when complete. The ledger's
-    'replica' group: those ranks are strided by ep, one per expert group."""
+    (reshard after forward), and their gradients reduce-scattered over the same ranks when complete (the group
+    'experts': one rank per expert group, strided by ep); under hsdp the shard is then averaged across the replica
+    groups."""
     layout, ep = param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep), scenario.strategy.ep
     expert_degree = scenario.shard_degree // ep
     numel = ceil_div(block_expert_numel(layout), expert_degree) * expert_degree
@@ -97,14 +98,14 @@ def expert_unit_events(scenario: Scenario, param_bytes: int, grad_bytes: int) ->
         for block in range(layout.num_blocks):
             at: Place = (micro_batch, block + 1, "before_forward")
             name = f"experts {block}"
-            events.append(event("forward", "all_gather", expert_degree, numel * param_bytes, "replica", at, name))
+            events.append(event("forward", "all_gather", expert_degree, numel * param_bytes, "experts", at, name))
         for block in reversed(range(layout.num_blocks)):
             name = f"experts {block}"
             if scenario.strategy.reshard_after_forward:
                 at = (micro_batch, block + 1, "before_backward")
-                events.append(event("backward", "all_gather", expert_degree, numel * param_bytes, "replica", at, name))
+                events.append(event("backward", "all_gather", expert_degree, numel * param_bytes, "experts", at, name))
             at = (micro_batch, block + 1, "after_backward")
-            events.append(event("backward", "reduce_scatter", expert_degree, numel * grad_bytes, "replica", at, name))
+            events.append(event("backward", "reduce_scatter", expert_degree, numel * grad_bytes, "experts", at, name))
             if scenario.replica_degree > 1:  # hsdp: the shard averaged across the replica groups, as the dense ones
                 shard = numel // expert_degree * grad_bytes
                 events.append(event("backward", "all_reduce", scenario.replica_degree, shard, "replica", at, name))
