@@ -39,7 +39,7 @@ Trigger = Literal[
     "during_recompute",
     "during_backward",
 ]
-CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp", "pp", "ep"]
+CommGroup = Literal["world", "shard", "replica", "experts", "host", "tp", "cp", "pp", "ep"]
 LedgerGroup = Literal["dp", "tp", "cp", "host", "pp", "ep"]
 """The mesh dimension a ledger row runs on: 'dp' the data-parallel ranks holding one tensor-parallel slice
 (dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', 'host' (a GPU-host copy), 'pp'

@@ -145,3 +145,30 @@ def test_offloaded_shards_are_those_without_ep() -> None:
         host = rules_for(with_ep).rank_memory(with_ep, 0).states.host_bytes
         assert host == pytest.approx(rules_for(without).rank_memory(without, 0).states.host_bytes, rel=1e-6)
         assert host > 0
+
+
+def test_paper_fsdp_makes_each_blocks_experts_a_unit_over_the_ranks_holding_them() -> None:
+    # The teaching run (runtime/teaching/expert_sharded.py) on 8 GPUs, ep 8: the root (262,148,096) and each block's
+    # dense weights (41,984,000) over 8 ranks, each block's one expert (176,160,768) over the 8 / 8 = 1 rank holding
+    # it: 32,768,512 + 32 x (5,248,000 + 176,160,768) = 5,837,849,088 elements, 12 bytes each of optimizer state
+    # and one 4-byte Adam step for each of 1 + 2 x 32 flat buffers (exact, not scaled).
+    case = scenario("fsdp", 8)
+    states = rules_for(case).rank_memory(case, 0).states
+    assert states.parameters_bytes == 2 * 5_837_849_088
+    assert states.optimizer_state_bytes == 12 * 5_837_849_088 + 65 * 4
+    ledger = collective_ledger(case)
+    calls = {(r.phase, r.op, r.group_size, r.payload_bytes): r.count for r in ledger if r.group == "dp"}
+    dense, expert = 2 * 41_984_000, 2 * 176_160_768
+    assert calls == {
+        ("forward", "all_gather", 8, 2 * 262_148_096): 1,
+        ("forward", "all_gather", 8, dense): 32,
+        ("forward", "all_gather", 1, expert): 32,
+        ("backward", "all_gather", 8, dense): 32,
+        ("backward", "all_gather", 1, expert): 32,
+        ("backward", "reduce_scatter", 8, dense): 32,
+        ("backward", "reduce_scatter", 1, expert): 32,
+        ("backward", "reduce_scatter", 8, 2 * 262_148_096): 1,
+    }
+    # the pytorch engine keeps one call per block, its experts inside it
+    torch_case = scenario("fsdp", 8, engine="pytorch")
+    assert {r.group_size for r in collective_ledger(torch_case) if r.group == "dp"} == {8}

@@ -256,12 +256,10 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace) or experts (run) yet; `run`
-    asks its engine (runtime/config.py MODEL_PARALLEL_REFUSALS) whether it runs a pipeline."""
+    """CliError for the command that cannot take a pipeline yet (trace); `run` asks its engine (runtime/config.py
+    MODEL_PARALLEL_REFUSALS, expert_parallel_refusal) whether it runs a pipeline or experts."""
     if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-    if args.ep > 1 and args.command == "run":
-        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; runs come later")
 
 
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:

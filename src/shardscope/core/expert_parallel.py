@@ -8,10 +8,13 @@ and dp_shard_in_ep = ep / cp, and fully_shard()s the experts over dp_shard_mod_e
 sharded over the whole dp_shard x cp (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py, `_build_mesh_with_
 ep`, at commit 73bb964d8f66f585d977b40fe3de88301cdd03cd). So a sharded state holds X / ep experts over D / ep ranks,
 X / D per rank: the same as without expert parallelism. What ep saves is what the strategy does not shard (ZeRO-1's
-16-bit weights and gradients, ZeRO-2's weights) and the experts a unit gathers (FSDP's gathered block). The
-data-parallel ledger keeps one call per unit: its payload holds the rank's experts (X / ep, right), but the call is
-priced on the dense weights' group of D ranks, where torchtitan gathers and reduces the experts over D / ep (none
-at all when ep = D): an approximation that overstates the experts' data-parallel time.
+16-bit weights and gradients, ZeRO-2's weights) and the experts a unit gathers (FSDP's gathered block). Most engines'
+states are scaled to that from the rank's layout (`expert_parallel_states`), and their data-parallel ledger keeps
+one call per unit whose payload holds the rank's experts (X / ep, right) but is priced on the dense weights' group
+of D ranks: an approximation that overstates the experts' data-parallel time. The paper engine under zero3 is exact
+(`experts_placed_from_stage`), as the teaching run (runtime/teaching/expert_sharded.py) allocates and sends it:
+each block's experts are a flat buffer of their own padded to D / ep ranks (`expert_flat_units`), gathered and
+reduce-scattered over those ranks (`expert_unit_events`).
 
 Tokens. Routing is dropless, as Mixtral and torchtitan's default MoE run it: every token goes to its top-k experts,
 no capacity factor, none dropped. Per MoE layer and micro-batch a rank sends each of its tokens k times, so its
@@ -33,7 +36,8 @@ from __future__ import annotations
 from shardscope.choices import checkpoints_block
 from shardscope.core.comm_events import CommEvent, Place, event
 from shardscope.core.model_states import ModelStates, dtype_bytes
-from shardscope.core.params import param_layout
+from shardscope.core.params import ParamLayout, param_layout
+from shardscope.core.sharding import FlatUnits, ceil_div
 from shardscope.specs import ModelSpec, Scenario
 
 
@@ -55,6 +59,59 @@ def dispatch_bytes(scenario: Scenario) -> int:
 COUNT_BYTES = 8  # the row counts per expert are int64 (torch.bincount's dtype)
 
 
+def block_expert_numel(layout: ParamLayout) -> int:
+    """Elements of one block's experts in a rank's layout (its num_experts / ep of them)."""
+    return sum(t.numel for t in layout.block if ".experts." in t.name)
+
+
+def expert_flat_units(layout: ParamLayout, degree: int, ep: int) -> FlatUnits:
+    """The flat buffers of the teaching expert parallelism inside zero3 (runtime/teaching/expert_sharded.py): the
+    root and each block's dense weights padded to a multiple of the D = `degree` ranks, each block's experts a unit
+    of their own padded to a multiple of the D / ep ranks that hold the same experts. Exact, padding included."""
+    expert_degree = degree // ep
+    experts = block_expert_numel(layout)
+    root = ceil_div(layout.root_numel, degree)
+    dense = ceil_div(layout.block_numel - experts, degree)
+    expert = ceil_div(experts, expert_degree)
+    blocks = layout.num_blocks
+    return FlatUnits(
+        count=(1 if root else 0) + 2 * blocks,
+        shard_numel=root + blocks * (dense + expert),
+        padded_numel=root * degree + blocks * (dense * degree + expert * expert_degree),
+        largest_shard_numel=max(root, dense, expert),
+        root_padded_numel=root * degree,
+        block_padded_numel=dense * degree + expert * expert_degree,
+    )
+
+
+def expert_unit_events(scenario: Scenario, param_bytes: int, grad_bytes: int) -> list[CommEvent]:
+    """The experts' own calls under the teaching zero3 (`expert_flat_units`): per micro-batch and block, the rank's
+    experts all-gathered over the D / ep ranks holding them before the MoE layer runs, again before its backward
+    (reshard after forward), and their gradients reduce-scattered over the same ranks when complete (the group
+    'experts': one rank per expert group, strided by ep); under hsdp the shard is then averaged across the replica
+    groups."""
+    layout, ep = param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep), scenario.strategy.ep
+    expert_degree = scenario.shard_degree // ep
+    numel = ceil_div(block_expert_numel(layout), expert_degree) * expert_degree
+    events: list[CommEvent] = []
+    for micro_batch in range(scenario.training.grad_accum_steps):
+        for block in range(layout.num_blocks):
+            at: Place = (micro_batch, block + 1, "before_forward")
+            name = f"experts {block}"
+            events.append(event("forward", "all_gather", expert_degree, numel * param_bytes, "experts", at, name))
+        for block in reversed(range(layout.num_blocks)):
+            name = f"experts {block}"
+            if scenario.strategy.reshard_after_forward:
+                at = (micro_batch, block + 1, "before_backward")
+                events.append(event("backward", "all_gather", expert_degree, numel * param_bytes, "experts", at, name))
+            at = (micro_batch, block + 1, "after_backward")
+            events.append(event("backward", "reduce_scatter", expert_degree, numel * grad_bytes, "experts", at, name))
+            if scenario.replica_degree > 1:  # hsdp: the shard averaged across the replica groups, as the dense ones
+                shard = numel // expert_degree * grad_bytes
+                events.append(event("backward", "all_reduce", scenario.replica_degree, shard, "replica", at, name))
+    return events
+
+
 def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStates:
     """The engine's states (computed on the rank's layout, num_experts / ep experts per layer, sharded as if over
     dp_shard x cp) with its sharded categories put back to X / D: experts are sharded over D / ep ranks only.
@@ -65,6 +122,8 @@ def expert_parallel_states(scenario: Scenario, states: ModelStates) -> ModelStat
         return states
     from shardscope.core.engines import rules_for  # the engines build their states on this module's hook
 
+    if scenario.strategy.stage >= rules_for(scenario).experts_placed_from_stage:
+        return states  # the engine sharded each expert unit over its own ranks (expert_flat_units)
     tp, model = scenario.strategy.tp, scenario.model
     whole = param_layout(model, tp).total_numel
     mine = param_layout(model, tp, ep).total_numel

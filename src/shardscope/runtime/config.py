@@ -45,6 +45,7 @@ STRATEGY_OPTIONS = {
     "pp_schedule": "pp_schedule",
     "pp_virtual_stages": "pp_virtual_stages",
     "pp_layers": "pp_layers",
+    "ep": "ep",
 }
 MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0, 1, 2, 3), "pytorch": (2, 3)}
 """The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
@@ -74,6 +75,19 @@ def _torch_refusal(scenario: Scenario) -> str:
         return "pipelines run on torch.distributed.pipelining later; --engine paper runs the teaching pipeline"
     why = torch_model_parallel_refusal(scenario)
     return f"{why}; --engine paper runs it (the teaching implementation)" if why else ""
+
+
+def expert_parallel_refusal(config: RunConfig) -> str:
+    """Why a run cannot split experts ('' when it can): the teaching expert parallelism
+    (runtime/teaching/expert_sharded.py) runs inside zero3 / fsdp on the paper engine, without tp, cp or pp."""
+    strategy = config.strategy
+    if strategy.engine != "paper":
+        return f"ep {strategy.ep} runs on engine paper only (the teaching implementation), not {strategy.engine}"
+    if strategy.stage != 3 or strategy.preset.groups_replicate:
+        return f"ep {strategy.ep} runs inside zero3 or fsdp only, not {strategy.name} (the others come later)"
+    if config.parallelism.splits_model:
+        return f"ep {strategy.ep} runs without tp, cp and pp (tp {strategy.tp}, cp {strategy.cp}, pp {strategy.pp})"
+    return ""
 
 
 MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
@@ -138,6 +152,11 @@ class RunConfig:
         if self.steps < 1:
             raise SpecError(f"RunConfig.steps={self.steps} must be at least 1")
         mesh = self.parallelism
+        if self.strategy.ep > 1:
+            self.scenario()  # the model has experts and ep divides them
+            refusal = expert_parallel_refusal(self)
+            if refusal:
+                raise SpecError(f"RunConfig.strategy with engine {self.strategy.engine}: {refusal}")
         if mesh.splits_model:
             self.scenario()  # tp and cp must divide the model's widths and split the sequence
             stages = MODEL_PARALLEL_STAGES[self.strategy.engine]
@@ -214,7 +233,13 @@ class RunConfig:
         """The mesh the run's strategy and degrees make of its ranks."""
         strategy = self.strategy
         return data_parallel_mesh(
-            strategy.name, self.world_size, strategy.shard_group, tp=strategy.tp, cp=strategy.cp, pp=strategy.pp
+            strategy.name,
+            self.world_size,
+            strategy.shard_group,
+            tp=strategy.tp,
+            cp=strategy.cp,
+            pp=strategy.pp,
+            ep=strategy.ep,
         )
 
     def resolved_backend(self) -> str:

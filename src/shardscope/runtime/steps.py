@@ -36,6 +36,12 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
 
         assert isinstance(module, TransformerLM)
         return PipelineTeaching(module, config.scenario())
+    if config.strategy.ep > 1:
+        from shardscope.reference_models import TransformerLM
+        from shardscope.runtime.teaching.expert_sharded import ShardedExpertParallel
+
+        assert isinstance(module, TransformerLM)
+        return ShardedExpertParallel(module, training, ep=config.strategy.ep)
     if config.parallelism.splits_model and config.strategy.engine == "pytorch":
         return TorchTensorParallel(module, config.scenario())
     if config.parallelism.splits_model:

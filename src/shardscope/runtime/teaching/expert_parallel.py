@@ -78,10 +78,9 @@ class ExpertParallelMoE(nn.Module):
         expert_of_row = torch.arange(self.local, device=x.device).repeat(self.ep)
         expert_of_row = expert_of_row.repeat_interleave(received_counts)
         out = torch.zeros_like(received)
-        for index, expert in enumerate(self.experts):
+        for index, expert in enumerate(self.experts):  # even on no rows: every expert then has a gradient
             rows = (expert_of_row == index).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                out = out.index_add(0, rows, expert(received[rows]).to(out.dtype))
+            out = out.index_add(0, rows, expert(received[rows]).to(out.dtype))
         # 5. combine: the outputs back home, weighted, k per token summed
         back = _AllToAll.apply(out, recv, send, self.group)
         weighted = back * weights.reshape(-1)[order, None]
@@ -129,17 +128,22 @@ class ExpertParallelTeaching(FlatBufferTrainer):
             param.grad.div_(self.world_size)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter under the reference model's names, the experts gathered over the expert group."""
-        out, ep = {}, dist.get_world_size(self.expert_group)
-        for name, param in self.module.named_parameters():
-            if ".experts." not in name:
-                out[name] = param.detach().clone()
-                continue
-            head, rest = name.split(".experts.")
-            local, tail = rest.split(".", 1)
-            pieces = [torch.empty_like(param) for _ in range(ep)]
-            dist.all_gather(pieces, param.detach().contiguous(), group=self.expert_group)
-            per_rank = len(self.module.layers[0].moe.experts)  # type: ignore[index, union-attr, arg-type]
-            for owner, piece in enumerate(pieces):
-                out[f"{head}.experts.{owner * per_rank + int(local)}.{tail}"] = piece
-        return out
+        return whole_experts(dict(self.module.named_parameters()), self.expert_group)
+
+
+def whole_experts(params: dict[str, torch.Tensor], expert_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter under the reference model's names, each local expert gathered over the expert group (the
+    rank at index i of the group holds experts i * local to (i + 1) * local - 1). Called on every rank."""
+    out, ep = {}, dist.get_world_size(expert_group)
+    local_experts = {name.split(".experts.")[1].split(".")[0] for name in params if ".experts." in name}
+    for name, param in params.items():
+        if ".experts." not in name:
+            out[name] = param.detach().clone()
+            continue
+        head, rest = name.split(".experts.")
+        local, tail = rest.split(".", 1)
+        pieces = [torch.empty_like(param) for _ in range(ep)]
+        dist.all_gather(pieces, param.detach().contiguous(), group=expert_group)
+        for owner, piece in enumerate(pieces):
+            out[f"{head}.experts.{owner * len(local_experts) + int(local)}.{tail}"] = piece
+    return out
