@@ -93,7 +93,7 @@ def _row(phase: str, op: str, payload: int, count: int) -> CollectiveRow:
     return CollectiveRow(phase=phase, op=op, group_size=2, payload_bytes=payload, count=count)
 
 
-def test_the_ledger_is_compared_call_for_call_and_point_to_point_apart() -> None:
+def test_the_ledger_is_compared_call_for_call_send_and_recv_included() -> None:
     predicted = (
         _row("setup", "broadcast", 64, 3),
         _row("backward", "all_gather", 100, 2),
@@ -101,19 +101,42 @@ def test_the_ledger_is_compared_call_for_call_and_point_to_point_apart() -> None
         _row("forward", "send", 30, 4),
         _row("forward", "recv", 30, 4),
     )
-    # the same total (250 B) in other calls: the payload row agrees, the calls do not
+    # the same totals (250 B of collectives, 240 B point to point) in other calls: the payload rows agree, the
+    # calls do not, send and recv as well as the collectives
     measured = (
         _row("setup", "broadcast", 64, 3),
         _row("backward", "all_gather", 100, 1),
         _row("backward", "all_reduce", 50, 3),
+        _row("forward", "send", 60, 2),
+        _row("forward", "recv", 30, 4),
     )
     assert step_payload_bytes(predicted) == step_payload_bytes(measured) == 250
-    assert point_to_point_bytes(predicted) == 240
+    assert point_to_point_bytes(predicted) == point_to_point_bytes(measured) == 240
     assert ledger_differences(predicted, measured) == (
         "backward all_gather of 100 B over 2 ranks: predicted 2, measured 1",
         "backward all_reduce of 50 B over 2 ranks: predicted 1, measured 3",
+        "forward send of 30 B over 2 ranks: predicted 4, measured 0",
+        "forward send of 60 B over 2 ranks: predicted 0, measured 2",
     )
     assert ledger_differences(predicted, predicted) == ()
+
+
+def test_send_and_recv_have_a_payload_row_of_their_own() -> None:
+    from shardscope.core.result import MemoryBreakdown
+    from shardscope.validate.compare import compare_case
+
+    case = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=2, cp=2)
+    memory = MemoryBreakdown(
+        parameters_bytes=100, gradients_bytes=100, optimizer_state_bytes=200, activations_bytes=1000, peak_bytes=2000
+    )
+    ring = (_row("forward", "send", 30, 4), _row("forward", "recv", 30, 4), _row("backward", "all_reduce", 50, 1))
+    short = (_row("forward", "send", 30, 3), _row("forward", "recv", 30, 4), _row("backward", "all_reduce", 50, 1))
+    rows = {row.quantity: row for row in compare_case(case, memory, ring, 0.0, None, None, None, memory, short, 0.0)}
+    assert (rows["point_to_point_payload"].predicted, rows["point_to_point_payload"].measured) == (240, 210)
+    assert not rows["point_to_point_payload"].ok  # one send missing from the run
+    assert rows["ledger_payload"].predicted == rows["ledger_payload"].measured == 50
+    no_ring = compare_case(case, memory, ring[2:], 0.0, None, None, None, memory, ring[2:], 0.0)
+    assert "point_to_point_payload" not in {row.quantity for row in no_ring}  # only cases with a ring have it
 
 
 @pytest.mark.parametrize(

@@ -155,12 +155,6 @@ def _compare(
         rows = tuple(row for row in rows if row.quantity != "step_time_s")
         notes.append("step time not predicted: give --hardware with a profile from `shardscope calibrate`")
     ring = point_to_point_bytes(predicted_ledger)
-    if ring:
-        notes.append(
-            "send/recv (ring attention's, a pipeline's) are predicted (point_to_point_bytes) but not in "
-            "ledger_payload, which compares collectives (tests/distributed/test_tensor_context_parallel.py and "
-            "test_pipeline_run.py count them)"
-        )
     return CaseResult(
         case=case,
         rows=rows,
