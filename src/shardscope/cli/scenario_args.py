@@ -283,9 +283,10 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The ModelSpec named by --model, --config or --params (or the --from file)."""
-    print_source(args)
     if args.model_required and not any(getattr(args, name, None) is not None for name in ("model", "config", "params")):
         raise CliError("one of the arguments --model --config --params is required (or a --from file that names it)")
+    if args.command == "plan":  # plan builds no scenario here; the others print once their scenarios are valid
+        print_source(args)
     if getattr(args, "config", None) is not None:
         if not args.config:
             raise CliError("--config '' is empty; give the path of a Hugging Face config.json")
@@ -410,4 +411,5 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         raise CliError(
             f"--shard-group {args.shard_group} is used only by hsdp, and --strategy {args.strategy} does not include it"
         )
+    print_source(args)
     return scenarios

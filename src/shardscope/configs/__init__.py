@@ -46,8 +46,6 @@ def _parse(path: str, text: str, forced: str | None) -> tuple[str, Any]:
         except errors as error:
             problems.append(f"not {name} ({str(error).splitlines()[0]})")
             continue
-        if name == "accelerate" and not isinstance(tree, dict) and forced is None and not problems:
-            continue
         return name, tree
     raise ConfigError(f"{path}: is not a DeepSpeed JSON, torchtitan TOML or Accelerate YAML: {'; '.join(problems)}")
 
