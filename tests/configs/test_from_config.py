@@ -171,3 +171,11 @@ def test_from_format_forces_the_reader(tmp_path: Path) -> None:
     path.write_text('{"distributed_type": "MULTI_GPU", "num_processes": 4}')  # JSON is YAML too
     args = parsed("estimate", "--model", "gpt2", "--from-format", "accelerate", "--from", str(path))
     assert (args.strategy, args.gpus, args.config_source.format) == ("ddp", 4, "accelerate")
+
+
+def test_plan_keeps_the_model_and_step_and_searches_the_rest() -> None:
+    args = parsed("plan", "--global-batch-tokens", "1M", "--from", str(DATA / "torchtitan_llama3_8b.toml"))
+    assert (args.model, args.seq_len, args.precision) == ("llama-3-8b", 8192, "bf16-mixed")
+    unmodelled = args.config_source.unmodelled
+    assert unmodelled["activation_checkpoint.mode=selective"] == "shardscope plan searches --checkpointing itself"
+    assert "parallelism.tensor_parallel_degree" in unmodelled

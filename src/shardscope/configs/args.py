@@ -10,6 +10,8 @@ from typing import Any
 
 from shardscope.configs import FORMATS, ConfigError, read_config
 
+PLAN_TAKES = frozenset({"model", "seq_len", "precision", "optimizer", "engine"})
+"""The settings `plan` keeps fixed; the mesh, batch shape, offload and checkpointing are what it searches."""
 FILLED = "_from_filled"  # the destinations the file set, so that --from-format may read it again
 
 
@@ -23,8 +25,8 @@ def _apply(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> No
         parser.error(str(error))
     filled: set[str] = getattr(namespace, FILLED, set())
     for dest, value in list(mapping.settings.items()):
-        if not hasattr(namespace, dest):
-            mapping.skip(mapping.fields.pop(dest), f"{namespace.command} does not take --{dest.replace('_', '-')}")
+        if not hasattr(namespace, dest) or (parser.prog.endswith(" plan") and dest not in PLAN_TAKES):
+            mapping.skip(mapping.fields.pop(dest), f"{parser.prog} searches --{dest.replace('_', '-')} itself")
             del mapping.settings[dest]
         elif dest in filled or getattr(namespace, dest) == parser.get_default(dest):
             setattr(namespace, dest, value)
@@ -64,7 +66,7 @@ def add_from_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         action=FromFile,
         help="read the scenario from a DeepSpeed JSON, a torchtitan job TOML or an Accelerate YAML; flags given on "
-        "the command line override it, and the mapping used is printed on stderr",
+        "the command line after it override it, and the mapping used is printed on stderr",
     )
     parser.add_argument("--from-format", choices=FORMATS, action=FromFormat, help="the --from file's format")
 
