@@ -179,3 +179,27 @@ def test_plan_keeps_the_model_and_step_and_searches_the_rest() -> None:
     unmodelled = args.config_source.unmodelled
     assert unmodelled["activation_checkpoint.mode=selective"] == "shardscope plan searches --checkpointing itself"
     assert "parallelism.tensor_parallel_degree" in unmodelled
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["estimate", "--model", "gpt2", "--json"], "shardscope.estimate/v1"),
+        (["plan", "--model", "gpt2", "--global-batch-tokens", "64K", "--top", "1", "--json"], "shardscope.plan/v1"),
+    ],
+)
+def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardscope.schemas import load_schema
+
+    jsonschema = pytest.importorskip("jsonschema")
+    path = str(DATA / "deepspeed_zero3_offload.json")
+    assert main([*argv, "--seq-len", "1024", "--from", path]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, load_schema(name))
+    assert document["source"]["format"] == "deepspeed"
+    source = document["source"]
+    if name == "shardscope.estimate/v1":
+        assert {"field": "zero_optimization.stage=3", "flag": "--strategy", "value": "zero3"} in source["mapping"]
+    else:  # plan searches the strategy itself
+        assert source["unmodelled"]["zero_optimization.stage=3"] == "shardscope plan searches --strategy itself"
+    assert document["source"]["unmodelled"]["gradient_clipping"] == "not modelled"

@@ -69,6 +69,7 @@ def add_from_arguments(parser: argparse.ArgumentParser) -> None:
         "the command line after it override it, and the mapping used is printed on stderr",
     )
     parser.add_argument("--from-format", choices=FORMATS, action=FromFormat, help="the --from file's format")
+    parser.set_defaults(config_source=None)
 
 
 def print_source(args: argparse.Namespace, stream: Any = None) -> None:
