@@ -203,3 +203,10 @@ def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pyte
     else:  # plan searches the strategy itself
         assert source["unmodelled"]["zero_optimization.stage=3"] == "shardscope plan searches --strategy itself"
     assert document["source"]["unmodelled"]["gradient_clipping"] == "not modelled"
+
+
+def test_torchtitan_shard_degree_defaults_to_the_gpus_left(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(toml_text({"parallelism": {"tensor_parallel_degree": 2}}))  # job_config.py: shard degree -1
+    args = parsed("estimate", "--model", "gpt2", "--gpus", "8", "--from", str(path))
+    assert (args.gpus, args.strategy, args.tp) == (8, "fsdp", 2)

@@ -72,8 +72,8 @@ def read_torchtitan(path: str, tree: dict[str, Any], world_size: int) -> ConfigM
 
 def _parallelism(mapping: ConfigMapping, section: dict[str, Any], world_size: int, read: set[str]) -> None:
     """The mesh: pp x replicate x shard x cp x tp GPUs; shard -1 takes the GPUs left."""
-    degrees = {
-        key: section.get(f"{key}_degree", 1)
+    degrees = {  # job_config.Parallelism's defaults: 1, and -1 (the GPUs left) for the shard degree
+        key: section.get(f"{key}_degree", -1 if key == "data_parallel_shard" else 1)
         for key in (
             "data_parallel_replicate",
             "data_parallel_shard",
