@@ -40,6 +40,22 @@ FILES = {
         "overlap = true", 'overlap = "false"'
     ),
     "deep.toml": "a = " + "[" * 100_000 + "]" * 100_000 + "\n",
+    # --from config files (shardscope/configs): each names the file or the field
+    "ds_stage5.json": json.dumps({"zero_optimization": {"stage": 5}}),
+    "ds_micro_text.json": json.dumps({"train_micro_batch_size_per_gpu": "two"}),
+    "ds_batch.json": json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
+    "ds_disk.json": json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "disk"}}}),
+    "ds_both.json": json.dumps({"bf16": {"enabled": True}, "fp16": {"enabled": True}}),
+    "tt_tp_text.toml": '[parallelism]\ntensor_parallel_degree = "eight"\n',
+    "tt_ac.toml": '[activation_checkpoint]\nmode = "sometimes"\n',
+    "tt_broken.toml": "[parallelism\n",
+    "tt_global.toml": "[training]\nlocal_batch_size = 3\nglobal_batch_size = 50\n",
+    "acc_list.yaml": "- distributed_type: FSDP\n",
+    "acc_missing.yaml": "num_processes: 8\n",
+    "acc_shard.yaml": "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n",
+    "cfg_empty.json": "",
+    "cfg_binary.bin": "\x00\x01\x02\x7f",
+    "accelerate_ok.yaml": "distributed_type: MULTI_GPU\nnum_processes: 8\n",
 }
 EST = ["estimate", "--model", "llama-3-8b"]
 PLAN = ["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M"]
@@ -221,4 +237,20 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "3"], "ep 3 must divide dp_shard 4"),
     (["run", "--model", "tiny-llama", "--world-size", "4", "--ep", "2"], "'tiny-llama' is a 'llama' model"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--tp", "2"], "without tp, cp and pp"),
+    ([*EST, "--from", "{ds_stage5.json}"], "zero_optimization.stage: 5 is not one of [0, 1, 2, 3]"),
+    ([*EST, "--from", "{ds_micro_text.json}"], "train_micro_batch_size_per_gpu: 'two'"),
+    ([*EST, "--from", "{ds_batch.json}"], "train_batch_size=10"),
+    ([*EST, "--from", "{ds_disk.json}"], "zero_optimization.offload_optimizer.device: 'disk'"),
+    ([*EST, "--from", "{ds_both.json}"], "bf16.enabled and fp16.enabled are both true"),
+    ([*EST, "--from", "{tt_tp_text.toml}"], "parallelism.tensor_parallel_degree: 'eight'"),
+    ([*PLAN, "--from", "{tt_ac.toml}"], "activation_checkpoint.mode: 'sometimes'"),
+    ([*EST, "--from-format", "torchtitan", "--from", "{tt_broken.toml}"], "tt_broken.toml: is not a"),
+    ([*EST, "--from", "{tt_global.toml}"], "training.global_batch_size=50"),
+    ([*TL, "--from", "{acc_list.yaml}"], "acc_list.yaml: holds a list"),
+    ([*REP, "--from", "{acc_missing.yaml}"], "'distributed_type' is a required property"),
+    ([*EST, "--from", "{acc_shard.yaml}"], "fsdp_config.fsdp_sharding_strategy: 'HALF_SHARD'"),
+    ([*EST, "--from", "{cfg_empty.json}"], "cfg_empty.json: is empty"),
+    ([*EST, "--from", "{cfg_binary.bin}"], "cfg_binary.bin: is not a DeepSpeed JSON"),
+    ([*EST, "--from", "/nonexistent/ds_config.json"], "/nonexistent/ds_config.json"),
+    (["estimate", "--from", "{accelerate_ok.yaml}"], "--model --config --params is required"),
 ]

@@ -23,6 +23,7 @@ from shardscope.choices import (
     parse_choice,
 )
 from shardscope.cli.errors import CliError
+from shardscope.configs.args import add_from_arguments, print_source
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import gpu_preset, gpu_preset_names, model_preset, model_preset_names, with_memory
 from shardscope.presets.hf_config import read_hf_config
@@ -72,7 +73,9 @@ def positive_int(text: str) -> int:
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """--model PRESET | --config config.json | --params N."""
-    group = parser.add_mutually_exclusive_group(required=required)
+    group = parser.add_mutually_exclusive_group()  # required is checked in model_from_args: --from may name it
+    parser.set_defaults(model_required=required)
+    add_from_arguments(parser)
     group.add_argument("--model", metavar="PRESET", help=f"a model preset: {', '.join(model_preset_names())}")
     group.add_argument(
         "--config",
@@ -275,7 +278,11 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """The ModelSpec named by --model, --config or --params."""
+    """The ModelSpec named by --model, --config or --params (or the --from file)."""
+    if args.model_required and not any(getattr(args, name, None) is not None for name in ("model", "config", "params")):
+        raise CliError("one of the arguments --model --config --params is required (or a --from file that names it)")
+    if args.command == "plan":  # plan builds no scenario here; the others print once their scenarios are valid
+        print_source(args)
     if getattr(args, "config", None) is not None:
         if not args.config:
             raise CliError("--config '' is empty; give the path of a Hugging Face config.json")
@@ -400,4 +407,5 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         raise CliError(
             f"--shard-group {args.shard_group} is used only by hsdp, and --strategy {args.strategy} does not include it"
         )
+    print_source(args)
     return scenarios
