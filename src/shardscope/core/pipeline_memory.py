@@ -6,12 +6,13 @@ embeddings on the first stage, the final norm and output head on the last, shard
 the pipeline rank (the world divided by pp x tp) as the strategy says; tensor parallelism splits them as it does
 without a pipeline (`core.params`). See `_states` for how the engine's rules are applied to a stage.
 
-Activations: one micro-batch's activations of each stage (its blocks' share of `core.activations`, the embeddings'
-part on the first stage, the head's on the last) times the micro-batches of that stage in flight at the worst moment
-of the rank's schedule (`core.pipeline_schedule`). torch's PipelineStage allocates one activation receive buffer (all
-but the first stage) and one gradient receive buffer (all but the last) per micro-batch and keeps them for the step
-(`_prepare_forward_infra`, `_setup_backward_recv_info` in torch/distributed/pipelining/stage.py, torch 2.13): those are
-the rank's buffers, beside ZeRO-3's gathered unit.
+Activations: one micro-batch's activations of each stage, as the engine's pipeline holds them (its rules'
+`pipeline_stage_activations`: the teaching pipeline's for 'paper', torch's PipelineStage's for 'pytorch'), times the
+micro-batches of that stage in flight at the worst moment of the rank's schedule (`core.pipeline_schedule`), plus
+what the engine's schedule holds for the whole step (`pipeline_step_activations`). torch's PipelineStage allocates one
+activation receive buffer (all but the first stage) and one gradient receive buffer (all but the last) per
+micro-batch and keeps them for the step (`_prepare_forward_infra`, `_setup_backward_recv_info` in
+torch/distributed/pipelining/stage.py, torch 2.13): those are the rank's buffers, beside ZeRO-3's gathered unit.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import activations_for
 from shardscope.core.model_states import ModelStates
-from shardscope.core.params import param_layout
-from shardscope.core.pipeline import PipelineStage, layout_of, pipeline_rank_of, rank_stages
+from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, rank_stages, stage_model
 from shardscope.core.pipeline_schedule import peak_in_flight, rank_actions
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
@@ -39,16 +38,17 @@ def boundary_bytes(scenario: Scenario) -> int:
     return tokens * scenario.model.hidden_size * activation_bytes_per_element(training)
 
 
-def stage_proxy(scenario: Scenario, layers: int) -> Scenario:
-    """The scenario without a pipeline whose model has `layers` blocks, on the GPUs of one pipeline rank (the world
-    divided by pp): its engine rules price one pipeline rank's blocks, and its root unit the whole root."""
+def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: bool = True) -> Scenario:
+    """The scenario without a pipeline whose model is what one pipeline rank holds (`layers` blocks, the
+    embeddings and the head where `embedding` and `head` say, core.params.StageModel), on the GPUs of one pipeline
+    rank (the world divided by pp): its engine rules price that rank's states exactly."""
     cluster, strategy = scenario.cluster, scenario.strategy
     world = cluster.world_size // strategy.pp
     per_node = cluster.gpus_per_node
     if world > per_node and world % per_node:
         per_node = math.gcd(world, per_node)
     return Scenario(
-        model=replace(scenario.model, num_layers=layers),
+        model=stage_model(scenario.model, layers, embedding, head),
         cluster=replace(cluster, world_size=world, gpus_per_node=per_node),
         training=scenario.training,
         strategy=replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=()),
@@ -56,60 +56,15 @@ def stage_proxy(scenario: Scenario, layers: int) -> Scenario:
     )
 
 
-LINEAR_FIELDS = (
-    "parameters_bytes",
-    "gradients_bytes",
-    "optimizer_state_bytes",
-    "persistent_buffers_bytes",
-    "host_bytes",
-)
-"""The model-state fields that are sums over units (so linear in the number of blocks and in the root's size)."""
+def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenario:
+    """`stage_proxy` of the pipeline rank holding `stages`."""
+    layers = sum(stage.layers for stage in stages)
+    return stage_proxy(scenario, layers, any(stage.embedding for stage in stages), any(stage.head for stage in stages))
 
 
 def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelStates:
-    """The rank's model states under the scenario's engine: the engine's states for a model of the rank's blocks
-    (`stage_proxy`) and of one block more give one block's share and the root's; the rank keeps its blocks and the
-    part of the root its stages hold, by elements. The fields that are not sums (gathered units, gradients in
-    flight, workspaces) are the proxy's, whose root unit is whole: an upper bound for a stage without the root."""
-    layers = max(1, sum(stage.layers for stage in stages))
-    rules = rules_for(scenario)
-    base = rules.rank_memory(stage_proxy(scenario, layers), 0).states
-    more = rules.rank_memory(stage_proxy(scenario, layers + 1), 0).states
-    whole_root = param_layout(scenario.model, scenario.strategy.tp).root_numel
-    held_root = sum(layout_of(scenario, stage).root_numel for stage in stages)
-    own_layers = sum(stage.layers for stage in stages)
-    values = {}
-    for name in LINEAR_FIELDS:
-        block = getattr(more, name) - getattr(base, name)
-        root = getattr(base, name) - layers * block
-        values[name] = own_layers * block + root * held_root // whole_root
-    return replace(base, **values)
-
-
-def token_ids_bytes(scenario: Scenario) -> int:
-    """One micro-batch's token ids (or targets) on one rank: int64 per token of the rank's share."""
-    return scenario.training.tokens_per_micro_batch // rank_share(scenario).cp * INDEX_BYTES
-
-
-def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int, ids_bytes: int) -> int:
-    """One micro-batch's activations of one stage while it is in flight, as torch's PipelineStage holds them: its
-    blocks' share of every block's saved tensors; the tensors every block shares (RoPE's tables), which each stage
-    with blocks makes for itself; the head's on the last stage. The stage also caches its output until that
-    micro-batch's backward (`fwd_cache` in torch/distributed/pipelining/stage.py, torch 2.13): the hidden states, or
-    the logits on the last stage. A stage after the first saves its input as its first block's, but that input is
-    the receive buffer, counted in buffers. Token ids and targets are held for the whole step (`step_held_bytes`)."""
-    blocks = acts.stored_blocks_bytes * stage.layers // num_layers
-    shared = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes - 2 * ids_bytes if stage.layers else 0
-    output = acts.logits_bytes if stage.head else acts.hidden_bytes
-    received = 0 if stage.embedding else acts.hidden_bytes
-    return blocks + shared + output - received + (acts.head_bytes if stage.head else 0)
-
-
-def step_held_bytes(stages: tuple[PipelineStage, ...], ids_bytes: int, micro_batches: int) -> int:
-    """What the schedule holds for the whole step: `step` takes every micro-batch's token ids (first stage) and
-    targets (last stage) at once and splits them into views."""
-    held = sum(stage.embedding for stage in stages) + sum(stage.head for stage in stages)
-    return held * ids_bytes * micro_batches
+    """The rank's model states: the scenario's engine's for the model the rank holds (`rank_proxy`)."""
+    return rules_for(scenario).rank_memory(rank_proxy(scenario, stages), 0).states
 
 
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
@@ -121,21 +76,27 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
     in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
     acts = activations_for(scenario, states.autocast)
-    ids_bytes = token_ids_bytes(scenario)
-    weights = {stage.index: stage_activation_bytes(acts, stage, model.num_layers, ids_bytes) for stage in stages}
+    rules = rules_for(scenario)
+    weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
     actions = rank_actions(
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
     )
     in_flight_bytes, counts = peak_in_flight(actions, weights)
-    activations = in_flight_bytes + step_held_bytes(stages, ids_bytes, training.grad_accum_steps)
+    activations = in_flight_bytes + rules.pipeline_step_activations(scenario, stages)
     boundary = boundary_bytes(scenario)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
     p2p = receives * training.grad_accum_steps * boundary
     spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
+    # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
+    # (its MLP's activation and weight gradients, core.activations) on top of them
+    working = acts.block_backward_bytes if any(stage.layers for stage in stages) else 0
+    if not working and any(stage.embedding for stage in stages):  # the embedding's backward makes a dense gradient
+        working = model.vocab_size // strategy.tp * model.hidden_size * activation_bytes_per_element(training)
     held = states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes
     persistent = states.persistent_buffers_bytes
-    steady = held + activations + p2p + persistent + gathered + in_flight_grads + spike + states.forward_temporary_bytes
+    temporary = max(spike, working) + in_flight_grads + states.forward_temporary_bytes
+    steady = held + activations + p2p + persistent + gathered + temporary
     step = held + p2p + persistent + states.optimizer_temporary_bytes
     in_flight = sum(counts.values())
     moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
@@ -147,7 +108,7 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
         optimizer_state_bytes=states.optimizer_state_bytes,
         activations_bytes=activations,
         buffers_bytes=p2p + persistent + gathered,
-        temporary_bytes=max(spike + in_flight_grads + states.forward_temporary_bytes, states.optimizer_temporary_bytes),
+        temporary_bytes=max(temporary, states.optimizer_temporary_bytes),
         overhead_bytes=overhead,
         peak_bytes=tensor_peak + overhead,
     )

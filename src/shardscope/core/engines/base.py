@@ -23,6 +23,7 @@ from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.model_states import ModelStates, dtype_bytes
+from shardscope.core.pipeline import PipelineStage
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
@@ -90,6 +91,13 @@ class EngineRules(Protocol):
     """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
     torch_engines: bool
     """Its rules are those of torch's own engines, which `trace` replays on fake tensors."""
+    parameters_sharded_from_stage: int
+    """The lowest ZeRO stage whose parameters stay sharded at rest: 3 by the ZeRO paper, 2 under FSDP2's fully_shard
+    (zero2 there is fully_shard with reshard_after_forward=False, which gathers for the step and frees after it)."""
+    experts_placed_from_stage: int
+    """The lowest ZeRO stage whose states the engine builds with each expert unit sharded over the D / ep ranks
+    holding it (core.expert_parallel.expert_flat_units), so core.expert_parallel leaves them as they are; above 3:
+    never (they are scaled from the rank's layout)."""
     megatron_tensor_parallel: bool
     """Tensor parallelism runs as Megatron-LM's (the teaching TensorParallelLM), not torch's DTensor plan: the
     column-parallel linears all-gather their input again in backward, the vocab-parallel loss keeps masks
@@ -144,11 +152,21 @@ class EngineRules(Protocol):
         """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight)."""
         ...
 
+    def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
+        """One micro-batch's activations of one pipeline stage, held while that micro-batch is in flight on it."""
+        ...
+
+    def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
+        """Activations a pipeline rank holding `stages` keeps for the whole step, whatever is in flight."""
+        ...
+
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
 
     megatron_tensor_parallel = False
+    parameters_sharded_from_stage = 3
+    experts_placed_from_stage = 4
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """Every rank holds the same: rank 0."""
@@ -177,6 +195,24 @@ class RulesDefaults:
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """Every collective blocks."""
         return False
+
+    def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
+        """As the teaching pipeline (runtime/teaching/pipeline.py) saves them: the stage's blocks' share of every
+        block's and the tables they all read (each stage with blocks makes its own), plus the embeddings' part (token
+        ids and what the embeddings keep) on the first stage and the head's on the last. A stage that sends its
+        output on keeps it (its backward starts there); a stage that receives its input saves the receive buffer
+        (counted as a buffer) where one process would save its first block's input (or the final norm's)."""
+        blocks = acts.stored_blocks_bytes * stage.layers // scenario.model.num_layers
+        shared = acts.shared_bytes if stage.layers else 0
+        head = acts.head_bytes
+        embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.shared_bytes - head
+        output = 0 if stage.head else acts.hidden_bytes
+        received = 0 if stage.embedding else acts.hidden_bytes
+        return blocks + shared + (embedding if stage.embedding else 0) + (head if stage.head else 0) + output - received
+
+    def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
+        """The teaching pipeline takes each micro-batch's inputs as it runs it: nothing is held for the step."""
+        return 0
 
 
 def activations_for(scenario: Scenario, autocast: bool, regathers_in_backward: bool = False) -> ActivationEstimate:
