@@ -218,7 +218,7 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+        "data-parallel shard x cp GPUs (default 1; estimated, and run by --engine paper inside zero3 or fsdp)",
     )
     parser.add_argument(
         "--pp",
@@ -260,7 +260,7 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
     """CliError for the command that cannot take a pipeline yet (trace); `run` asks its engine (runtime/config.py
-    MODEL_PARALLEL_REFUSALS, expert_parallel_refusal) whether it runs a pipeline or experts."""
+    MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS) whether it runs a pipeline or experts."""
     if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
 
