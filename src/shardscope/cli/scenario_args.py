@@ -218,7 +218,7 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+        "data-parallel shard x cp GPUs (default 1; estimated, and run by --engine paper inside zero3 or fsdp)",
     )
     parser.add_argument(
         "--pp",
@@ -257,7 +257,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
     """The pipeline settings of the command line as Strategy fields (`run` asks its engine whether it runs them:
-    runtime/config.py MODEL_PARALLEL_REFUSALS, expert_parallel_refusal)."""
+    runtime/config.py MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS)."""
     return {
         "pp": args.pp,
         "pp_schedule": args.pp_schedule,
