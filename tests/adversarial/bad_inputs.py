@@ -217,9 +217,10 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--model", "tiny-llama", "--pp", "2"], "grad_accum_steps=1 < pp=2"),
     (["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2"], "pp 2 runs inside ddp only, not zero3"),
     (
-        ["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--engine", "pytorch"],
-        "torch.distributed.pipelining later",
+        ["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--engine", "pytorch", "--strategy", "ddp"],
+        "pp 2 runs inside fully_shard only",
     ),
+    (["run", "--model", "tiny-gpt2", "--pp", "2", "--grad-accum", "2", "--engine", "pytorch"], "llama-style models"),
     (["run", "--model", "tiny-gpt2", "--pp", "2", "--grad-accum", "2", "--strategy", "ddp"], "tied embeddings"),
     (["run", "--model", "tiny-llama", "--grad-accum", "2"], "except a pipeline's"),
     (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--trace", "{dir}"], "cannot write trace"),

@@ -30,11 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscope.core.allocator import replay
 from shardscope.core.pipeline import PipelineStage, rank_stages
-from shardscope.core.result import CollectiveRow, MemoryBreakdown, merge_ledger
+from shardscope.core.result import MemoryBreakdown
 from shardscope.reference_models import TransformerLM, build_model, lm_loss
 from shardscope.specs import Scenario
 from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, storage_resize_hook
@@ -66,64 +65,105 @@ class StageModule(TransformerLM):
         return self.lm_head(self.norm(x))  # type: ignore[no-any-return]
 
 
+def cut_stage(whole: TransformerLM, stage: PipelineStage, first_layer: int) -> StageModule:
+    """The stage's part of `whole` (its modules, not copies): blocks first_layer on, the embeddings and the head
+    where the stage holds them."""
+    module = StageModule.__new__(StageModule)
+    nn.Module.__init__(module)
+    module.spec, module.checkpointing = whole.spec, whole.checkpointing
+    module.embed_tokens = whole.embed_tokens if stage.embedding else None  # type: ignore[assignment]
+    module.layers = nn.ModuleList(whole.layers[first_layer : first_layer + stage.layers])
+    module.norm = whole.norm if stage.head else None  # type: ignore[assignment]
+    module.lm_head = whole.lm_head if stage.head else None  # type: ignore[assignment]
+    return module
+
+
 def build_stage(scenario: Scenario, stage: PipelineStage) -> StageModule:
     """The stage's module on the meta device."""
     training = scenario.training
     spec = replace(scenario.model, num_layers=max(1, stage.layers))  # a stage may hold no block (only the head)
     whole = build_model(spec, training, device="meta", dtype=DTYPES[training.precision], seed=None)
-    with torch.device("meta"):
-        module = StageModule.__new__(StageModule)
-        nn.Module.__init__(module)
-    module.spec, module.checkpointing = whole.spec, whole.checkpointing
-    module.embed_tokens = whole.embed_tokens if stage.embedding else None  # type: ignore[assignment]
-    module.layers = whole.layers if stage.layers else nn.ModuleList()
-    module.norm = whole.norm if stage.head else None  # type: ignore[assignment]
-    module.lm_head = whole.lm_head if stage.head else None  # type: ignore[assignment]
+    module = cut_stage(whole, stage, 0)
     if scenario.cluster.gpu_kernels:
         use_gpu_kernels(module)
     return module
 
 
-def _mesh(scenario: Scenario) -> Any:
+def pipeline_mesh(scenario: Scenario, device: str) -> Any:
+    """The (pp, data-parallel) DeviceMesh: pp outermost, then dp, or hsdp's replicate and shard axes."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world, pp = scenario.cluster.world_size, scenario.strategy.pp
     if scenario.strategy.preset.groups_replicate:
         group = scenario.shard_degree
-        return init_device_mesh("cpu", (pp, world // pp // group, group), mesh_dim_names=("pp", "replicate", "shard"))
-    return init_device_mesh("cpu", (pp, world // pp), mesh_dim_names=("pp", "dp"))
+        return init_device_mesh(device, (pp, world // pp // group, group), mesh_dim_names=("pp", "replicate", "shard"))
+    return init_device_mesh(device, (pp, world // pp), mesh_dim_names=("pp", "dp"))
 
 
-class _P2PLedger(TorchDispatchMode):
-    """The point-to-point sends and receives that reach the process group, as ledger rows: a message's phase is
-    the one of the op list the stage made it in (get_fwd_* or get_bwd_*), not when the schedule fires it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.phase_of: dict[int, str] = {}
-        self.rows: list[CollectiveRow] = []
-        self.recording = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func._schema.name.split("::")[-1] if getattr(func, "namespace", "") == "c10d" else ""
-        if self.recording and name in ("send", "recv_"):
-            for tensor in args[0]:
-                self.rows.append(
-                    CollectiveRow(
-                        phase=self.phase_of.get(id(tensor), "forward"),  # type: ignore[arg-type]
-                        op="send" if name == "send" else "recv",
-                        group="pp",
-                        group_size=2,
-                        payload_bytes=tensor.numel() * tensor.element_size(),
-                        count=1,
-                    )
-                )
-        return out
+def data_parallel_mesh(mesh: Any, scenario: Scenario) -> Any:
+    """The data-parallel axes of `pipeline_mesh`, which fully_shard shards a stage over."""
+    return mesh[("replicate", "shard")] if scenario.strategy.preset.groups_replicate else mesh["dp"]
 
 
-def _watch_p2p(stage: Any, ledger: _P2PLedger) -> None:
-    """Remember, for each tensor the stage hands the schedule to send or receive, which phase asked for it."""
+def shard_stages(modules: list[StageModule], scenario: Scenario, dp_mesh: Any) -> bool:
+    """fully_shard every block and each stage's root over the data-parallel axes, under the precision's policy;
+    returns reshard_after_forward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    compute = COMPUTE_DTYPES.get(scenario.training.precision)
+    policy = (
+        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+    )
+    reshard = scenario.strategy.reshard_after_forward and scenario.strategy.stage == 3
+    for module in modules:
+        for block in module.layers:
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    return reshard
+
+
+def make_schedule(
+    scenario: Scenario, stages: tuple[PipelineStage, ...], modules: list[StageModule], device: Any, group: Any
+) -> tuple[list[Any], Any]:
+    """torch's PipelineStage for each of the rank's stages, given static input and output shapes (micro-batch x
+    sequence, hidden states or token ids in, hidden states or logits out), and the scenario's schedule over them."""
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+    from torch.distributed.pipelining import schedules
+
+    training, strategy = scenario.training, scenario.strategy
+    batch, seq, hidden = training.micro_batch_size, training.sequence_length, scenario.model.hidden_size
+    act_dtype = COMPUTE_DTYPES.get(training.precision) or DTYPES[training.precision]
+    made = []
+    for stage, module in zip(stages, modules, strict=True):
+        inputs = (
+            torch.empty(batch, seq, dtype=torch.long, device=device)
+            if stage.embedding
+            else torch.empty(batch, seq, hidden, dtype=act_dtype, device=device, requires_grad=True)
+        )
+        width = scenario.model.vocab_size if stage.head else hidden
+        outputs = torch.empty(batch, seq, width, dtype=act_dtype, device=device, requires_grad=True)
+        made.append(
+            TorchStage(
+                module,
+                stage.index,
+                strategy.pipeline_stages,
+                device,
+                input_args=inputs,
+                output_args=outputs,
+                group=group,
+            )
+        )
+    schedule_class = getattr(schedules, SCHEDULE_NAMES[strategy.pp_schedule])
+    micro_batches = training.grad_accum_steps
+    if strategy.pp_schedule == "interleaved-1f1b":
+        return made, schedule_class(made, n_microbatches=micro_batches, loss_fn=lm_loss)
+    return made, schedule_class(made[0], n_microbatches=micro_batches, loss_fn=lm_loss)
+
+
+def watch_messages(stage: Any, phases: dict[int, str]) -> None:
+    """Remember, for each tensor the stage hands the schedule to send or receive, which phase asked for it (a
+    message's phase is the one of the op list the stage made it in, get_fwd_* or get_bwd_*, not when the schedule
+    fires it: CollectiveLedger.message_phases)."""
     for method, phase in (
         ("get_fwd_recv_ops", "forward"),
         ("get_fwd_send_ops", "forward"),
@@ -135,7 +175,7 @@ def _watch_p2p(stage: Any, ledger: _P2PLedger) -> None:
         def wrapped(chunk: int, original: Any = original, phase: str = phase) -> Any:
             ops = original(chunk)
             for op in ops:
-                ledger.phase_of[id(op.tensor)] = phase
+                phases[id(op.tensor)] = phase
             return ops
 
         setattr(stage, method, wrapped)
@@ -188,7 +228,8 @@ def _static_warm_up(schedule: Any) -> None:
     schedule._warmup_p2p = warm_up
 
 
-def _receive_buffers(stages: list[Any]) -> list[torch.Tensor]:
+def receive_buffers(stages: list[Any]) -> list[torch.Tensor]:
+    """The receive buffers torch's PipelineStages keep for the step (activations and gradients), once made."""
     found = []
     for stage in stages:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
@@ -204,65 +245,28 @@ class _RankTrace:
 
 def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress) -> _RankTrace:
     """Replay the steady-state step of pipeline rank `pp_rank` (as the first global rank of its group)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.pipelining import PipelineStage as TorchStage
-    from torch.distributed.pipelining import schedules
-
     scenario = request.scenario
     strategy, training = scenario.strategy, scenario.training
-    mesh = _mesh(scenario)
-    dp_mesh = mesh[("replicate", "shard")] if strategy.preset.groups_replicate else mesh["dp"]
+    mesh = pipeline_mesh(scenario, "cpu")
     stages = rank_stages(scenario, pp_rank)
     progress(f"pipeline rank {pp_rank}: building {', '.join(stage.described for stage in stages)}")
     gc.collect()
     modules = [build_stage(scenario, stage) for stage in stages]
-    compute = COMPUTE_DTYPES.get(training.precision)
-    policy = (
-        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
-    )
-    reshard = strategy.reshard_after_forward and strategy.stage == 3
-    for module in modules:
-        for block in module.layers:
-            fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    reshard = shard_stages(modules, scenario, data_parallel_mesh(mesh, scenario))
     recorder = StepRecorder(backend=scenario.cluster.backend)
-    recorder.collectives.name_axes(dp_mesh)
-    ledger = _P2PLedger()
-    batch, seq, hidden = training.micro_batch_size, training.sequence_length, scenario.model.hidden_size
-    act_dtype = compute or DTYPES[training.precision]
-    micro_batches, count = training.grad_accum_steps, strategy.pipeline_stages
+    recorder.collectives.name_axes(mesh)
+    batch, seq = training.micro_batch_size, training.sequence_length
+    micro_batches = training.grad_accum_steps
     with ExitStack() as stack:
         stack.enter_context(fake_tensor_mode())
         stack.enter_context(storage_resize_hook(recorder.on_resize))
         stack.enter_context(recorder)
-        stack.enter_context(ledger)
-        torch_stages = []
-        for stage, module in zip(stages, modules, strict=True):
+        for module in modules:
             module.to_empty(device="cpu")
-            inputs = (
-                torch.empty(batch, seq, dtype=torch.long)
-                if stage.embedding
-                else torch.empty(batch, seq, hidden, dtype=act_dtype, requires_grad=True)
-            )
-            width = scenario.model.vocab_size if stage.head else hidden
-            outputs = torch.empty(batch, seq, width, dtype=act_dtype, requires_grad=True)
-            made = TorchStage(
-                module,
-                stage.index,
-                count,
-                torch.device("cpu"),
-                input_args=inputs,
-                output_args=outputs,
-                group=mesh.get_group("pp"),
-            )
-            _watch_p2p(made, ledger)
+        torch_stages, schedule = make_schedule(scenario, stages, modules, torch.device("cpu"), mesh.get_group("pp"))
+        for made in torch_stages:
+            watch_messages(made, recorder.collectives.message_phases)
             _watch_phases(made, recorder, pp_rank, progress)
-            torch_stages.append(made)
-        schedule_class = getattr(schedules, SCHEDULE_NAMES[strategy.pp_schedule])
-        if strategy.pp_schedule == "interleaved-1f1b":
-            schedule = schedule_class(torch_stages, n_microbatches=micro_batches, loss_fn=lm_loss)
-        else:
-            schedule = schedule_class(torch_stages[0], n_microbatches=micro_batches, loss_fn=lm_loss)
         _static_warm_up(schedule)
         _watch_loss(schedule, recorder)
         params = [param for module in modules for param in module.parameters()]
@@ -272,14 +276,13 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
         for step in range(request.steps):
             if step == request.steps - 1:
                 recorder.start_window()
-                ledger.rows, ledger.recording = [], True
             recorder.phase, recorder.where = "setup" if step == 0 else "forward", "schedule"
             ids = torch.randint(0, scenario.model.vocab_size, (batch * micro_batches, seq)) if first else None
             targets = torch.randint(0, scenario.model.vocab_size, (batch * micro_batches, seq)) if last else None
             args = (ids,) if first else ()
             schedule.step(*args, target=targets, return_outputs=False)
             if step == 0:
-                recorder.label(_receive_buffers(torch_stages), "buffers")
+                recorder.label(receive_buffers(torch_stages), "buffers")
             recorder.label([p.grad for p in params if p.grad is not None], "gradients")
             recorder.phase, recorder.where = "optimizer", "optimizer step"
             progress(f"pipeline rank {pp_rank}: step {step + 1}/{request.steps} optimizer")
@@ -287,7 +290,7 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
             recorder.label(_optimizer_state(optimizer), "optimizer_state")
             optimizer.zero_grad(set_to_none=True)
             recorder.label(params, "parameters")
-        recorder.recording = ledger.recording = False
+        recorder.recording = False
         maxima, peak = recorder.max_by_category, recorder.peak
     per_rank = MemoryBreakdown(
         parameters_bytes=maxima["parameters"],
@@ -298,7 +301,7 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
         temporary_bytes=maxima["temporary"],
         peak_bytes=peak.total_bytes,
     )
-    rows = merge_ledger([*recorder.collectives.rows, *ledger.rows])
+    rows = recorder.collectives.merged()
     moment = f"{peak.phase}: {peak.where}"
     device_bytes = scenario.cluster.gpu.memory_bytes - scenario.overheads.context_bytes
     reserved = replay(recorder.events, window_start=recorder.window_event, device_bytes=device_bytes)
