@@ -8,7 +8,7 @@ Each figure is the median of fresh processes, so every cache starts cold, as it 
 - CLI: the whole `shardscope plan ...` command, interpreter start and imports included;
 - per call: one `estimate_time` of a 70B plan the planner simulates (976 GPUs, two micro-batches), the median of
   repeated calls in one process.
-Run: .venv/bin/python benchmarks/bench_plan.py [--runs 5]
+Run: .venv/bin/python benchmarks/bench_plan.py [--runs 5] [--question 405b-16k ...]
 Before/after a change, in one run (the machine is shared, so only figures taken side by side compare): put the old
 tree's src first on PYTHONPATH for one invocation, e.g. `git archive HEAD src | tar -x -C /tmp/old` then
 `PYTHONPATH=/tmp/old/src .venv/bin/python benchmarks/bench_plan.py`.
@@ -104,14 +104,16 @@ def per_call_s() -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per figure (median)")
-    runs = parser.parse_args(argv).runs
+    parser.add_argument("--question", action="append", choices=list(QUESTIONS), help="only these (repeatable)")
+    options = parser.parse_args(argv)
+    runs, asked = options.runs, options.question or list(QUESTIONS)
     with open("/proc/loadavg") as file:
         print(f"load average at start: {file.read().split()[0]}")
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
     widths = {"question": -10, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
     worst = 0.0
-    for name, question in QUESTIONS.items():
+    for name, question in ((name, QUESTIONS[name]) for name in asked):
         search, command, counts = measure(question, runs)
         worst = max(worst, command)
         print(

@@ -17,6 +17,17 @@ OPEN_MAPS = ("peak_flops_per_s", "notes")
 Document = dict[str, Any]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Cases marked `long` (many ranks, or one of several similar parametrizations) stay out of the default run, so
+    `make test` keeps to its time; `pytest -m long` runs them, and `shardscope validate` runs the whole matrix."""
+    if "long" in (config.getoption("markexpr") or "").replace("not long", ""):
+        return
+    skip = pytest.mark.skip(reason="long case: run with `pytest -m long`")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
 def _validator(document: Document) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(load_schema(document["schema"]))
 

@@ -44,6 +44,7 @@ TORCH_SIDE_RULES: dict[str, tuple[str, ...]] = {
     "shardscope.measure": ("shardscope.runtime", "shardscope.procs", "shardscope.trace", "shardscope.cli"),
     "shardscope.procs": ("torch", "shardscope.runtime", "shardscope.measure", "shardscope.trace", "shardscope.cli"),
     "shardscope.reference_models": ("shardscope.runtime", "shardscope.trace", "shardscope.procs", "shardscope.cli"),
+    "shardscope.ring_attention": ("shardscope.runtime", "shardscope.trace", "shardscope.procs", "shardscope.cli"),
 }
 
 

@@ -39,11 +39,11 @@ Trigger = Literal[
     "during_recompute",
     "during_backward",
 ]
-CommGroup = Literal["world", "shard", "replica", "host", "tp", "cp", "pp"]
-LedgerGroup = Literal["dp", "tp", "cp", "host", "pp"]
+CommGroup = Literal["world", "shard", "replica", "experts", "host", "tp", "cp", "pp", "ep"]
+LedgerGroup = Literal["dp", "tp", "cp", "host", "pp", "ep"]
 """The mesh dimension a ledger row runs on: 'dp' the data-parallel ranks holding one tensor-parallel slice
-(dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', 'host' (a GPU-host copy), or 'pp'
-(a point-to-point message between neighbouring pipeline stages)."""
+(dp_replicate x dp_shard x cp, or a shard or replica group of them), 'tp', 'cp', 'host' (a GPU-host copy), 'pp'
+(a point-to-point message between neighbouring pipeline stages), or 'ep' (the ranks that split the experts)."""
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 """The order a pipeline runs its micro-batches in, as torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B and
 ScheduleInterleaved1F1B do."""

@@ -11,6 +11,7 @@ stage): see `DATA_PARALLEL_PRESETS`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from shardscope.choices import SpecError, StrategyName
@@ -112,13 +113,16 @@ class Parallelism:
         return {name: getattr(self, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
 
 
-def comparable_strategies(grouped: bool) -> tuple[StrategyName, ...]:
+def comparable_strategies(grouped: bool, sharded: bool = False) -> tuple[StrategyName, ...]:
     """One strategy per preset (fsdp is zero3), for a side-by-side comparison; the presets that split the GPUs into
-    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes)."""
+    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes); only the presets
+    that shard (not ddp) when `sharded` (expert parallelism borrows the sharding GPUs)."""
     return tuple(
         name
         for name, preset in DATA_PARALLEL_PRESETS.items()
-        if canonical_strategy(name) == name and (grouped or not preset.groups_replicate)
+        if canonical_strategy(name) == name
+        and (grouped or not preset.groups_replicate)
+        and (preset.shards or not sharded)
     )
 
 
@@ -131,6 +135,7 @@ def canonical_strategy(name: StrategyName) -> StrategyName:
     return STRATEGY_ALIASES.get(name, name)
 
 
+@lru_cache(maxsize=4096)  # pure and frozen: a planner sweep builds its scenarios from a few hundred meshes
 def data_parallel_mesh(
     strategy: StrategyName,
     world_size: int,
@@ -154,7 +159,9 @@ def data_parallel_mesh(
     data_parallel = world_size // split
     preset = DATA_PARALLEL_PRESETS[strategy]
     if preset.groups_replicate:
-        mesh = Parallelism(dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp, pp=pp)
+        mesh = Parallelism(
+            dp_replicate=max(data_parallel // shard_group, 1), dp_shard=shard_group, cp=cp, tp=tp, pp=pp, ep=ep
+        )
     elif preset.shards:
         mesh = Parallelism(dp_shard=data_parallel, cp=cp, tp=tp, pp=pp, ep=ep)
     else:

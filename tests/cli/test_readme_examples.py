@@ -48,7 +48,8 @@ def test_the_readme_shows_each_command_it_explains() -> None:
 
 def test_the_guide_shows_its_examples() -> None:
     guide = [example.argv[0] for example in SCRIPT.find_examples(DOCUMENT_LINES["guide.md"])]
-    assert guide.count("estimate") == 6 and guide.count("plan") == 3 and guide.count("run") == 2
+    assert guide.count("estimate") == 7 and guide.count("plan") == 3 and guide.count("run") == 3
+    assert guide.count("timeline") == 1 and guide.count("report") == 2
 
 
 @pytest.mark.parametrize(

@@ -54,14 +54,21 @@ def test_stage_activations_are_its_share_times_the_micro_batches_in_flight() -> 
     scenario = tiny()
     acts = activations_for(scenario, autocast=False)
     block = acts.stored_blocks_bytes // 2
-    embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes
+    # each stage that runs blocks makes its own rotary tables and causal mask (shared_bytes)
+    shared = acts.shared_bytes
+    assert shared == 2 * 32 * 16 * 4  # RoPE cos and sin (sequence x head_dim, fp32); sdpa saves no mask
+    embedding = acts.saved_bytes - acts.stored_blocks_bytes - shared - acts.head_bytes
     one_f_one_b = estimate_memory(scenario).per_stage
     assert [entry.in_flight for entry in one_f_one_b] == [(2,), (1,)]  # min(p - s, m)
-    assert one_f_one_b[0].per_rank.activations_bytes == 2 * (block + embedding)
-    assert one_f_one_b[1].per_rank.activations_bytes == block + acts.head_bytes
+    # stage 0 keeps the output it sent (its backward starts there); stage 1's first block saves its input, which is
+    # the receive buffer (a buffer, not an activation)
+    hidden = acts.hidden_bytes
+    assert hidden == BOUNDARY
+    assert one_f_one_b[0].per_rank.activations_bytes == 2 * (block + shared + embedding + hidden)
+    assert one_f_one_b[1].per_rank.activations_bytes == block + shared + acts.head_bytes - hidden
     gpipe = estimate_memory(tiny("gpipe")).per_stage
     assert [entry.in_flight for entry in gpipe] == [(4,), (4,)]
-    assert gpipe[1].per_rank.activations_bytes == 4 * (block + acts.head_bytes)
+    assert gpipe[1].per_rank.activations_bytes == 4 * (block + shared + acts.head_bytes - hidden)
 
 
 def test_per_rank_and_fits_are_the_busiest_stages() -> None:

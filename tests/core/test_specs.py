@@ -48,6 +48,7 @@ def test_gpu_presets_store_bytes() -> None:
         "a100-80gb",
         "h100-80gb",
         "h100-pcie-80gb",
+        "h100-nvl-94gb",
         "h200-141gb",
         "b200",
         "mi300x",

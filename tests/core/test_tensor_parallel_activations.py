@@ -166,7 +166,7 @@ def test_loss_parallel_splits_the_logits_and_the_boundary_gradient_follows_seque
 
 def test_ring_attention_saves_no_score_matrix_even_for_eager_attention() -> None:
     # Under context parallelism attention runs as ring attention (torch's context_parallel needs SDPA; the teaching
-    # ring, runtime/teaching/context_parallel.py, saves q, k, v, the output and the log-sum-exp of its own tokens).
+    # ring, ring_attention.py, saves q, k, v, the output and the log-sum-exp of its own tokens).
     model = model_preset("llama-3-8b")
     eager, sdpa = (TrainingSpec(sequence_length=S, attention=kind) for kind in ("eager", "sdpa"))
     share = RankShare(cp=2)

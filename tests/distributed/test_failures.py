@@ -140,6 +140,7 @@ def _read_or_empty(path: Path) -> str:
         return ""
 
 
+@pytest.mark.long
 def test_a_hang_in_a_later_run_of_a_suite_is_named_not_a_collective_timeout(
     tmp_path: Path, leftover: Callable[[str], list[int]]
 ) -> None:

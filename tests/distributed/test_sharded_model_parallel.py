@@ -91,6 +91,7 @@ def test_sharded_model_parallel_run_holds_what_the_paper_engine_predicts(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_hsdp_with_tensor_parallel_on_eight_ranks_matches_one_process_and_the_prediction() -> None:
     # dp 4 x tp 2: each tp slice's data group [t, t+2, t+4, t+6] shards over pairs of consecutive data ranks and
     # replicates across the pairs (core/network.py `placement`: replica groups strided by the shard group x tp)

@@ -150,6 +150,7 @@ def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize(
     "case",
     [

@@ -1,8 +1,8 @@
 """The 3-D mesh, dp 2 x cp 2 x tp 2 on 8 gloo ranks: the teaching tensor, sequence and context parallelism ends where
 one process ends, element for element, in float64 after 3 AdamW steps (DESIGN.md: parity in float64 within 1e-10).
 
-8 ranks on a few cores take a minute or two, so these tests are slow and run only when asked for:
-`pytest -m slow tests/distributed/test_three_d_mesh.py`.
+8 ranks on a few cores take a minute or two, so these tests are long and run only when asked for:
+`pytest -m long tests/distributed/test_three_d_mesh.py`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,8 @@ from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
 from shardscope.procs.functions import run_function
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.long]
 WORLD, TP, CP = 8, 2, 2
-
-
-@pytest.fixture(autouse=True)
-def only_when_asked(request: pytest.FixtureRequest) -> None:
-    """Eight ranks stay out of the default run (`make test`): they run under `-m slow`."""
-    if "slow" not in (request.config.getoption("markexpr") or "").replace("not slow", ""):
-        pytest.skip("8 ranks: run with -m slow")
 
 
 def test_three_d_mesh_matches_one_process_rank_by_rank(monkeypatch: pytest.MonkeyPatch) -> None:

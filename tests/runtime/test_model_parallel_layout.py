@@ -8,7 +8,7 @@ import torch
 from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
 from shardscope.reference_models import build_model
-from shardscope.runtime.teaching.context_parallel import zigzag_positions
+from shardscope.ring_attention import zigzag_positions
 from shardscope.runtime.teaching.tensor_parallel import check_divisible, shard_dim, shard_of, whole_of
 
 

@@ -37,6 +37,17 @@ def test_every_gpu_preset_has_a_default_profile() -> None:
         assert profile.memory_bandwidth_bytes_per_s > 0, name
 
 
+def test_h100_nvl_is_its_datasheet_column() -> None:
+    # NVIDIA H100 Tensor Core GPU datasheet, H100 NVL: 94 GB, 3.9 TB/s, BF16 1,671 TFLOPS with sparsity (835.5
+    # dense), 350-400 W; its NVLink bridge joins two cards only, so a node's GPUs talk over PCIe Gen5.
+    gpu = gpu_preset("h100-nvl-94gb")
+    assert gpu.memory_bytes == 94 * 2**30
+    assert gpu.peak_flops("bf16") == 835.5e12
+    profile = default_profile(gpu)
+    assert profile.memory_bandwidth_bytes_per_s == 3.9e12
+    assert profile.intra_node.id == "pcie5-x16"
+
+
 def test_profile_round_trips_through_toml(tmp_path: Path) -> None:
     profile = default_profile(gpu_preset("a100-80gb"))
     path = tmp_path / "profile.toml"

@@ -42,6 +42,7 @@ def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
     assert full.reserved_peak_bytes is not None and full.reserved_peak_bytes >= full.per_rank.peak_bytes
 
 
+@pytest.mark.long
 def test_reserved_bytes_do_not_grow_by_the_same_amount_per_block() -> None:
     """Why reserved_peak_bytes is not extrapolated: the caching allocator packs blocks into 2 MiB segments, so one
     more block adds a segment or none (tiny-llama, zero2, fp32, 2 ranks, traced whole at 3 to 8 blocks; FSDP2's

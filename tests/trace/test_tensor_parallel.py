@@ -112,7 +112,7 @@ def test_ledger_equals_the_core_with_and_without_sequence_parallelism(
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--model", "tiny-llama", "--gpus", "4", "--cp", "2"], "_scaled_dot_product_flash_attention_for_cpu"),
+        (["--model", "tiny-llama", "--gpus", "4", "--cp", "2", "--strategy", "ddp"], "over fully_shard only"),
         (["--model", "tiny-gpt2", "--gpus", "4", "--tp", "2"], "fused c_attn"),
         (["--model", "tiny-llama", "--gpus", "4", "--tp", "2", "--strategy", "ddp"], "DistributedDataParallel"),
         (["--model", "tiny-llama", "--gpus", "4", "--tp", "2", "--strategy", "zero1"], "ZeroRedundancyOptimizer"),
@@ -124,3 +124,6 @@ def test_what_torch_cannot_replay_is_one_line(argv: list[str], says: str, capsys
     assert code == 2
     assert len(err.splitlines()) == 1
     assert says in err
+    # only what the trace's command line can do: it refuses --engine paper
+    assert "`shardscope estimate`" in err
+    assert "--engine paper" not in err

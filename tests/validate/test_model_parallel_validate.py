@@ -14,7 +14,7 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.core.result import CollectiveRow
-from shardscope.validate.cases import ValidationCase, every_case, full_matrix, model_parallel_matrix
+from shardscope.validate.cases import ValidationCase, every_case, full_matrix, model_parallel_matrix, pipeline_matrix
 from shardscope.validate.compare import ledger_differences, point_to_point_bytes, step_payload_bytes
 
 
@@ -61,14 +61,16 @@ def test_the_model_parallel_cases_name_their_mesh() -> None:
 def test_cases_no_run_engine_implements_say_why() -> None:
     runnable = [case for case in model_parallel_matrix() if not case.not_runnable()]
     # the teaching grid runs every data-parallel strategy under tp and cp; torch's DTensor plan composes with FSDP2
-    # only (runtime/config.py MODEL_PARALLEL_STAGES), refuses cp (no CPU sharding rule) and gpt2's fused c_attn
+    # only (runtime/config.py MODEL_PARALLEL_STAGES), with the teaching ring for cp, and refuses gpt2's fused c_attn
     pairs = {(case.strategy, case.engine) for case in runnable}
     assert pairs == {("ddp", "paper"), ("fsdp", "paper"), ("fsdp", "pytorch")}
-    assert len(runnable) == 38
+    assert len(runnable) == 42
     torch_ddp = ValidationCase(model="tiny-llama", strategy="ddp", engine="pytorch", world_size=4, tp=2)
     assert "engine pytorch runs tensor and context parallelism with zero2, zero3, fsdp" in torch_ddp.not_runnable()
-    torch_cp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=4, tp=2, cp=2)
-    assert "context_parallel" in torch_cp.not_runnable()
+    torch_cp = ValidationCase(model="tiny-gpt2", strategy="fsdp", engine="pytorch", world_size=4, tp=2, cp=2)
+    assert "fused c_attn" in torch_cp.not_runnable()
+    torch_ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=4, cp=2)
+    assert torch_ring.not_runnable() == ""
     assert ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4).not_runnable() == ""
 
 
@@ -91,7 +93,7 @@ def _row(phase: str, op: str, payload: int, count: int) -> CollectiveRow:
     return CollectiveRow(phase=phase, op=op, group_size=2, payload_bytes=payload, count=count)
 
 
-def test_the_ledger_is_compared_call_for_call_and_point_to_point_apart() -> None:
+def test_the_ledger_is_compared_call_for_call_send_and_recv_included() -> None:
     predicted = (
         _row("setup", "broadcast", 64, 3),
         _row("backward", "all_gather", 100, 2),
@@ -99,19 +101,42 @@ def test_the_ledger_is_compared_call_for_call_and_point_to_point_apart() -> None
         _row("forward", "send", 30, 4),
         _row("forward", "recv", 30, 4),
     )
-    # the same total (250 B) in other calls: the payload row agrees, the calls do not
+    # the same totals (250 B of collectives, 240 B point to point) in other calls: the payload rows agree, the
+    # calls do not, send and recv as well as the collectives
     measured = (
         _row("setup", "broadcast", 64, 3),
         _row("backward", "all_gather", 100, 1),
         _row("backward", "all_reduce", 50, 3),
+        _row("forward", "send", 60, 2),
+        _row("forward", "recv", 30, 4),
     )
     assert step_payload_bytes(predicted) == step_payload_bytes(measured) == 250
-    assert point_to_point_bytes(predicted) == 240
+    assert point_to_point_bytes(predicted) == point_to_point_bytes(measured) == 240
     assert ledger_differences(predicted, measured) == (
         "backward all_gather of 100 B over 2 ranks: predicted 2, measured 1",
         "backward all_reduce of 50 B over 2 ranks: predicted 1, measured 3",
+        "forward send of 30 B over 2 ranks: predicted 4, measured 0",
+        "forward send of 60 B over 2 ranks: predicted 0, measured 2",
     )
     assert ledger_differences(predicted, predicted) == ()
+
+
+def test_send_and_recv_have_a_payload_row_of_their_own() -> None:
+    from shardscope.core.result import MemoryBreakdown
+    from shardscope.validate.compare import compare_case
+
+    case = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=2, cp=2)
+    memory = MemoryBreakdown(
+        parameters_bytes=100, gradients_bytes=100, optimizer_state_bytes=200, activations_bytes=1000, peak_bytes=2000
+    )
+    ring = (_row("forward", "send", 30, 4), _row("forward", "recv", 30, 4), _row("backward", "all_reduce", 50, 1))
+    short = (_row("forward", "send", 30, 3), _row("forward", "recv", 30, 4), _row("backward", "all_reduce", 50, 1))
+    rows = {row.quantity: row for row in compare_case(case, memory, ring, 0.0, None, None, None, memory, short, 0.0)}
+    assert (rows["point_to_point_payload"].predicted, rows["point_to_point_payload"].measured) == (240, 210)
+    assert not rows["point_to_point_payload"].ok  # one send missing from the run
+    assert rows["ledger_payload"].predicted == rows["ledger_payload"].measured == 50
+    no_ring = compare_case(case, memory, ring[2:], 0.0, None, None, None, memory, ring[2:], 0.0)
+    assert "point_to_point_payload" not in {row.quantity for row in no_ring}  # only cases with a ring have it
 
 
 @pytest.mark.parametrize(
@@ -164,3 +189,19 @@ def test_one_tensor_parallel_case_through_validate(matches_schema: Callable[[dic
     for category in ("activations", "peak"):
         assert rows[category]["error"] <= 0.05, rows[category]
     assert all(row["ok"] for row in document["rows"])
+
+
+def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
+    cases = pipeline_matrix()
+    assert [case.label for case in cases] == [
+        "tiny-llama ddp paper w4 pp2 1f1b m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 gpipe m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 1f1b m4 fp32",
+        "tiny-llama-8 ddp paper w4 pp4 interleaved-1f1b m4 fp32",
+    ]
+    assert all(case.not_runnable() == "" for case in cases)
+    assert every_case()[-len(cases) :] == cases
+    assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
+    assert cases[3].scenario().strategy.pipeline_stages == 8
+    fsdp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, grad_accum=4)
+    assert "runs inside ddp only" in fsdp.not_runnable()

@@ -134,7 +134,10 @@ def run(args: argparse.Namespace) -> int:
         hardware = hardware_from_args(args, scenarios[0].cluster.gpu)
         times = [estimate_time(scenario, hardware) for scenario in scenarios]
     if args.json:
-        print(json.dumps(estimate_document(estimates, times), indent=2))
+        document = estimate_document(estimates, times)
+        if args.config_source is not None:
+            document["source"] = args.config_source.as_json()
+        print(json.dumps(document, indent=2))
     else:
         print(render_estimates(estimates, args.units))
         if times:

@@ -248,7 +248,10 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty() and not args.json:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        document = result.to_json()
+        if args.config_source is not None:
+            document["source"] = args.config_source.as_json()
+        print(json.dumps(document, indent=2))
     else:
         print(render_plan(result, args.units, elapsed))
     return 0  # "nothing fits" is an answer, printed with the rejections

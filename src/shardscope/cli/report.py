@@ -25,6 +25,7 @@ from shardscope.units import parse_count
 
 EXAMPLES = """examples:
   shardscope report --model llama-3-8b --gpus 8 --seq-len 4096 -o report.html
+  shardscope report --model llama-3-8b --gpus 16 --strategy fsdp --pp 4 --grad-accum 8 -o pipeline.html
   shardscope report --model llama-3-70b --gpus 1024 --seq-len 4096 --global-batch-tokens 4M -o plan.html --png charts/
 """
 
@@ -82,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
             f"--price-per-gpu-hour {args.price_per_gpu_hour} ranks plans by cost; give --global-batch-tokens to plan"
         )
     if args.global_batch_tokens:
+        if args.pp > 1:
+            raise CliError(
+                f"--pp {args.pp}: the planner does not search pipelines yet; drop --global-batch-tokens to report "
+                "this pipeline's strategies"
+            )
         if args.params:
             raise CliError("--params gives only a parameter count; planning needs the model's shape")
         gpu = gpu_from_args(args)

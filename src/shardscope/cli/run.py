@@ -40,7 +40,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--precision", default=None, help="fp64, fp32 or bf16-mixed (default fp64)")
     parser.add_argument("--shard-group", type=int, default=0, help="hsdp: ranks per shard group")
     add_model_parallel_arguments(parser)
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per micro-batch")
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per step: more than 1 only with --pp (default 1)"
+    )
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--checkpointing", default="none", help="none, full, selective, op or every:N")
     parser.add_argument("--attention", default="sdpa", help="eager or sdpa")
@@ -117,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             precision=_precision(args),
             micro_batch_size=args.micro_batch,
+            grad_accum=args.grad_accum,
             sequence_length=args.seq_len,
             checkpointing=args.checkpointing,
             attention=args.attention,
@@ -124,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             cp=args.cp,
             sequence_parallel=args.sequence_parallel,
+            pp=args.pp,
+            pp_schedule=args.pp_schedule,
+            pp_virtual_stages=args.pp_virtual_stages,
+            pp_layers=args.pp_layers,
+            ep=args.ep,
             timeout_s=args.timeout,
             fault=args.inject_fault,
         )

@@ -23,6 +23,7 @@ from shardscope.choices import (
     parse_choice,
 )
 from shardscope.cli.errors import CliError
+from shardscope.configs.args import add_from_arguments, print_source
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import gpu_preset, gpu_preset_names, model_preset, model_preset_names, with_memory
 from shardscope.presets.hf_config import read_hf_config
@@ -72,7 +73,9 @@ def positive_int(text: str) -> int:
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """--model PRESET | --config config.json | --params N."""
-    group = parser.add_mutually_exclusive_group(required=required)
+    group = parser.add_mutually_exclusive_group()  # required is checked in model_from_args: --from may name it
+    parser.set_defaults(model_required=required)
+    add_from_arguments(parser)
     group.add_argument("--model", metavar="PRESET", help=f"a model preset: {', '.join(model_preset_names())}")
     group.add_argument(
         "--config",
@@ -216,7 +219,7 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+        "data-parallel shard x cp GPUs (default 1; estimated, and run by --engine paper inside zero3 or fsdp)",
     )
     parser.add_argument(
         "--pp",
@@ -257,13 +260,10 @@ PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come la
 
 
 def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the commands that cannot take a pipeline (trace, run, timeline, report) or experts (run) yet."""
-    if args.pp > 1 and args.command in ("trace", "run"):
+    """CliError for the command that cannot take a pipeline yet (trace); `run` asks its engine (runtime/config.py
+    MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS) whether it runs a pipeline or experts."""
+    if args.pp > 1 and args.command == "trace":
         raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-    if args.ep > 1 and args.command == "run":
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction and runs come later")
-    if args.pp > 1 and args.command in ("timeline", "report"):
-        raise CliError(f"--pp {args.pp}: pipelines are predicted by estimate (with --time); {args.command} comes later")
 
 
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
@@ -279,7 +279,11 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """The ModelSpec named by --model, --config or --params."""
+    """The ModelSpec named by --model, --config or --params (or the --from file)."""
+    if args.model_required and not any(getattr(args, name, None) is not None for name in ("model", "config", "params")):
+        raise CliError("one of the arguments --model --config --params is required (or a --from file that names it)")
+    if args.command == "plan":  # plan builds no scenario here; the others print once their scenarios are valid
+        print_source(args)
     if getattr(args, "config", None) is not None:
         if not args.config:
             raise CliError("--config '' is empty; give the path of a Hugging Face config.json")
@@ -329,10 +333,12 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:
-    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
+    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists (the sharding
+    stages only under expert parallelism)."""
     text: str = args.strategy
     if text == "all":
-        return list(comparable_strategies(grouped=bool(args.shard_group) or cluster.num_nodes > 1))
+        grouped = bool(args.shard_group) or cluster.num_nodes > 1
+        return list(comparable_strategies(grouped, sharded=getattr(args, "ep", 1) > 1))
     words = [word.strip() for word in text.split(",") if word.strip()]
     if not words:
         raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")
@@ -394,12 +400,13 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
-    if args.ep > 1:  # the scenarios are valid: their errors came first
-        raise CliError(f"--ep {args.ep}: expert parallelism is validated only; its prediction comes later")
+    if args.ep > 1 and args.command != "estimate":  # the scenarios are valid: their errors came first
+        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; {args.command} comes later")
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):
         raise CliError(
             f"--shard-group {args.shard_group} is used only by hsdp, and --strategy {args.strategy} does not include it"
         )
+    print_source(args)
     return scenarios

@@ -1,4 +1,5 @@
-"""`shardscope timeline`: simulate one step of one strategy, print where the time goes, write a Chrome trace.
+"""`shardscope timeline`: simulate one step of one strategy, print where the time goes, write a Chrome trace; with
+--pp, every pipeline rank's schedule, stages by time (cli.pipeline_view).
 
 Also home of the hardware options every time-aware command shares (`estimate --time`, `timeline`, later `plan`).
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardscope.cli.errors import CliError
+from shardscope.cli.pipeline_view import pipeline_json, render_pipeline
 from shardscope.cli.scenario_args import (
     add_cluster_arguments,
     add_model_arguments,
@@ -20,9 +22,10 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import render_table
-from shardscope.core.chrome_trace import chrome_trace
+from shardscope.core.chrome_trace import chrome_trace, pipeline_chrome_trace
 from shardscope.core.memory import estimate_memory
 from shardscope.core.network import ledger_costs
+from shardscope.core.pipeline_time import pipeline_step
 from shardscope.core.timeline import TimeEstimate, estimate_time, network_model
 from shardscope.presets.hardware import (
     HardwareProfile,
@@ -32,12 +35,13 @@ from shardscope.presets.hardware import (
     interconnect_preset_names,
 )
 from shardscope.presets.profile_toml import load_profile
-from shardscope.specs import GpuSpec
+from shardscope.specs import GpuSpec, Scenario
 from shardscope.units import format_bytes, parse_bytes
 
 EXAMPLES = """examples:
   shardscope timeline --model llama-3-8b --gpus 16 --strategy zero3 --trace step.json
   shardscope timeline --model gpt2-xl --seq-len 1024 --gpus 64 --strategy ddp --inter-node ethernet-100g
+  shardscope timeline --model llama-3-8b --gpus 16 --strategy fsdp --pp 4 --grad-accum 8 --trace pipeline.json
   shardscope timeline --model tiny-gpt2 --seq-len 64 --gpus 2 --gpus-per-node 2 --strategy ddp --hardware profile.toml
 """
 
@@ -150,16 +154,41 @@ def render_summary(estimate: TimeEstimate) -> str:
     return "\n".join(lines)
 
 
+def write_trace(trace: dict[str, object], path: str) -> None:
+    """Write a Chrome trace; a path that cannot be written is one line naming it."""
+    try:
+        Path(path).write_text(json.dumps(trace), encoding="utf-8")
+    except OSError as error:
+        raise CliError(f"cannot write trace {path!r}: {error.strerror}") from None
+
+
+def run_pipeline(scenario: Scenario, hardware: HardwareProfile, args: argparse.Namespace) -> int:
+    """A pipeline's step: every pipeline rank simulated (core.pipeline_time), drawn stage by stage."""
+    step = pipeline_step(scenario, hardware)
+    estimate = estimate_time(scenario, hardware)  # the numbers of `estimate --time`, for the rank that ends last
+    if args.trace:
+        write_trace(pipeline_chrome_trace(step), args.trace)
+    if args.json:
+        print(json.dumps({**estimate.to_json(), "pipeline": pipeline_json(step)}, indent=2))
+        return 0
+    print(render_pipeline(step, estimate))
+    if args.trace:
+        print(
+            f"\nChrome trace written to {args.trace}: a process per pipeline rank, a thread per stage, micro-batches "
+            "in flight (open in https://ui.perfetto.dev or chrome://tracing)"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Simulate, print, and write the trace."""
     (scenario,) = scenarios_from_args(args, [args.strategy])
-    estimate = estimate_time(scenario, hardware_from_args(args, scenario.cluster.gpu))
+    hardware = hardware_from_args(args, scenario.cluster.gpu)
+    if scenario.strategy.pp > 1:
+        return run_pipeline(scenario, hardware, args)
+    estimate = estimate_time(scenario, hardware)
     if args.trace:
-        trace = chrome_trace(estimate, estimate_memory(scenario))
-        try:
-            Path(args.trace).write_text(json.dumps(trace), encoding="utf-8")
-        except OSError as error:
-            raise CliError(f"cannot write trace {args.trace!r}: {error.strerror}") from None
+        write_trace(chrome_trace(estimate, estimate_memory(scenario)), args.trace)
     if args.json:
         print(json.dumps(estimate.to_json(), indent=2))
     else:

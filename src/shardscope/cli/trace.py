@@ -28,6 +28,7 @@ EXAMPLES = """examples:
   shardscope trace --model tiny-llama --gpus 64 --strategy hsdp --shard-group 8 --json
   shardscope trace --config path/to/config.json --gpus 16 --strategy zero2
   shardscope trace --module mypackage.models:make --gpus 8 --strategy fsdp
+  shardscope trace --model tiny-llama --gpus 4 --strategy fsdp --cp 2 --seq-len 32
 """
 
 
@@ -121,11 +122,12 @@ def render(result: Any, units: str) -> str:
         rows.append(["reserved", format_bytes(result.reserved_peak_bytes, units), "CUDA caching allocator, replayed"])
     lines += [render_table(["category", "bytes per rank", "source"], rows), ""]
     if result.ledger:
+        # the group by its mesh axis (dp, tp, cp), as the JSON ledger names it, beside its size
         ledger = [
-            [row.phase, row.op, str(row.group_size), format_bytes(row.payload_bytes, "MiB"), str(row.count)]
+            [row.phase, row.op, row.group, str(row.group_size), format_bytes(row.payload_bytes, "MiB"), str(row.count)]
             for row in result.ledger
         ]
-        lines += [render_table(["phase", "collective", "group", "payload", "count"], ledger), ""]
+        lines += [render_table(["phase", "collective", "group", "ranks", "payload", "count"], ledger), ""]
     flops = result.flops
     lines.append(
         f"FLOPs per step on this rank: {flops.total_flops:.3e} (forward {flops.forward_flops:.3e}, "

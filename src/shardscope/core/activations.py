@@ -72,6 +72,12 @@ class ActivationEstimate:
     """`block_backward_bytes` of the bottom block (that field is the top block's)."""
     stored_blocks_bytes: int = 0
     """What all the blocks keep together."""
+    shared_bytes: int = 0
+    """What every block reads and some block saves, made once per forward before the blocks (the rotary tables and
+    the causal mask): part of `saved_bytes`, once per pipeline stage that runs blocks."""
+    inputs_bytes: int = 0
+    """What is still saved once every block's backward is done (the blocks' shared RoPE tables and mask are freed
+    with the last of them): the token ids (and gpt2's position ids), the targets, and the loss's total weight."""
 
 
 def _norm_bytes(model: ModelSpec, sizes: Sizes, fused_rms: bool, input_element: int) -> int:
@@ -124,6 +130,11 @@ def _mlp_bytes(model: ModelSpec, sizes: Sizes) -> int:
     # Under tensor parallelism the router runs on every rank over the gathered tokens; each expert's FFN is split.
     router = sizes.gathered + tokens * experts * element + routed * (8 + element) + tokens * element
     per_routed = 3 * hidden * element + 4 * sizes.ffn * element + 16 + element
+    if sizes.experts < model.num_experts:
+        # Expert parallelism (runtime/teaching/expert_parallel.py): the expert's rank keeps each output (its combine
+        # buffer's input), the token's rank the copy the combine brings back, and three int64 token orders instead
+        # of the row pair (measured with saved_tensors_hooks on tiny-moe).
+        per_routed += hidden * element + 2 * INDEX_BYTES
     return router + routed * per_routed
 
 
@@ -151,11 +162,12 @@ def _moe_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int) -> int:
     routed inputs' gradients accumulate into one tokens x hidden tensor, and this expert holds its output projection's
     weight gradient and two of its tokens x ffn gradients. Routing is data-dependent: the core assumes each expert
     gets tokens x top-k / experts rows; tests/core/test_backend_peak.py pins how far under a measured uneven routing
-    that puts it."""
+    that puts it. Under expert parallelism the rank's num_experts / ep experts get as many rows in all (its expert
+    group's tokens routed to them, dropless and even: core/expert_parallel.py)."""
     element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // model.num_experts)
-    others = model.num_experts - 1
+    per_expert = -(-routed // sizes.experts)
+    others = sizes.experts - 1
     saved_per_row = hidden * element + 4 * ffn * element + 16  # gathered input, SwiGLU's four, the row pair
     freed = routed * (2 * hidden * element + element) + others * per_expert * saved_per_row
     made = others * 3 * weight + weight + 2 * per_expert * ffn * element + sizes.tokens * hidden * element
@@ -176,7 +188,20 @@ def _shared_bytes(model: ModelSpec, training: TrainingSpec, share: RankShare) ->
     rope = 2 * rows * model.head_dim * activation_bytes_per_element(training) if model.family != "gpt2" else 0
     eager = training.attention == "eager" and share.cp == 1
     mask = rows * seq if eager or training.checkpointing == "selective" else 0
+    if _checkpoint_holds_context(training, share):
+        # torch.utils.checkpoint (non-reentrant) keeps a checkpointed block's inputs, which its recomputation
+        # closes over, until that block's backward: RoPE's tables and the mask, whatever the attention kind (under
+        # context parallelism the mask of the rank's own positions, rows x rows).
+        mask = max(mask, rows * rows)
     return rope + mask
+
+
+def _checkpoint_holds_context(training: TrainingSpec, share: RankShare) -> bool:
+    """Whether the shared tensors are kept as the inputs of checkpointed blocks: some block is checkpointed (whole,
+    or by the op policy). Followed under tensor or context parallelism only, where validation measured it; the same
+    inputs are kept without them, but the data-parallel numbers are held fixed until they are validated again."""
+    checkpointed = training.checkpointing == "op" or checkpoint_every(training.checkpointing) > 0
+    return checkpointed and share != WHOLE
 
 
 def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, share: RankShare) -> tuple[int, int, int]:
@@ -186,7 +211,7 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     norms see fp32 inputs, RoPE's tables stay fp32 and llama's rotated q and k are made in fp32 and cast again
     (three more tokens x hidden 16-bit tensors per block, measured).
     """
-    layout = param_layout(model, share.tp)
+    layout = param_layout(model, share.tp, share.ep)
     head_weight = model.vocab_size // share.tp * model.hidden_size * sizes.element  # lm_head's copy, tied or not
     block_weights = sum(t.numel for t in layout.block if len(t.shape) == 2) * sizes.element
     widen = 4 - sizes.element
@@ -194,7 +219,8 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     if model.family == "gpt2":
         norm = boundary + 2 * sizes.boundary_tokens * widen  # fp32 input and statistics
         return block_weights + 2 * norm, boundary, head_weight + norm
-    rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if _keeps_shared(training) else 0
+    keeps_rope = _keeps_shared(training) or _checkpoint_holds_context(training, share)
+    rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if keeps_rope else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
@@ -210,10 +236,10 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, sha
     matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
     dependent: each expert is assumed to get an even share of the routed rows."""
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // max(1, model.num_experts))
+    per_expert = -(-routed // max(1, sizes.experts))
     linears = sum(
         (per_expert if ".experts." in tensor.name else sizes.tokens) * tensor.shape[0] * sizes.element
-        for tensor, saved in saved_linears(model, share.tp)
+        for tensor, saved in saved_linears(model, share.tp, share.ep)
         if saved
     )
     attention = sizes.query + (sizes.lse if training.attention == "sdpa" or sizes.ring else sizes.probs)
@@ -254,7 +280,8 @@ def estimate_activations(
     widened = autocast and training.is_mixed
     norm = _norm_bytes(model, sizes, gpu_kernels, 4 if widened else sizes.element)
     block, selective_dropped = _block_bytes(model, training, sizes, norm)
-    shared = _shared_bytes(model, training, share) if _keeps_shared(training) else 0
+    keeps_shared = _keeps_shared(training) or _checkpoint_holds_context(training, share)
+    shared = _shared_bytes(model, training, share) if keeps_shared else 0
     block_extra = input_extra = head_extra = 0
     if widened:
         block_extra, input_extra, head_extra = _autocast_extra(model, training, sizes, share)
@@ -326,4 +353,6 @@ def estimate_activations(
         first_stored_block_bytes=first.stored,
         first_block_backward_bytes=first.backward + own_backward,
         stored_blocks_bytes=stored_blocks,
+        shared_bytes=shared,
+        inputs_bytes=ids + total_weight,
     )

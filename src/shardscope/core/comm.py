@@ -51,7 +51,7 @@ def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     if scenario.strategy.offload == "optimizer":
         events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
     if scenario.state_ranks == 1:  # data-parallel groups of one rank send nothing; host copies and tp calls remain
-        events = [event for event in events if event.group in ("host", "tp", "cp")]
+        events = [event for event in events if event.group in ("host", "tp", "cp", "ep")]
     return tuple(events)
 
 

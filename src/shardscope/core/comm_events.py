@@ -37,7 +37,8 @@ class CommEvent:
     """What moves (count 1)."""
     group: CommGroup
     """'world' (every rank holding the same tensor-parallel slice, strided by tp), 'shard' (an hsdp shard group),
-    'replica' (ranks holding the same shard, strided by the shard group x tp), 'tp' (consecutive ranks), 'cp' (strided
+    'replica' (ranks holding the same shard, strided by the shard group x tp), 'experts' (ranks holding the same
+    experts, one per expert group, strided by ep x tp), 'tp' (consecutive ranks), 'cp' (strided
     by tp), or 'host' (a copy between this GPU and its host)."""
     micro_batch: int
     """The micro-batch it belongs to (the last one for optimizer-phase events)."""
@@ -104,9 +105,11 @@ LEDGER_GROUP: dict[CommGroup, LedgerGroup] = {
     "world": "dp",
     "shard": "dp",
     "replica": "dp",
+    "experts": "dp",
     "host": "host",
     "tp": "tp",
     "cp": "cp",
+    "ep": "ep",
 }
 """The mesh dimension of the ledger row of an event on each group: the data-parallel groups are one dimension."""
 

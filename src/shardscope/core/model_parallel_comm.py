@@ -26,7 +26,7 @@ Payloads are b x (s / cp) x h in the working dtype: the unsharded buffer for all
 everywhere in the ledger.
 
 Context parallelism is ring attention ("Ring Attention with Blockwise Transformers for Near-Infinite Context", Liu et
-al.), as the teaching implementation (runtime/teaching/context_parallel.py) and zhuzilin/ring-flash-attention
+al.), as the teaching implementation (ring_attention.py) and zhuzilin/ring-flash-attention
 (`ring_flash_attn_forward` / `_backward`) run it: per attention layer the rank's K and V chunk (b x s/cp tokens x the
 rank's kv heads x head_dim) goes round the ring in cp - 1 send/recv steps in forward; backward sends K and V cp - 1
 times again and the accumulated dK and dV cp times, so that each chunk's gradient ends where the chunk started. dK
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from shardscope.choices import Trigger, checkpoints_block
 from shardscope.core.comm_events import CommEvent, Place, event
+from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import param_layout, rank_layout
 from shardscope.specs import Scenario
@@ -55,17 +56,18 @@ LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's 
 def model_parallel_events(
     scenario: Scenario, weight_bytes: int, regathers_in_backward: bool = False
 ) -> list[CommEvent]:
-    """Every tp and cp call of one step (none when tp and cp are 1); `weight_bytes` is the element size of the
-    gathered weights, whose replicated gradients sequence parallelism reduces; `regathers_in_backward`: sequence
-    parallelism as Megatron-LM runs it, whose column-parallel linears all-gather their input again in backward
-    (core.rank_share), where torch's keep the gathered input."""
+    """Every tp, cp and ep call of one step (none when all three are 1; ep's in core/expert_parallel.py);
+    `weight_bytes` is the element size of the gathered weights, whose replicated gradients sequence parallelism
+    reduces; `regathers_in_backward`: sequence parallelism as Megatron-LM runs it, whose column-parallel linears
+    all-gather their input again in backward (core.rank_share), where torch's keep the gathered input."""
     strategy = scenario.strategy
-    if strategy.tp == 1 and strategy.cp == 1:
+    if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return []
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):
         events += _tensor_parallel(scenario, micro_batch, weight_bytes, regathers_in_backward)
         events += _context_parallel(scenario, micro_batch)
+        events += expert_parallel_events(scenario, micro_batch)
     return events
 
 
@@ -132,7 +134,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, re
 
 def _replicated(scenario: Scenario) -> list[tuple[str, int]]:
     """(name, elements) of each weight every tp rank holds whole: the same shape in its slice as in the model."""
-    whole, sliced = param_layout(scenario.model), rank_layout(scenario)
+    whole, sliced = param_layout(scenario.model, 1, scenario.strategy.ep), rank_layout(scenario)
     pairs = zip(whole.tensors(), sliced.tensors(), strict=True)
     return [(tensor.name, tensor.numel) for tensor, mine in pairs if tensor.shape == mine.shape]
 

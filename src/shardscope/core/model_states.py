@@ -7,9 +7,13 @@ makes stays in that engine's module, with the moments it adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from shardscope.specs import Scenario
+
+_Kept = TypeVar("_Kept")
 
 STEP_TENSOR_BYTES = 4  # torch's Adam keeps `step` as a float32 scalar tensor per parameter tensor
 
@@ -65,7 +69,11 @@ def dtype_bytes(precision: str) -> int:
 
 def offload(scenario: Scenario, states: ModelStates) -> ModelStates:
     """ZeRO-Offload ("ZeRO-Offload: Democratizing Billion-Scale Model Training"): the optimizer state (and, with
-    'optimizer+params', the parameter and gradient shards) live in host memory and are updated there."""
+    'optimizer+params', the parameter and gradient shards) live in host memory and are updated there. Every engine
+    calls it last on its states, so it first puts expert parallelism's shards right (core/expert_parallel.py)."""
+    from shardscope.core.expert_parallel import expert_parallel_states  # it builds on this module
+
+    states = expert_parallel_states(scenario, states)
     mode = scenario.strategy.offload
     if mode == "none":
         return states
@@ -80,3 +88,18 @@ def offload(scenario: Scenario, states: ModelStates) -> ModelStates:
         gradients_bytes=0,
         host_bytes=moved.host_bytes + states.parameters_bytes + states.gradients_bytes,
     )
+
+
+KEPT_STATES_LIMIT = 4096
+"""Entries a states cache holds before it starts over (a planner sweep asks for a few hundred settings)."""
+
+
+def kept_states(cache: dict[tuple[object, ...], _Kept], key: tuple[object, ...], make: Callable[[], _Kept]) -> _Kept:
+    """`make()` kept in `cache` under `key`: an engine's states for the scenario fields they read, so a planner sweep
+    that varies only the micro-batch, checkpointing or micro-batch count prices each setting's states once."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= KEPT_STATES_LIMIT:
+            cache.clear()
+        found = cache[key] = make()
+    return found

@@ -120,8 +120,9 @@ class CollectiveCost:
 def placement(event: CommEvent, scenario: Scenario) -> Placement:
     """Where the event's group lies on the mesh pp x dp_replicate x dp_shard x cp x tp (tp innermost, as torchtitan's
     ParallelDims orders it): a tp group is consecutive ranks, a cp group strided by tp, the data-parallel groups
-    (every rank with the same tp slice, or an hsdp shard group of dp_shard x cp) by tp, and hsdp's replica groups by
-    the shard group x tp. A group strided by k has at most ranks per node / k of its ranks on one node."""
+    (every rank with the same tp slice, or an hsdp shard group of dp_shard x cp) by tp, hsdp's replica groups by
+    the shard group x tp, and the ranks holding the same experts by ep x tp. A group strided by k has at most ranks
+    per node / k of its ranks on one node."""
     per_node = scenario.cluster.ranks_per_node
     size = event.row.group_size
     group = event.group
@@ -129,6 +130,8 @@ def placement(event: CommEvent, scenario: Scenario) -> Placement:
         stride = 1
     elif group == "replica":
         stride = scenario.shard_degree * scenario.strategy.tp
+    elif group == "experts":  # one rank per expert group (core.expert_parallel)
+        stride = scenario.strategy.ep * scenario.strategy.tp
     else:
         stride = scenario.strategy.tp
     return Placement(size=size, per_node=max(1, min(size, per_node // stride)))
@@ -142,6 +145,8 @@ def _step_factor(op: str, ranks: int) -> tuple[float, int]:
         return (ranks - 1) / ranks, ranks - 1
     if op == "broadcast":
         return 1.0, ranks - 1
+    if op == "all_to_all":  # pairwise exchange: each rank keeps 1/n of its buffer and sends the rest in n - 1 steps
+        return (ranks - 1) / ranks, ranks - 1
     raise SpecError(f"op {op!r} is not a collective")
 
 

@@ -18,11 +18,11 @@ from shardscope.specs import ModelSpec
 
 
 @cache
-def saved_linears(model: ModelSpec, tp: int = 1) -> tuple[tuple[ParamTensor, bool], ...]:
+def saved_linears(model: ModelSpec, tp: int = 1, ep: int = 1) -> tuple[tuple[ParamTensor, bool], ...]:
     """Each weight matrix of a block in forward order (its creation order), as one of `tp` tensor-parallel ranks holds
     it, and whether the policy saves the output of its matmul. MoE: every expert is assumed to receive tokens, so each
-    runs its three matmuls."""
-    block = param_layout(model, tp).block
+    runs its three matmuls (the rank's num_experts / ep of them under expert parallelism)."""
+    block = param_layout(model, tp, ep).block
     names = {tensor.name for tensor in block}
     mm_count = 0
     linears = []

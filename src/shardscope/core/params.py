@@ -139,13 +139,15 @@ def _swiglu(prefix: str, hidden: int, ffn: int) -> tuple[ParamTensor, ...]:
     )
 
 
-def _llama_block(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+def _llama_block(model: ModelSpec, tp: int, ep: int) -> tuple[ParamTensor, ...]:
     hidden, ffn = model.hidden_size, model.ffn_hidden_size // tp
     if model.family == "moe":
-        # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts).
+        # Mixtral: a router (gate) and num_experts SwiGLU experts (Mixtral of Experts), num_experts / ep of them on
+        # one expert-parallel rank (core/expert_parallel.py).
+        experts = model.num_experts // ep
         mlp: tuple[ParamTensor, ...] = (
             *_linear("moe.router", model.num_experts, hidden, bias=False),
-            *(t for expert in range(model.num_experts) for t in _swiglu(f"moe.experts.{expert}", hidden, ffn)),
+            *(t for expert in range(experts) for t in _swiglu(f"moe.experts.{expert}", hidden, ffn)),
         )
     else:
         mlp = _swiglu("mlp", hidden, ffn)
@@ -157,7 +159,37 @@ def _llama_block(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageModel(ModelSpec):
+    """The part of a model one pipeline rank holds (core.pipeline): `num_layers` of its blocks, and of the root the
+    embeddings where it holds the first stage and the final norm and output head where it holds the last. A tied
+    head is then the last stage's own copy of the embedding's weight, as Megatron-LM keeps the word embeddings on
+    the first and the last stage."""
+
+    holds_embedding: bool = True
+    """It holds the first stage: the embeddings."""
+    holds_head: bool = True
+    """It holds the last stage: the final norm and the output head."""
+
+    def __post_init__(self) -> None:
+        # a pipeline rank may hold no block (its stages hold the embeddings or the head only): the rest of the shape
+        # is checked as a whole model's
+        values = {name: getattr(self, name) for name in ModelSpec.__dataclass_fields__}
+        ModelSpec(**{**values, "num_layers": max(1, self.num_layers)})
+
+
 def _root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
+    tensors = _whole_root(model, tp)
+    if not isinstance(model, StageModel) or (model.holds_embedding and model.holds_head):
+        return tensors
+    embedding = [t for t in tensors if t.name.startswith("embed")]
+    head = [t for t in tensors if not t.name.startswith("embed")]
+    if model.tie_embeddings:
+        head.append(ParamTensor(name="lm_head.weight", shape=tensors[0].shape))
+    return tuple((embedding if model.holds_embedding else []) + (head if model.holds_head else []))
+
+
+def _whole_root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
     hidden, vocab = model.hidden_size, model.vocab_size // tp
     tensors = [ParamTensor(name="embed_tokens.weight", shape=(vocab, hidden))]
     if model.family == "gpt2":
@@ -171,32 +203,34 @@ def _root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
 
 
 @cache
-def param_layout(model: ModelSpec, tp: int = 1) -> ParamLayout:
-    """The parameter tensors of a shaped model (not for family 'count') that one of `tp` tensor-parallel ranks
-    holds (the whole model for tp 1); `Scenario` has checked that tp divides the widths it splits."""
+def param_layout(model: ModelSpec, tp: int = 1, ep: int = 1) -> ParamLayout:
+    """The parameter tensors of a shaped model (not for family 'count') that one of `tp` tensor-parallel and `ep`
+    expert-parallel ranks holds (the whole model for tp 1 and ep 1); `Scenario` has checked that tp divides the
+    widths it splits and ep the experts."""
     if not model.has_shape:
         raise ValueError(f"model {model.name!r} has only a parameter count, no shape")
-    block = _gpt2_block(model, tp) if model.family == "gpt2" else _llama_block(model, tp)
+    block = _gpt2_block(model, tp) if model.family == "gpt2" else _llama_block(model, tp, ep)
     return ParamLayout(root=_root(model, tp), block=block, num_blocks=model.num_layers)
 
 
 def rank_layout(scenario: Scenario) -> ParamLayout:
-    """The parameter tensors one rank of the scenario holds before data-parallel sharding (its tp slice)."""
-    return param_layout(scenario.model, scenario.strategy.tp)
+    """The parameter tensors one rank of the scenario holds before data-parallel sharding (its tp slice, and its
+    experts under expert parallelism)."""
+    return param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep)
 
 
 @cache
-def _rank_facts(model: ModelSpec, tp: int) -> tuple[int, ParamLayout | None]:
+def _rank_facts(model: ModelSpec, tp: int, ep: int) -> tuple[int, ParamLayout | None]:
     if not model.has_shape:
         return model.declared_parameters, None
-    layout = param_layout(model, tp)
+    layout = param_layout(model, tp, ep)
     return layout.total_numel, layout
 
 
 def rank_facts(scenario: Scenario) -> tuple[int, ParamLayout | None]:
     """The parameters one tensor-parallel rank holds before data-parallel sharding, and their layout (None without
     a shape), in one cache lookup for hot paths."""
-    return _rank_facts(scenario.model, scenario.strategy.tp)
+    return _rank_facts(scenario.model, scenario.strategy.tp, scenario.strategy.ep)
 
 
 @cache
@@ -211,5 +245,5 @@ def count_parameters(model: ModelSpec) -> int:
 def head_numel(layout: ParamLayout) -> int:
     """Parameters whose gradients backward makes first: the final norm and the output head (the tied embedding)."""
     tail = sum(t.numel for t in layout.root if not t.name.startswith("embed"))
-    tied = not any(t.name.startswith("lm_head") for t in layout.root)
+    tied = bool(layout.root) and not any(t.name.startswith("lm_head") for t in layout.root)
     return tail + (layout.root[0].numel if tied else 0)

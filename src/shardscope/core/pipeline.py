@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from shardscope.core.params import ParamLayout, ParamTensor, param_layout
+from shardscope.core.params import ParamLayout, StageModel, param_layout
 from shardscope.specs import ModelSpec, Scenario
 
 INPUT_WEIGHT = 1
@@ -102,15 +102,14 @@ def stage_layout(model: ModelSpec, tp: int, embedding: bool, head: bool, layers:
     """The parameter tensors one tensor-parallel rank of a stage holds: its blocks, the embeddings on the first stage
     and the final norm and output head on the last. A tied output head is the embedding's weight, so the last stage
     keeps its own copy of it (as Megatron-LM keeps the word embeddings on the first and last stages)."""
-    whole = param_layout(model, tp)
-    root: list[ParamTensor] = []
-    for tensor in whole.root:
-        is_embedding = tensor.name.startswith("embed")
-        if (embedding and is_embedding) or (head and not is_embedding):
-            root.append(tensor)
-    if head and model.tie_embeddings:
-        root.append(ParamTensor(name="lm_head.weight", shape=whole.root[0].shape))
-    return ParamLayout(root=tuple(root), block=whole.block, num_blocks=layers)
+    held = param_layout(stage_model(model, max(1, layers), embedding, head), tp)
+    return ParamLayout(root=held.root, block=held.block, num_blocks=layers)
+
+
+def stage_model(model: ModelSpec, layers: int, embedding: bool, head: bool) -> StageModel:
+    """The part of `model` a pipeline rank holds: `layers` blocks and the root's ends it holds."""
+    values = {name: getattr(model, name) for name in ModelSpec.__dataclass_fields__}
+    return StageModel(**{**values, "num_layers": layers}, holds_embedding=embedding, holds_head=head)
 
 
 def layout_of(scenario: Scenario, stage: PipelineStage) -> ParamLayout:

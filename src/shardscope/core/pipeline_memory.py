@@ -23,8 +23,7 @@ from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import activations_for
 from shardscope.core.model_states import ModelStates
-from shardscope.core.params import param_layout
-from shardscope.core.pipeline import PipelineStage, layout_of, pipeline_rank_of, rank_stages
+from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, rank_stages, stage_model
 from shardscope.core.pipeline_schedule import peak_in_flight, rank_actions
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
@@ -39,16 +38,17 @@ def boundary_bytes(scenario: Scenario) -> int:
     return tokens * scenario.model.hidden_size * activation_bytes_per_element(training)
 
 
-def stage_proxy(scenario: Scenario, layers: int) -> Scenario:
-    """The scenario without a pipeline whose model has `layers` blocks, on the GPUs of one pipeline rank (the world
-    divided by pp): its engine rules price one pipeline rank's blocks, and its root unit the whole root."""
+def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: bool = True) -> Scenario:
+    """The scenario without a pipeline whose model is what one pipeline rank holds (`layers` blocks, the
+    embeddings and the head where `embedding` and `head` say, core.params.StageModel), on the GPUs of one pipeline
+    rank (the world divided by pp): its engine rules price that rank's states exactly."""
     cluster, strategy = scenario.cluster, scenario.strategy
     world = cluster.world_size // strategy.pp
     per_node = cluster.gpus_per_node
     if world > per_node and world % per_node:
         per_node = math.gcd(world, per_node)
     return Scenario(
-        model=replace(scenario.model, num_layers=layers),
+        model=stage_model(scenario.model, layers, embedding, head),
         cluster=replace(cluster, world_size=world, gpus_per_node=per_node),
         training=scenario.training,
         strategy=replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=()),
@@ -56,43 +56,29 @@ def stage_proxy(scenario: Scenario, layers: int) -> Scenario:
     )
 
 
-LINEAR_FIELDS = (
-    "parameters_bytes",
-    "gradients_bytes",
-    "optimizer_state_bytes",
-    "persistent_buffers_bytes",
-    "host_bytes",
-)
-"""The model-state fields that are sums over units (so linear in the number of blocks and in the root's size)."""
+def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenario:
+    """`stage_proxy` of the pipeline rank holding `stages`."""
+    layers = sum(stage.layers for stage in stages)
+    return stage_proxy(scenario, layers, any(stage.embedding for stage in stages), any(stage.head for stage in stages))
 
 
 def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelStates:
-    """The rank's model states under the scenario's engine: the engine's states for a model of the rank's blocks
-    (`stage_proxy`) and of one block more give one block's share and the root's; the rank keeps its blocks and the
-    part of the root its stages hold, by elements. The fields that are not sums (gathered units, gradients in
-    flight, workspaces) are the proxy's, whose root unit is whole: an upper bound for a stage without the root."""
-    layers = max(1, sum(stage.layers for stage in stages))
-    rules = rules_for(scenario)
-    base = rules.rank_memory(stage_proxy(scenario, layers), 0).states
-    more = rules.rank_memory(stage_proxy(scenario, layers + 1), 0).states
-    whole_root = param_layout(scenario.model, scenario.strategy.tp).root_numel
-    held_root = sum(layout_of(scenario, stage).root_numel for stage in stages)
-    own_layers = sum(stage.layers for stage in stages)
-    values = {}
-    for name in LINEAR_FIELDS:
-        block = getattr(more, name) - getattr(base, name)
-        root = getattr(base, name) - layers * block
-        values[name] = own_layers * block + root * held_root // whole_root
-    return replace(base, **values)
+    """The rank's model states: the scenario's engine's for the model the rank holds (`rank_proxy`)."""
+    return rules_for(scenario).rank_memory(rank_proxy(scenario, stages), 0).states
 
 
 def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int) -> int:
-    """One micro-batch's saved activations of one stage: its blocks' share of every block's, plus the embeddings'
-    part (token ids and what the embeddings keep) on the first stage and the head's on the last."""
-    blocks = acts.stored_blocks_bytes * stage.layers // num_layers
+    """One micro-batch's saved activations of one stage: its blocks' share of every block's and the tables they all
+    read (each stage with blocks makes its own), plus the embeddings' part (token ids and what the embeddings keep)
+    on the first stage and the head's on the last. A stage that sends its output on keeps it (its backward starts
+    there); a stage that receives its input saves the receive buffer (counted as a buffer) where one process would
+    save its first block's input (or the final norm's)."""
+    blocks = acts.stored_blocks_bytes * stage.layers // num_layers + (acts.shared_bytes if stage.layers else 0)
     head = acts.head_bytes
-    embedding = acts.saved_bytes - acts.stored_blocks_bytes - head
-    return blocks + (embedding if stage.embedding else 0) + (head if stage.head else 0)
+    embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.shared_bytes - head
+    output = 0 if stage.head else acts.hidden_bytes
+    received = 0 if stage.embedding else acts.hidden_bytes
+    return blocks + (embedding if stage.embedding else 0) + (head if stage.head else 0) + output - received
 
 
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
@@ -114,9 +100,15 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
     p2p = receives * training.grad_accum_steps * boundary
     spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
+    # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
+    # (its MLP's activation and weight gradients, core.activations) on top of them
+    working = acts.block_backward_bytes if any(stage.layers for stage in stages) else 0
+    if not working and any(stage.embedding for stage in stages):  # the embedding's backward makes a dense gradient
+        working = model.vocab_size // strategy.tp * model.hidden_size * activation_bytes_per_element(training)
     held = states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes
     persistent = states.persistent_buffers_bytes
-    steady = held + activations + p2p + persistent + gathered + in_flight_grads + spike + states.forward_temporary_bytes
+    temporary = max(spike, working) + in_flight_grads + states.forward_temporary_bytes
+    steady = held + activations + p2p + persistent + gathered + temporary
     step = held + p2p + persistent + states.optimizer_temporary_bytes
     in_flight = sum(counts.values())
     moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
@@ -128,7 +120,7 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
         optimizer_state_bytes=states.optimizer_state_bytes,
         activations_bytes=activations,
         buffers_bytes=p2p + persistent + gathered,
-        temporary_bytes=max(spike + in_flight_grads + states.forward_temporary_bytes, states.optimizer_temporary_bytes),
+        temporary_bytes=max(temporary, states.optimizer_temporary_bytes),
         overhead_bytes=overhead,
         peak_bytes=tensor_peak + overhead,
     )

@@ -14,12 +14,15 @@ GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from shardscope.core.comm import collective_ledger
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.kernels import stage_seconds
-from shardscope.core.network import Placement, collective_cost, network_model
+from shardscope.core.network import CollectiveCost, Placement, collective_cost, network_model
 from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
-from shardscope.core.pipeline_memory import boundary_bytes, stage_proxy
-from shardscope.core.pipeline_schedule import simulate_pipeline
+from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
+from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.timeline import TimeEstimate, estimate_time
 from shardscope.presets.hardware import HardwareProfile
@@ -71,26 +74,106 @@ def pipeline_ledger(scenario: Scenario, pipeline_rank: int) -> list[CollectiveRo
     ]
 
 
+def pipeline_rank_ledger(scenario: Scenario, pipeline_rank: int) -> tuple[CollectiveRow, ...]:
+    """One GPU's step on pipeline rank `pipeline_rank`: its data-parallel collectives (the engine's, for the model
+    the rank holds: `rank_proxy`) and its messages to and from its neighbours."""
+    proxy = rank_proxy(scenario, rank_stages(scenario, pipeline_rank))
+    data_parallel = [row for row in collective_ledger(proxy) if row.payload_bytes]  # a rank of no root has no root unit
+    return merge_ledger([*data_parallel, *pipeline_ledger(scenario, pipeline_rank)])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineStep:
+    """Every pipeline rank's step: its forwards and backwards in time, then what it does after its last backward."""
+
+    scenario: Scenario
+    """The question."""
+    actions: tuple[tuple[tuple[Action, float, float], ...], ...]
+    """Per pipeline rank, its forwards and backwards as (action, start_s, end_s), in the order it runs them."""
+    tails: tuple[TimeEstimate, ...]
+    """Per pipeline rank, the time model's step of the model it holds (`rank_proxy`), whose exposed communication
+    and optimizer step follow the rank's last backward."""
+    send: CollectiveCost
+    """One message between neighbouring stages (one micro-batch's hidden states or their gradient)."""
+
+    def after_s(self, rank: int) -> tuple[float, float]:
+        """Exposed data-parallel communication and optimizer seconds of pipeline rank `rank` after its last
+        backward."""
+        tail = self.tails[rank]
+        return tail.exposed_comm_s, sum(duration for _, _, kind, _, duration, _ in tail.schedule if kind == "optimizer")
+
+    def end_s(self, rank: int) -> float:
+        """When pipeline rank `rank` has finished its step."""
+        exposed, optimizer = self.after_s(rank)
+        return self.actions[rank][-1][2] + exposed + optimizer
+
+    @property
+    def shown_rank(self) -> int:
+        """The pipeline rank that finishes last (the later one of a tie): its step is the step."""
+        return max(range(len(self.actions)), key=lambda rank: (self.end_s(rank), rank))
+
+    @property
+    def step_time_s(self) -> float:
+        """The step: until the last pipeline rank has finished."""
+        return self.end_s(self.shown_rank)
+
+    @property
+    def span_s(self) -> float:
+        """From the first forward to the last backward of any stage."""
+        return max(actions[-1][2] for actions in self.actions)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of the pipeline ranks' time in the span that they sit idle: (p - 1)/(V m + p - 1) for equal
+        stages and free messages (Megatron-LM paper, Section 2.2, bubble time over bubble plus ideal time)."""
+        busy = sum(end - start for actions in self.actions for _, start, end in actions)
+        return 1 - busy / (len(self.actions) * self.span_s)
+
+    @property
+    def equal_stages_bubble_fraction(self) -> float:
+        """(p - 1)/(V m + p - 1): the bubble fraction of equal stages with free messages (Megatron-LM paper,
+        Section 2.2: bubble time (p - 1)(F + B)/V against the ideal m (F + B))."""
+        strategy = self.scenario.strategy
+        others = strategy.pp - 1
+        return others / (strategy.virtual_stages * self.scenario.training.grad_accum_steps + others)
+
+
+def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
+    """Simulate a pipeline scenario's schedule on every pipeline rank and price what each does after it."""
+    strategy = scenario.strategy
+    forward_s, backward_s = stage_times(scenario, profile)
+    send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(profile))
+    timeline, _ = simulate_pipeline(
+        strategy.pp_schedule,
+        strategy.pp,
+        strategy.virtual_stages,
+        scenario.training.grad_accum_steps,
+        forward_s,
+        backward_s,
+        send.time_s,
+    )
+    tails: dict[Scenario, TimeEstimate] = {}  # ranks that hold the same share their proxy's time
+    for rank in range(strategy.pp):
+        proxy = rank_proxy(scenario, rank_stages(scenario, rank))
+        if proxy not in tails:
+            tails[proxy] = estimate_time(proxy, profile)
+    return PipelineStep(
+        scenario=scenario,
+        actions=tuple(tuple(actions) for actions in timeline),
+        tails=tuple(tails[rank_proxy(scenario, rank_stages(scenario, rank))] for rank in range(strategy.pp)),
+        send=send,
+    )
+
+
 def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Step time of a pipeline scenario, shown for the pipeline rank that finishes last."""
     strategy, m = scenario.strategy, scenario.training.grad_accum_steps
-    forward_s, backward_s = stage_times(scenario, profile)
-    net = network_model(profile)
-    send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), net)
-    timeline, _ = simulate_pipeline(
-        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, m, forward_s, backward_s, send.time_s
-    )
-    ends = []
-    tails: dict[int, TimeEstimate] = {}  # ranks with as many layers share their proxy's time
-    for rank, actions in enumerate(timeline):
-        layers = max(1, sum(stage.layers for stage in rank_stages(scenario, rank)))
-        if layers not in tails:
-            tails[layers] = estimate_time(stage_proxy(scenario, layers), profile)
-        tail = tails[layers]
-        optimizer = sum(duration for _, _, category, _, duration, _ in tail.schedule if category == "optimizer")
-        ends.append((actions[-1][2] + tail.exposed_comm_s + optimizer, rank, tail, optimizer))
-    step, shown, tail, optimizer = max(ends)
-    actions = timeline[shown]
+    step_of_ranks = pipeline_step(scenario, profile)
+    shown = step_of_ranks.shown_rank
+    step, tail = step_of_ranks.step_time_s, step_of_ranks.tails[shown]
+    optimizer = step_of_ranks.after_s(shown)[1]
+    send = step_of_ranks.send
+    actions = step_of_ranks.actions[shown]
     busy = sum(end - start for _, start, end in actions) + optimizer
     messages = pipeline_ledger(scenario, shown)
     sends = sum(row.count for row in messages if row.op == "send")
@@ -108,7 +191,7 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
     return TimeEstimate(
         scenario=scenario,
         hardware=profile,
-        ledger=merge_ledger([*tail.ledger, *messages]),
+        ledger=merge_ledger([*(row for row in tail.ledger if row.payload_bytes), *messages]),
         wire_bytes_per_rank=tail.wire_bytes_per_rank + round(sends * send.wire_bytes),
         comm_time_s=tail.comm_time_s + sends * send.time_s,
         exposed_comm_s=max(0.0, step - busy),

@@ -40,6 +40,9 @@ class RankShare:
     regathers_in_backward: bool = False
     """Under sequence parallelism, the column-parallel linears save their sequence-sharded input and all-gather it
     again in backward (Megatron-LM, the paper's Table 2); False: they save the gathered input (torch's DTensor)."""
+    ep: int = 1
+    """Expert-parallel degree: the rank runs num_experts / ep experts of each MoE layer, on the tokens routed to them
+    from its whole expert group (core/expert_parallel.py)."""
     vocab_parallel_loss: bool = False
     """The embedding and the cross entropy are Megatron-LM's vocabulary-parallel ones (the teaching
     TensorParallelLM): each keeps a one-byte mask per token of where the token or the target falls outside the
@@ -64,11 +67,12 @@ def rank_share(scenario: Scenario, megatron: bool = False) -> RankShare:
     """The scenario's cut of the activations; `megatron`: the engine runs tensor parallelism as Megatron-LM does
     rather than as torch's DTensor plan (see `RankShare.regathers_in_backward` and `.vocab_parallel_loss`)."""
     strategy = scenario.strategy
-    if strategy.tp == 1 and strategy.cp == 1:
+    if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return WHOLE
     return RankShare(
         tp=strategy.tp,
         cp=strategy.cp,
+        ep=strategy.ep,
         sequence_parallel=strategy.uses_sequence_parallel,
         regathers_in_backward=megatron and strategy.uses_sequence_parallel,
         vocab_parallel_loss=megatron and strategy.tp > 1,
@@ -101,6 +105,7 @@ class Sizes:
     probs: int  # the batch x heads/tp x seq x seq softmax output (eager attention, without ring attention)
     ffn: int  # the FFN width one rank holds: ffn_hidden_size / tp
     ring: bool  # attention runs as ring attention (context parallelism), which never holds a score matrix
+    experts: int = 0  # the MoE experts one rank runs: num_experts / ep
 
 
 def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Sizes:
@@ -123,6 +128,7 @@ def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Size
         probs=batch * heads * seq * seq * element,
         ffn=model.ffn_hidden_size // share.tp,
         ring=share.cp > 1,
+        experts=model.num_experts // share.ep,
     )
 
 

@@ -17,7 +17,17 @@ ESTIMATE_SCHEMA = "shardscope.estimate/v1"
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "temporary", "overhead")
 PHASES = ("setup", "forward", "backward", "optimizer")
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", "host_to_device", "device_to_host")
+OPS = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "all_to_all",
+    "send",
+    "recv",
+    "host_to_device",
+    "device_to_host",
+)
 LedgerKey = tuple[str, str, str, int, int]
 """(phase, op, group, group size, payload bytes): what makes two ledger rows the same kind of call."""
 
@@ -99,7 +109,7 @@ class CollectiveRow:
     """Calls of this shape in one step."""
     group: str = "dp"
     """The mesh dimension it runs on (choices.LedgerGroup): 'dp' (the data-parallel ranks, cp's included, that hold
-    one tensor-parallel slice), 'tp', 'cp', or 'host'; a tp and a dp call of the same size and payload differ."""
+    one tensor-parallel slice), 'tp', 'cp', 'ep', or 'host'; a tp and a dp call of the same size and payload differ."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

@@ -100,11 +100,15 @@ def _numels_largest_first(layout: ParamLayout) -> tuple[int, ...]:
 @cache
 def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShards:
     """Greedy largest-first assignment, ties to the lowest rank (ZeroRedundancyOptimizer._partition_parameters)."""
-    sizes = [0] * world_size
-    counts = [0] * world_size
-    largest = [0] * world_size
-    heap = [(0, rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest rank first
-    for numel in _numels_largest_first(layout):
+    numels = _numels_largest_first(layout)
+    # Every rank starts empty and each tensor is non-empty, so the greedy rule gives the first tensors to ranks 0, 1,
+    # ... in turn; only the tensors beyond the world size need the heap (a planner sweep asks for thousands of ranks).
+    first = min(len(numels), world_size) if all(numels) else 0
+    idle = (0,) * (world_size - first)
+    sizes, counts, largest = list(numels[:first] + idle), [1] * first + list(idle), list(numels[:first] + idle)
+    heap = [(sizes[rank], rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest first
+    heapq.heapify(heap)
+    for numel in numels[first:]:
         size, rank = heapq.heappop(heap)
         sizes[rank] = size + numel
         counts[rank] += 1
@@ -159,10 +163,10 @@ def flat_units(layout: ParamLayout | int, degree: int) -> FlatUnits:
     root, block = ceil_div(layout.root_numel, degree), ceil_div(layout.block_numel, degree)
     blocks = layout.num_blocks
     return FlatUnits(
-        count=1 + blocks,
+        count=(1 if root else 0) + blocks,  # a pipeline rank may hold no root (core.params.StageModel) or no block
         shard_numel=root + blocks * block,
         padded_numel=(root + blocks * block) * degree,
-        largest_shard_numel=max(root, block),
+        largest_shard_numel=max(root, block if blocks else 0),
         root_padded_numel=root * degree,
         block_padded_numel=block * degree,
     )

@@ -17,9 +17,9 @@ from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
-STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel"}
-"""Streams other than 'comm' (the data-parallel collectives): tp and cp run on process groups, so NCCL streams, of
-their own."""
+STREAM_OF_GROUP = {"host": "host", "tp": "model_parallel", "cp": "model_parallel", "ep": "model_parallel"}
+"""Streams other than 'comm' (the data-parallel collectives): tp, cp and ep run on process groups, so NCCL streams,
+of their own (ep's all-to-alls, like tp's calls, block the stage that waits for them)."""
 
 
 class Task(NamedTuple):

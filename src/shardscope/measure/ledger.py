@@ -1,7 +1,8 @@
 """The one table from c10d ops to collective ledger rows, and the dispatch mode that keeps a run's ledger.
 
 Collectives are read at the c10d ops, which is where dist.all_reduce, DDP's reducer and FSDP2 all end up, so
-torch's own engines are counted exactly like ours, on a real process group and on the fake one of a replay.
+torch's own engines are counted exactly like ours, on a real process group and on the fake one of a replay; point-to-
+point send and recv too (ring attention's, a pipeline's), one row per call with the bytes of the tensor it moves.
 Payload follows core.result.CollectiveRow: the full buffer for all_reduce and broadcast, the unsharded (gathered)
 size for all_gather and reduce_scatter, per rank per call.
 
@@ -36,6 +37,10 @@ _C10D_OPS = {
     "reduce_scatter_": ("reduce_scatter", 1),
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "send": ("send", 0),  # point to point (ring attention's exchange): the tensor sent or received
+    "recv_": ("recv", 0),
+    "alltoall_base_": ("all_to_all", 1),  # all_to_all_single: the send buffer, as core/expert_parallel.py counts
+    "alltoall_": ("all_to_all", 1),
 }
 # functional collective (its group is named by its last string argument) -> (ledger op, whether the payload, its
 # first argument, is one rank's part of the gathered buffer)

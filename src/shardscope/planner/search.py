@@ -36,7 +36,7 @@ from shardscope.planner.space import (
 from shardscope.planner.timing import (
     PlanTiming,
     communication_floor,
-    compute_lower_bound_s,
+    micro_batch_compute_s,
     plan_timing,
     tensor_parallel_floor_s,
 )
@@ -55,6 +55,8 @@ class _Evaluator:
         self.hardware = request.hardware or default_profile(request.gpu)
         self._memory: dict[Scenario, MemoryEstimate] = {}
         self._timing: dict[Scenario, PlanTiming] = {}
+        self._tight: dict[Scenario, float] = {}
+        self._micro_batch_compute: dict[tuple[int, str, int, int, bool], float] = {}
         self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
         self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
         self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
@@ -63,6 +65,12 @@ class _Evaluator:
         found = self._memory.get(scenario)
         if found is None:
             found = self._memory[scenario] = estimate_memory(scenario)
+        return found
+
+    def new_memory(self, scenario: Scenario) -> MemoryEstimate:
+        """The memory of a point of the search: each is asked once (every point differs in GPU count, degrees,
+        setting or micro-batch), so the cache is written without the lookup (its key hashes a whole scenario)."""
+        found = self._memory[scenario] = estimate_memory(scenario)
         return found
 
     def timing(self, scenario: Scenario) -> PlanTiming:
@@ -81,20 +89,41 @@ class _Evaluator:
             floor = self._tp_floor.get(shape)
             if floor is None:
                 floor = self._tp_floor[shape] = tensor_parallel_floor_s(scenario, self.hardware)
-            compute = compute_lower_bound_s(scenario, self.hardware)
-            found = self._bound[key] = compute + floor * training.grad_accum_steps
+            found = self._bound[key] = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
         return found
+
+    def compute_bound_s(self, scenario: Scenario) -> float:
+        """compute_lower_bound_s, one micro-batch priced once for every micro-batch count."""
+        training, strategy = scenario.training, scenario.strategy
+        key = (
+            training.micro_batch_size,
+            training.checkpointing,
+            strategy.tp,
+            strategy.cp,
+            strategy.uses_sequence_parallel,
+        )
+        found = self._micro_batch_compute.get(key)
+        if found is None:
+            found = self._micro_batch_compute[key] = micro_batch_compute_s(scenario, self.hardware)
+        return found * training.grad_accum_steps
 
     def tight_bound_s(self, scenario: Scenario) -> float:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
-        asked only of a plan the compute bound did not prune."""
+        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
+        asks again."""
+        found = self._tight.get(scenario)
+        if found is None:
+            found = self._tight[scenario] = self._tight_bound_s(scenario)
+        return found
+
+    def _tight_bound_s(self, scenario: Scenario) -> float:
         training, strategy = scenario.training, scenario.strategy
         shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
         key = (*shape, training.micro_batch_size)
         floor = self._tp_floor_at.get(key)
         if floor is None:
             floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
-        chain = compute_lower_bound_s(scenario, self.hardware) + floor * training.grad_accum_steps
+        chain = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
         return communication_floor(scenario, self.hardware).bound_s(chain)
 
     @property
@@ -106,16 +135,24 @@ class _Evaluator:
         return len(self._timing)
 
 
-def _fits(memory: MemoryEstimate, request: PlanRequest) -> bool:
+def _fits(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> bool:
+    """Whether the peak is within `budget_bytes` (request.budget_bytes, computed once by the caller) and the node's
+    host memory within the request's."""
     host_ok = not request.host_memory_bytes or memory.host_bytes_per_node <= request.host_memory_bytes
-    return memory.per_rank.peak_bytes <= request.budget_bytes and host_ok
+    return memory.per_rank.peak_bytes <= budget_bytes and host_ok
+
+
+def _over_by(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> int:
+    """By how many bytes a plan that does not fit is over: its peak, else its node's host memory (_overshoot's)."""
+    over = memory.per_rank.peak_bytes - budget_bytes
+    return over if over > 0 else memory.host_bytes_per_node - request.host_memory_bytes
 
 
 def _overshoot(memory: MemoryEstimate, request: PlanRequest) -> tuple[str, int]:
     """(the category that breaks the budget, by how many bytes the peak is over it)."""
-    over = memory.per_rank.peak_bytes - request.budget_bytes
-    if over <= 0:
-        return "host", memory.host_bytes_per_node - request.host_memory_bytes
+    over = _over_by(memory, request, request.budget_bytes)
+    if memory.per_rank.peak_bytes <= request.budget_bytes:
+        return "host", over
     running = 0
     for category in CATEGORIES:  # the category at which the running sum crosses the budget
         running += memory.per_rank.category_bytes(category)
@@ -131,10 +168,11 @@ class _Search:
         self.evaluator = _Evaluator(request)
         self.candidates = 0
         self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
+        self.budget_bytes = request.budget_bytes
 
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
-        _, over = _overshoot(memory, self.request)
+        over = _over_by(memory, self.request, self.budget_bytes)
         if family not in self.closest or over < self.closest[family][0]:
             self.closest[family] = (over, memory)
 
@@ -159,8 +197,8 @@ class _Search:
                             continue  # dominated, or larger than a micro-batch that already does not fit
                         grad_accum = max(1, shape.sequences_per_rank // size)
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
-                        memory = self.evaluator.memory(scenario)
-                        if _fits(memory, request):
+                        memory = self.evaluator.new_memory(scenario)
+                        if _fits(memory, request, self.budget_bytes):
                             best = memory
                         else:
                             failed = True

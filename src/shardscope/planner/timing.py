@@ -99,8 +99,14 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
 def compute_lower_bound_s(scenario: Scenario, hardware: HardwareProfile) -> float:
     """The compute stream's forward, recompute and backward time as the time model prices it (core.kernels): no
     step of this scenario is shorter."""
+    return micro_batch_compute_s(scenario, hardware) * scenario.training.grad_accum_steps
+
+
+def micro_batch_compute_s(scenario: Scenario, hardware: HardwareProfile) -> float:
+    """One micro-batch's forward, recompute and backward time: the same for every micro-batch count (core.kernels
+    prices a micro-batch from its tokens, checkpointing and rank share), so one value serves them all."""
     forward, recompute, backward = stage_seconds(scenario, compute_model(scenario, hardware))
-    return (sum(forward) + sum(recompute) + sum(backward)) * scenario.training.grad_accum_steps
+    return sum(forward) + sum(recompute) + sum(backward)
 
 
 def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro_batch_size: int = 1) -> float:

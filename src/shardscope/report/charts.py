@@ -15,8 +15,11 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from shardscope.core.memory_curve import memory_curve
+from shardscope.core.pipeline import pipeline_stages
+from shardscope.core.pipeline_schedule import Action
 from shardscope.core.result import CATEGORIES, OPS
 from shardscope.core.timeline import STREAMS, Span
 from shardscope.report.content import ReportData
@@ -43,7 +46,10 @@ COLORS = {
     "recv": "#9c755f",
     "host_to_device": "#8c8c8c",
     "device_to_host": "#595959",
+    "bubble": "#f2d0d0",
+    "exposed": "#8172b3",
 }
+NUMBER_WIDTH = 0.015  # a pass wider than this fraction of the step carries its micro-batch's number
 MERGE_GAP = 1e-3  # spans closer than this fraction of the step are drawn as one bar
 
 
@@ -157,6 +163,90 @@ def _timeline(data: ReportData) -> Figure:
     return figure
 
 
+def _rank_idle(actions: tuple[tuple[Action, float, float], ...]) -> list[tuple[float, float]]:
+    """(start, duration) of a pipeline rank's gaps between its first and last pass: its share of the bubble."""
+    gaps, free = [], 0.0
+    for _, start, end in actions:
+        if start > free:
+            gaps.append((free, start - free))
+        free = max(free, end)
+    return gaps
+
+
+def _pipeline_schedule(data: ReportData) -> Figure:
+    step = data.pipeline
+    assert step is not None
+    stages = pipeline_stages(step.scenario)
+    figure, axes = plt.subplots(figsize=(7.5, 0.9 + 0.32 * len(stages)))
+    virtual = step.scenario.strategy.virtual_stages
+    for row, stage in enumerate(stages):
+        actions = step.actions[stage.rank]
+        axes.broken_barh(_rank_idle(actions), (row - 0.4, 0.8), color=COLORS["bubble"], rasterized=True)
+        for kind in ("forward", "backward"):
+            bars = [
+                (start, end - start)
+                for a, start, end in actions
+                if a.stage == stage.index and a.backward == (kind == "backward")
+            ]
+            axes.broken_barh(
+                bars, (row - 0.4, 0.8), color=COLORS[kind], edgecolor="white", linewidth=0.3, rasterized=True
+            )
+        for action, start, end in actions:
+            if action.stage == stage.index and end - start > step.step_time_s * NUMBER_WIDTH:
+                axes.text(
+                    (start + end) / 2, row, str(action.micro_batch), ha="center", va="center", fontsize=6, color="white"
+                )
+        moment = actions[-1][2]
+        for kind, duration in zip(("exposed", "optimizer"), step.after_s(stage.rank), strict=True):
+            axes.broken_barh([(moment, duration)], (row - 0.4, 0.8), color=COLORS[kind], rasterized=True)
+            moment += duration
+    labels = [f"stage {stage.index}" + (f" (rank {stage.rank})" if virtual > 1 else "") for stage in stages]
+    axes.set_yticks(range(len(stages)), labels)
+    axes.invert_yaxis()
+    axes.set_xlim(0, step.step_time_s)
+    axes.set_xlabel("time in the step (s)")
+    handles = [
+        Patch(color=COLORS[key], label=label)
+        for key, label in (
+            ("forward", "forward (micro-batch number)"),
+            ("backward", "backward"),
+            (
+                "bubble",
+                f"idle: bubble {step.bubble_fraction:.1%} (equal stages {step.equal_stages_bubble_fraction:.1%})",
+            ),
+            ("exposed", "exposed data-parallel comm"),
+            ("optimizer", "optimizer step"),
+        )
+    ]
+    axes.legend(handles=handles, fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.01))
+    return figure
+
+
+def _memory_per_stage(data: ReportData) -> Figure:
+    memory = data.rows[data.chosen].memory
+    figure, axes = plt.subplots(figsize=(7.5, 3.4))
+    labels = [f"rank {entry.pipeline_rank}\n{' & '.join(entry.stages)}" for entry in memory.per_stage]
+    bottom = [0.0] * len(labels)
+    for category in CATEGORIES:
+        values = [entry.per_rank.category_bytes(category) / GIB for entry in memory.per_stage]
+        axes.bar(labels, values, bottom=bottom, color=COLORS[category], label=category.replace("_", " "))
+        bottom = [low + value for low, value in zip(bottom, values, strict=True)]
+    peaks = [entry.per_rank.peak_bytes / GIB for entry in memory.per_stage]
+    axes.scatter(labels, peaks, marker="_", s=900, color="black", zorder=3, label="peak (one moment)")
+    for index, entry in enumerate(memory.per_stage):
+        held = "+".join(str(count) for count in entry.in_flight)
+        axes.annotate(
+            f"{peaks[index]:,.1f} GiB, {held} in flight", (index, peaks[index]), ha="center", va="bottom", fontsize=7
+        )
+    capacity = memory.scenario.cluster.gpu.memory_bytes / GIB
+    axes.axhline(capacity, color="#b00020", linestyle="--", linewidth=1.2, label=f"GPU memory {capacity:.0f} GiB")
+    axes.set_ylabel("GiB per GPU of each pipeline rank")
+    axes.set_ylim(0, max(capacity, *bottom, *peaks) * 1.15)
+    axes.tick_params(axis="x", labelsize=7)
+    axes.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    return figure
+
+
 def _svg(figure: Figure) -> str:
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg", bbox_inches="tight", dpi=150, metadata={"Date": None})
@@ -175,6 +265,17 @@ def draw(data: ReportData, png_dir: Path | None = None) -> tuple[Chart, ...]:
         steps = f"{shown} of {total} micro-batches" if shown < total else f"{total} micro-batch(es)"
         makers.append(("memory-over-time", f"Memory over time, chosen plan ({row.label}, {steps})", _memory_over_time))
         makers.append(("timeline", f"Step timeline, chosen plan ({row.label}, {steps})", _timeline))
+    if data.pipeline is not None:
+        step = data.pipeline
+        caption = (
+            f"Pipeline schedule, chosen plan ({row.label}, {step.scenario.training.grad_accum_steps} micro-batches): "
+            f"stages by time, the step {step.step_time_s:.3f} s ends when pipeline rank {step.shown_rank} finishes"
+        )
+        makers.append(("pipeline-schedule", caption, _pipeline_schedule))
+        caption = (
+            f"Memory of each pipeline rank by category, chosen plan ({row.label}); micro-batches in flight at its peak"
+        )
+        makers.append(("memory-per-stage", caption, _memory_per_stage))
     charts = []
     for name, caption, maker in makers:
         figure = maker(data)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shardscope.core.comm import collective_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.params import count_parameters
+from shardscope.core.pipeline_time import PipelineStep, pipeline_step
 from shardscope.core.result import CollectiveRow, MemoryEstimate
 from shardscope.core.timeline import TimeEstimate, estimate_time
 from shardscope.mesh import comparable_strategies
@@ -62,14 +63,36 @@ class ReportData:
     """Statements computed from the numbers."""
     assumptions: tuple[str, ...]
     """What was assumed."""
+    pipeline: PipelineStep | None = None
+    """The chosen plan's pipeline, every rank simulated, when it has one (then `timeline` is None)."""
 
 
 def _row(scenario: Scenario, hardware: HardwareProfile | None) -> Row:
     memory = estimate_memory(scenario)
     if hardware is None or not scenario.model.has_shape:
         return Row(label=scenario.strategy.label, memory=memory, timing=None, ledger=())
+    if scenario.strategy.pp > 1:
+        estimate = estimate_time(scenario, hardware)
+        return Row(label=scenario.strategy.label, memory=memory, timing=_timing(estimate), ledger=estimate.ledger)
     timing = plan_timing(scenario, hardware)
     return Row(label=scenario.strategy.label, memory=memory, timing=timing, ledger=collective_ledger(scenario))
+
+
+def _timing(estimate: TimeEstimate) -> PlanTiming:
+    """A pipeline's step simulated whole (core.pipeline_time) as a row's timing: the planner's extension from one
+    and two micro-batches needs steps of fewer micro-batches than stages, which a pipeline schedule refuses. Its
+    ledger is the pipeline rank's that finishes last."""
+    return PlanTiming(
+        step_time_s=estimate.step_time_s,
+        compute_time_s=estimate.compute_time_s,
+        comm_time_s=estimate.comm_time_s,
+        exposed_comm_s=estimate.exposed_comm_s,
+        host_copy_s=estimate.host_copy_s,
+        wire_bytes_per_rank=estimate.wire_bytes_per_rank,
+        tokens_per_s=estimate.tokens_per_s,
+        mfu=estimate.mfu,
+        simulated_micro_batches=estimate.simulated_micro_batches,
+    )
 
 
 def _siblings(scenario: Scenario) -> list[Scenario]:
@@ -103,7 +126,7 @@ def _choose(rows: Sequence[Row]) -> int:
 
 
 def _timeline(scenario: Scenario, hardware: HardwareProfile) -> TimeEstimate | None:
-    if not scenario.model.has_shape:
+    if not scenario.model.has_shape or scenario.strategy.pp > 1:  # a pipeline is drawn from its PipelineStep
         return None
     steps = min(scenario.training.grad_accum_steps, TIMELINE_MICRO_BATCHES)
     shown = dataclasses.replace(scenario, training=dataclasses.replace(scenario.training, grad_accum_steps=steps))
@@ -164,6 +187,7 @@ def build(subject: Sequence[Scenario] | PlanResult, hardware: HardwareProfile | 
         chosen = next(index for index, row in enumerate(rows) if row.memory.scenario == plan.plans[0].scenario)
     scenario = rows[chosen].memory.scenario
     timeline = _timeline(scenario, hardware) if hardware else None
+    pipeline = pipeline_step(scenario, hardware) if hardware and scenario.strategy.pp > 1 else None
     return ReportData(
         title=f"shardscope: {first.model.name} on {first.cluster.gpu.name}",
         scenario_lines=_describe(scenario, hardware),
@@ -174,4 +198,5 @@ def build(subject: Sequence[Scenario] | PlanResult, hardware: HardwareProfile | 
         plan=plan,
         observations=observations(rows, chosen),
         assumptions=assumptions(rows[chosen], hardware, plan),
+        pipeline=pipeline,
     )

@@ -82,6 +82,36 @@ def _plans(data: ReportData) -> str:
     return section + (f"<h3>Families that do not fit</h3><ul>{rejected}</ul>" if rejected else "")
 
 
+def _stages(data: ReportData) -> str:
+    """The chosen plan's pipeline: its bubble and every pipeline rank's memory by category (`per_stage`)."""
+    memory = data.rows[data.chosen].memory
+    if not memory.per_stage:
+        return ""
+    header = ["pipeline rank", "stages", "layers", "in flight", "params", "grads", "optimizer", "activations"]
+    header += ["buffers", "temp", "peak", "peak moment"]
+    rows = []
+    for entry in memory.per_stage:
+        per_rank = entry.per_rank
+        cells = [str(entry.pipeline_rank), " & ".join(entry.stages), str(entry.layers)]
+        cells += ["+".join(str(count) for count in entry.in_flight)]
+        cells += [_gib(per_rank.category_bytes(name)) for name in ("parameters", "gradients", "optimizer_state")]
+        cells += [_gib(per_rank.activations_bytes), _gib(per_rank.buffers_bytes), _gib(per_rank.temporary_bytes)]
+        cells += [_gib(per_rank.peak_bytes), entry.peak_moment]
+        rows.append((cells, "chosen" if per_rank == memory.per_rank else ""))  # the busiest, shown above
+    strategy = memory.scenario.strategy
+    section = f"<h2>Pipeline: {strategy.pp} ranks, {escape(strategy.pp_schedule)}"
+    section += f", {memory.scenario.training.grad_accum_steps} micro-batches</h2>"
+    step = data.pipeline
+    if step is not None:
+        section += (
+            f"<p>Step {step.step_time_s:.3f} s, pipeline rank {step.shown_rank} finishes last; from the first forward "
+            f"to the last backward ({step.span_s:.3f} s) the pipeline ranks sit idle {step.bubble_fraction:.1%} of "
+            f"their time (the bubble; {step.equal_stages_bubble_fraction:.1%} with equal stages and free messages)."
+            "</p>"
+        )
+    return section + _table(header, rows)
+
+
 def render(data: ReportData, charts: tuple[Chart, ...]) -> str:
     """The whole page."""
     scenario = "".join(f"<dt>{escape(what)}</dt><dd>{escape(value)}</dd>" for what, value in data.scenario_lines)
@@ -100,6 +130,7 @@ def render(data: ReportData, charts: tuple[Chart, ...]) -> str:
 <h2>Scenario (chosen plan)</h2><dl>{scenario}</dl>
 {_plans(data)}
 <h2>Strategies compared at the chosen plan's GPUs and batch</h2>{_comparison(data)}
+{_stages(data)}
 <h2>Charts</h2>{figures}
 <h2>Observations</h2><ul>{observations}</ul>
 <h2>Assumptions</h2><ul>{assumptions}</ul>

@@ -81,8 +81,11 @@ def _chosen(row: Row) -> list[str]:
     ]
     if row.timing is not None:
         share = row.timing.exposed_comm_s / row.timing.step_time_s
+        waiting = "communication not hidden behind compute"
+        if row.memory.scenario.strategy.pp > 1:
+            waiting = "beyond the last pipeline rank's compute: its share of the bubble and its exposed communication"
         found.append(
-            f"{share:.0%} of its {row.timing.step_time_s:.3f} s step is communication not hidden behind compute; "
+            f"{share:.0%} of its {row.timing.step_time_s:.3f} s step is {waiting}; "
             f"MFU {row.timing.mfu:.0%}, {row.timing.tokens_per_s:,.0f} tokens per second"
         )
     return found
@@ -108,7 +111,10 @@ def assumptions(row: Row, hardware: HardwareProfile | None, plan: PlanResult | N
             f"time model: {hardware.name}, {speed}, {hardware.algorithm} collectives, "
             f"communication {'overlapped with' if hardware.overlap else 'serialised with'} compute ({hardware.source})"
         )
-        found.append("a step of k micro-batches is timed from simulations of one and two, extended linearly")
+        if row.memory.scenario.strategy.pp > 1:
+            found.append("a pipeline's step is simulated whole: every pipeline rank, every micro-batch")
+        else:
+            found.append("a step of k micro-batches is timed from simulations of one and two, extended linearly")
     if plan is not None:
         request = plan.request
         found.append(

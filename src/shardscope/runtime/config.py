@@ -32,6 +32,7 @@ TRAINING_OPTIONS = {
     "checkpointing": "checkpointing",
     "attention": "attention",
     "optimizer": "optimizer",
+    "grad_accum": "grad_accum_steps",
 }
 STRATEGY_OPTIONS = {
     "strategy": "name",
@@ -40,18 +41,71 @@ STRATEGY_OPTIONS = {
     "tp": "tp",
     "cp": "cp",
     "sequence_parallel": "sequence_parallel",
+    "pp": "pp",
+    "pp_schedule": "pp_schedule",
+    "pp_virtual_stages": "pp_virtual_stages",
+    "pp_layers": "pp_layers",
+    "ep": "ep",
 }
 MODEL_PARALLEL_STAGES: dict[EngineName, tuple[int, ...]] = {"paper": (0, 1, 2, 3), "pytorch": (2, 3)}
 """The ZeRO stages each run engine implements under tp or cp: the teaching grid (runtime/teaching/model_parallel.py)
-runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's DTensor tensor parallelism (runtime/engines.py
-TorchTensorParallel) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes them (DDP takes no DTensor
-parameters)."""
-MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
-    "paper": lambda scenario: "",
-    "pytorch": torch_model_parallel_refusal,
+runs inside ddp, zero1, zero2, zero3/fsdp and hsdp; torch's engines (runtime/engines.py TorchTensorParallel: DTensor
+tensor parallelism, the teaching ring attention for cp) under FSDP2 (zero2, zero3/fsdp, hsdp), as torchtitan composes
+them (DDP takes no DTensor parameters)."""
+
+
+def teaching_refusal(scenario: Scenario) -> str:
+    """Why the teaching strategies cannot run a model-parallel scenario ('' when they can): the teaching pipeline
+    (runtime/teaching/pipeline.py) runs inside ddp, without tp or cp, and needs a model without tied embeddings
+    (the tie across the first and last stages is not built)."""
+    strategy = scenario.strategy
+    if strategy.pp == 1:
+        return ""
+    if strategy.tp > 1 or strategy.cp > 1:
+        return f"pp {strategy.pp} runs without tp and cp (tp {strategy.tp}, cp {strategy.cp} given)"
+    if strategy.stage != 0:
+        return f"pp {strategy.pp} runs inside ddp only, not {strategy.name} (its sharded strategies come later)"
+    if scenario.model.tie_embeddings:
+        return f"pp {strategy.pp} needs a model without tied embeddings ({scenario.model.name} ties them)"
+    return ""
+
+
+def _torch_refusal(scenario: Scenario) -> str:
+    if scenario.strategy.pp > 1:
+        return "pipelines run on torch.distributed.pipelining later; --engine paper runs the teaching pipeline"
+    why = torch_model_parallel_refusal(scenario)
+    return f"{why}; --engine paper runs it (the teaching implementation)" if why else ""
+
+
+def teaching_expert_refusal(scenario: Scenario) -> str:
+    """Why the teaching strategies cannot split experts ('' when they can): the teaching expert parallelism
+    (runtime/teaching/expert_sharded.py) runs inside zero3 / fsdp, without tp, cp or pp."""
+    strategy = scenario.strategy
+    if strategy.stage != 3 or strategy.preset.groups_replicate:
+        return f"ep {strategy.ep} runs inside zero3 or fsdp only, not {strategy.name} (the others come later)"
+    if strategy.tp > 1 or strategy.cp > 1 or strategy.pp > 1:
+        return f"ep {strategy.ep} runs without tp, cp and pp (tp {strategy.tp}, cp {strategy.cp}, pp {strategy.pp})"
+    return ""
+
+
+def _torch_expert_refusal(scenario: Scenario) -> str:
+    ep = scenario.strategy.ep
+    return f"ep {ep} runs on engine paper only (the teaching implementation), not {scenario.strategy.engine}"
+
+
+EXPERT_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
+    "paper": teaching_expert_refusal,
+    "pytorch": _torch_expert_refusal,
 }
-"""Why an engine cannot run a model-parallel scenario its stages allow ('' when it can): torch's plan has its own
-limits (trace/tensor_parallel.py)."""
+"""Why an engine cannot split a MoE model's experts ('' when it can)."""
+
+
+MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
+    "paper": teaching_refusal,
+    "pytorch": _torch_refusal,
+}
+"""Why an engine cannot run a model-parallel scenario its stages allow ('' when it can), with what runs it instead:
+torch's plan has its own limits (trace/tensor_parallel.py), the teaching pipeline its own."""
 OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
@@ -96,10 +150,10 @@ class RunConfig:
             raise SpecError(f"RunConfig.model={self.model!r} has no shape to build; choose a gpt2, llama or moe preset")
         parse_choice("RunConfig.strategy.engine", self.strategy.engine, RUN_ENGINES)
         parse_choice("RunConfig.training.precision", self.training.precision, RUN_PRECISIONS)
-        if self.training.grad_accum_steps != 1:
+        if self.training.grad_accum_steps != 1 and self.strategy.pp == 1:
             raise SpecError(
                 f"RunConfig.training.grad_accum_steps={self.training.grad_accum_steps}: runs take one "
-                "micro-batch per step"
+                "micro-batch per step, except a pipeline's (pp above 1)"
             )
         if self.strategy.offload != "none":
             raise SpecError(f"RunConfig.strategy.offload={self.strategy.offload!r}: runs do not offload")
@@ -108,9 +162,17 @@ class RunConfig:
         if self.steps < 1:
             raise SpecError(f"RunConfig.steps={self.steps} must be at least 1")
         mesh = self.parallelism
+        if self.strategy.ep > 1:
+            self.scenario()  # the model has experts and ep divides them
+            refusal = EXPERT_PARALLEL_REFUSALS[self.strategy.engine](self.scenario())
+            if refusal:
+                raise SpecError(f"RunConfig.strategy with engine {self.strategy.engine}: {refusal}")
         if mesh.splits_model:
             self.scenario()  # tp and cp must divide the model's widths and split the sequence
             stages = MODEL_PARALLEL_STAGES[self.strategy.engine]
+            refusal = MODEL_PARALLEL_REFUSALS[self.strategy.engine](self.scenario())
+            if refusal and self.strategy.pp > 1:
+                raise SpecError(f"RunConfig.strategy with engine {self.strategy.engine}: {refusal}")
             if self.strategy.stage not in stages:
                 allowed = [name for name, preset in DATA_PARALLEL_PRESETS.items() if preset.zero_stage in stages]
                 raise SpecError(
@@ -118,9 +180,8 @@ class RunConfig:
                     f"engine {self.strategy.engine} runs tensor and context parallelism with "
                     f"{', '.join(allowed) or 'no strategy yet (not built)'}"
                 )
-            refusal = MODEL_PARALLEL_REFUSALS[self.strategy.engine](self.scenario())
             if refusal:
-                raise SpecError(f"RunConfig.strategy with engine pytorch: {refusal}")
+                raise SpecError(f"RunConfig.strategy with engine {self.strategy.engine}: {refusal}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise SpecError(f"RunConfig.timeout_s={self.timeout_s} must be a positive, finite number of seconds")
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -181,7 +242,15 @@ class RunConfig:
     def parallelism(self) -> Parallelism:
         """The mesh the run's strategy and degrees make of its ranks."""
         strategy = self.strategy
-        return data_parallel_mesh(strategy.name, self.world_size, strategy.shard_group, tp=strategy.tp, cp=strategy.cp)
+        return data_parallel_mesh(
+            strategy.name,
+            self.world_size,
+            strategy.shard_group,
+            tp=strategy.tp,
+            cp=strategy.cp,
+            pp=strategy.pp,
+            ep=strategy.ep,
+        )
 
     def resolved_backend(self) -> str:
         """The backend the ranks use: 'auto' is nccl where CUDA is available, else gloo (asks torch: slow to import)."""

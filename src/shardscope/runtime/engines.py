@@ -4,7 +4,8 @@ ddp: DistributedDataParallel. zero1: DDP plus ZeroRedundancyOptimizer. zero2: FS
 reshard_after_forward=False (parameters stay gathered from forward to backward, gradients are sharded). zero3/fsdp:
 `fully_shard` with reshard_after_forward=True. hsdp: `fully_shard` on a 2-D (replicate, shard) DeviceMesh. With tp:
 DTensor tensor parallelism by the trace's plan (shardscope.trace.tensor_parallel), then `fully_shard` over the
-data-parallel axes of the same mesh, built by the trace's make_mesh (tp innermost). Mixed
+data-parallel axes of the same mesh, built by the trace's make_mesh (tp innermost); with cp, the teaching ring
+attention (shardscope.trace.context_parallel) and fully_shard over the data-parallel axes and cp together. Mixed
 precision through torch's own policies: autocast for DDP, MixedPrecisionPolicy for FSDP2. The FSDP2 internals read
 here (the unsharded all-gather buffers) are private; `_fsdp_buffers` says which torch they need.
 """
@@ -143,23 +144,25 @@ class TorchFSDP2(Trainer):
 
 class TorchTensorParallel(TorchFSDP2):
     """torchtitan's llama tensor-parallel plan (the trace's, shardscope.trace.tensor_parallel) over the mesh's tp
-    axis, then FSDP2 over its data-parallel axes; the loss and its backward run under loss_parallel."""
+    axis and the teaching ring attention over its cp axis (shardscope.trace.context_parallel), then FSDP2 over its
+    data-parallel axes and cp; the loss and its backward run under loss_parallel, on the rank's tokens under cp."""
 
     def __init__(self, module: nn.Module, scenario: Scenario) -> None:
-        from shardscope.trace.setup import data_parallel_axes, make_mesh
-        from shardscope.trace.tensor_parallel import parallelize
+        from shardscope.trace.setup import make_mesh, sharding_mesh, split_model
 
         self.world_size, self.scenario = dist.get_world_size(), scenario
         strategy = scenario.strategy
         broadcast_module(module)  # distribute_tensor keeps each rank's own slice of what it holds: start equal
         self.mesh = make_mesh(scenario, next(module.parameters()).device.type)
-        parallelize(module, self.mesh["tp"], strategy.uses_sequence_parallel)
+        self.split = split_model(module, self.mesh, scenario)[1]
         reshard = strategy.reshard_after_forward and strategy.stage == 3
-        self._shard(module, scenario.training, self.mesh[data_parallel_axes(scenario)], reshard)
+        self._shard(module, scenario.training, sharding_mesh(self.mesh, scenario), reshard)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from shardscope.trace.tensor_parallel import loss_context
 
+        if self.split is not None:
+            inputs, targets = self.split.rank_tokens(inputs, targets)
         with loss_context(self.scenario):
             return super().loss(inputs, targets)
 

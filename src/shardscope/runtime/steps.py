@@ -30,6 +30,18 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     from shardscope.runtime.teaching.zero import Zero1, Zero2
 
     training, strategy, shard_group = config.training, config.strategy.canonical_name, config.strategy.shard_group
+    if config.strategy.pp > 1:
+        from shardscope.reference_models import TransformerLM
+        from shardscope.runtime.teaching.pipeline import PipelineTeaching
+
+        assert isinstance(module, TransformerLM)
+        return PipelineTeaching(module, config.scenario())
+    if config.strategy.ep > 1:
+        from shardscope.reference_models import TransformerLM
+        from shardscope.runtime.teaching.expert_sharded import ShardedExpertParallel
+
+        assert isinstance(module, TransformerLM)
+        return ShardedExpertParallel(module, training, ep=config.strategy.ep)
     if config.parallelism.splits_model and config.strategy.engine == "pytorch":
         return TorchTensorParallel(module, config.scenario())
     if config.parallelism.splits_model:
@@ -88,13 +100,13 @@ def model_dtype(config: RunConfig) -> torch.dtype:
 
 
 def rank_batch(config: RunConfig, step: int, rank: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the step's global batch: its data-parallel rank's sequences (the tp and cp ranks of one
-    data-parallel rank share them; a cp rank keeps its chunks of them)."""
-    size, mesh = config.training.micro_batch_size, config.parallelism
+    """This rank's slice of the step's global batch: its data-parallel rank's sequences, every micro-batch of them
+    (the pp, tp and cp ranks of one data-parallel rank share them; a cp rank keeps its chunks of them)."""
+    size, mesh = config.training.micro_batch_size * config.training.grad_accum_steps, config.parallelism
     inputs, targets = sample_batch(
         config.model_spec, config.training, num_sequences=size * mesh.data_parallel, step=step
     )
-    index = rank // (mesh.tp * mesh.cp)
+    index = rank % (config.world_size // mesh.pp) // (mesh.tp * mesh.cp)
     return inputs[index * size : (index + 1) * size].to(device), targets[index * size : (index + 1) * size].to(device)
 
 
@@ -112,6 +124,13 @@ def _measured_step(
     if on_cuda:  # the caching allocator's own high-water mark of this step, the measured peak on GPUs
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    action_ends: list[int] = []
+
+    def next_action(phase: str) -> None:  # a pipeline runs its forwards and backwards inside loss(), one by one
+        action_ends.append(tracker.tick)
+        tracker.phase = ledger.phase = phase
+
+    trainer.phase_listener = next_action
     with tracker:
         tracker.phase = ledger.phase = "forward"
         loss = trainer.loss(inputs, targets)
@@ -126,6 +145,9 @@ def _measured_step(
         trainer.step()
     # Read after the step, when every free is placed (a late one from gloo's worker thread may fall before it).
     activations = tracker.live_by_label_at(forward_end).get("forward", 0) - loss_bytes
+    if action_ends:  # a pipeline: what its forwards kept at the worst moment between two actions
+        activations = max(tracker.live_by_label_at(tick).get("forward", 0) for tick in action_ends)
+    trainer.phase_listener = None
     held = trainer.held()
     tracker.relabel(held["optimizer_state"], "optimizer_state")
     hidden = trainer.hidden_buffer_bytes()
@@ -171,6 +193,7 @@ def train_and_measure(
     mesh = getattr(trainer, "mesh", None)  # torch's tensor parallelism: its rows named by mesh axis, as the trace's
     if mesh is not None:
         ledger.name_axes(mesh)
+    ledger.axes.update(getattr(trainer, "ledger_axes", {}))  # a teaching pipeline's pairs of neighbouring ranks
     step_times: list[float] = []
     memory: dict[str, Any] = {}
     measured_time = 0.0
@@ -215,7 +238,9 @@ def reference_parameters(config: RunConfig, device: str) -> dict[str, torch.Tens
         inputs, targets = sample_batch(
             config.model_spec,
             config.training,
-            num_sequences=config.training.micro_batch_size * config.parallelism.data_parallel,
+            num_sequences=config.training.micro_batch_size
+            * config.training.grad_accum_steps
+            * config.parallelism.data_parallel,
             step=step,
         )
         lm_loss(module(inputs.to(device)), targets.to(device)).backward()

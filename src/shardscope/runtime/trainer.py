@@ -4,6 +4,7 @@ step, and the tensors it holds by DESIGN.md category, so the worker measures the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,8 @@ class Trainer:
 
     module: nn.Module
     world_size: int
+    phase_listener: Callable[[str], None] | None = None
+    """Told the phase of each action by a strategy that runs forwards and backwards inside `loss` (a pipeline)."""
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward on this rank's micro-batch."""

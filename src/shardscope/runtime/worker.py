@@ -30,7 +30,9 @@ def parse_config(argv: list[str]) -> tuple[list[RunConfig], Path]:
     parser = argparse.ArgumentParser(prog="python -m shardscope.runtime.worker")
     defaults = RunConfig().options()
     for name, default in defaults.items():
-        kind = _flag_bool if isinstance(default, bool) else type(default)
+        kind = (
+            _flag_bool if isinstance(default, bool) else _flag_layers if isinstance(default, tuple) else type(default)
+        )
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     parser.add_argument("--run-dir", type=Path, default=Path("shardscope-run"))
     parser.add_argument("--suite", type=Path, default=None)
@@ -47,6 +49,14 @@ def _flag_bool(text: str) -> bool:
     if text not in ("True", "False"):
         raise SpecError(f"{text!r} is not True or False")
     return text == "True"
+
+
+def _flag_layers(text: str) -> tuple[int, ...]:
+    """--pp-layers as options() writes it: whole numbers separated by commas ('' for the default split)."""
+    words = [word for word in text.strip("()").replace(" ", "").split(",") if word]
+    if not all(word.isdigit() for word in words):
+        raise SpecError(f"{text!r} is not whole numbers separated by commas")
+    return tuple(int(word) for word in words)
 
 
 def inject_fault(config: RunConfig, rank: int) -> None:

@@ -80,6 +80,19 @@ COMMUNICATION: dict[str, Schema] = {
 STEP: dict[str, Schema] = {"compute_time_s": NUMBER, "step_time_s": NUMBER, "tokens_per_s": NUMBER, "mfu": NUMBER}
 
 
+SOURCE = closed(
+    {
+        "path": STRING,
+        "format": enum(("deepspeed", "torchtitan", "accelerate")),
+        "mapping": array(
+            closed({"field": STRING, "flag": STRING, "value": {"type": ["string", "integer", "boolean"]}})
+        ),
+        "unmodelled": {"type": "object", "additionalProperties": STRING},
+    },
+    description="The --from config file and the flags each of its fields gave (configs.mapping.ConfigMapping).",
+)
+
+
 def estimate_schema() -> Schema:
     """`estimate --json`: one model, cluster and training setup, an entry per strategy (with `--time`, its time)."""
     time = {"communication": closed(COMMUNICATION), **STEP, "simulated_micro_batches": COUNT, "hardware": STRING}
@@ -106,9 +119,12 @@ def estimate_schema() -> Schema:
         "cluster": closed({**cluster, "backend": enum(BACKENDS)}),
         "training": ref("training"),
         "strategies": {**array(entry), "minItems": 1},
+        "source": SOURCE,
     }
     return with_defs(
-        ESTIMATE_SCHEMA, "Predicted per-rank memory of strategies (core.result.estimate_document).", closed(document)
+        ESTIMATE_SCHEMA,
+        "Predicted per-rank memory of strategies (core.result.estimate_document).",
+        closed(document, optional=("source",)),
     )
 
 
@@ -172,8 +188,13 @@ def plan_schema() -> Schema:
         "best_per_family": array(entry),
         "rejected": array(closed(rejection, description="A family with no plan that fits (Rejection.to_json).")),
         "stats": closed(dict.fromkeys(stats, COUNT)),
+        "source": SOURCE,
     }
-    return with_defs(PLAN_SCHEMA, "Plans that fit, ranked (planner.result.PlanResult.to_json).", closed(document))
+    return with_defs(
+        PLAN_SCHEMA,
+        "Plans that fit, ranked (planner.result.PlanResult.to_json).",
+        closed(document, optional=("source",)),
+    )
 
 
 def trace_schema() -> Schema:

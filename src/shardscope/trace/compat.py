@@ -1,8 +1,9 @@
 """Every private torch API the trace needs, in this one module, behind a version check with a clear message.
 
 The fake process group (torch.testing._internal.distributed.fake_pg), the fake tensor mode (torch._subclasses),
-the storage resize hook and what lets DistributedDataParallel run on fake tensors (its shape check, its reducer's
-bucket rebuild) are not public and move between releases; nothing else in shardscope.trace imports them.
+the storage resize hook, DeviceMesh's flattening of axes and what lets DistributedDataParallel run on fake tensors
+(its shape check, its reducer's bucket rebuild) are not public and move between releases; nothing else in
+shardscope.trace imports them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def init_fake_process_group(world_size: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """One axis made of a DeviceMesh's axes, registered on its root mesh under `name` (so the root can be sliced by
+    it), as torchtitan folds cp into FSDP's shard axis (DeviceMesh._flatten, private in torch 2.13)."""
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise TorchVersionError(
+            f"context parallelism needs DeviceMesh._flatten (torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}, tested with "
+            f"{TESTED_TORCH}); found {torch.__version__}"
+        )
+    return flatten(name)
 
 
 def fake_tensor_mode() -> Any:

@@ -254,17 +254,21 @@ def _trace_depth(
 
 
 def refuse_model_parallel(request: TraceRequest) -> None:
-    """TraceSetupError, in one line, for the tensor and context parallelism the trace cannot replay."""
+    """TraceSetupError, in one line, for the tensor and context parallelism the trace cannot replay; the remedy
+    named is one the trace's command line has (not --engine paper, which it refuses)."""
     strategy = request.scenario.strategy
-    if strategy.tp > 1 and (request.factory or request.config_path):
+    if (strategy.tp > 1 or strategy.cp > 1) and (request.factory or request.config_path):
         source = "--module" if request.factory else "--config"
+        flags = " ".join(
+            f"--{axis} {degree}" for axis, degree in (("tp", strategy.tp), ("cp", strategy.cp)) if degree > 1
+        )
         raise TraceSetupError(
-            f"--tp {strategy.tp} with {source}: the trace splits shardscope's reference llama modules only "
+            f"{flags} with {source}: the trace splits shardscope's reference modules only "
             "(--model); use `shardscope estimate` for this model"
         )
     refusal = torch_model_parallel_refusal(request.scenario)
     if refusal:
-        raise TraceSetupError(refusal)
+        raise TraceSetupError(f"{refusal}; `shardscope estimate` predicts it")
 
 
 def _allocatable_bytes(scenario: Scenario) -> int:

@@ -20,6 +20,7 @@ from torch import nn
 from shardscope.choices import checkpoint_every
 from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
+from shardscope.trace.compat import flatten_mesh
 from shardscope.trace.gpu_kernels import use_gpu_kernels
 from shardscope.trace.request import TraceRequest
 
@@ -221,55 +222,79 @@ def build_traced_model(request: TraceRequest, num_blocks: int | None = None) -> 
 
 def make_mesh(scenario: Scenario, device: str = "cpu") -> Any:
     """The scenario's DeviceMesh, of the device type given: a 1-D ("dp",) mesh over the world, hsdp's 2-D
-    (replicate, shard), and under tensor parallelism the same with a "tp" axis innermost (ranks next to each other
-    share one replica, inside a node, as torchtitan's ParallelDims lays it out)."""
+    (replicate, shard), and under context and tensor parallelism the same with a "cp" and then a "tp" axis inside
+    (tp innermost: ranks next to each other share one replica, inside a node, as torchtitan's ParallelDims lays it
+    out)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = scenario.parallelism
-    world = scenario.cluster.world_size
     if scenario.strategy.preset.groups_replicate:
-        group = scenario.shard_degree
-        shape, names = [world // mesh.tp // group, group], ["replicate", "shard"]
+        shape, names = [mesh.dp_replicate, mesh.dp_shard], ["replicate", "shard"]
     else:
-        shape, names = [world // mesh.tp], ["dp"]
-    if mesh.tp > 1:
-        shape, names = [*shape, mesh.tp], [*names, "tp"]
+        shape, names = [mesh.data_parallel], ["dp"]
+    for axis, degree in (("cp", mesh.cp), ("tp", mesh.tp)):
+        if degree > 1:
+            shape, names = [*shape, degree], [*names, axis]
     return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
 
 
-def data_parallel_axes(scenario: Scenario) -> tuple[str, ...]:
-    """The mesh axes fully_shard shards and replicates over (every axis but tp)."""
-    return ("replicate", "shard") if scenario.strategy.preset.groups_replicate else ("dp",)
+def sharding_mesh(mesh: Any, scenario: Scenario) -> Any:
+    """The part of the scenario's mesh fully_shard shards and replicates over: every axis but tp, with cp folded into
+    the shard axis (the cp ranks hold the same weights and see different tokens: torchtitan's dp_shard_cp)."""
+    axes = ("replicate", "shard") if scenario.strategy.preset.groups_replicate else ("dp",)
+    if scenario.strategy.cp == 1:
+        return mesh[axes]
+    shard_cp = f"{axes[-1]}_cp"
+    flatten_mesh(mesh[(axes[-1], "cp")], shard_cp)
+    return mesh[(*axes[:-1], shard_cp)]
+
+
+def split_model(root: nn.Module, mesh: Any, scenario: Scenario) -> tuple[str, Any]:
+    """Split a reference model over the mesh's tp axis (torch's DTensor plan, trace/tensor_parallel.py) and its cp
+    axis (the teaching ring attention, trace/context_parallel.py), in place. Returns what was applied, for the
+    engine's name ('' for neither), and the SequenceSplit that picks a rank's tokens under cp (else None)."""
+    from shardscope.reference_models import TransformerLM
+    from shardscope.trace.context_parallel import SequenceSplit
+    from shardscope.trace.tensor_parallel import parallelize
+
+    strategy = scenario.strategy
+    applied, split = "", None
+    if strategy.tp > 1:
+        parallelize(root, mesh["tp"], strategy.uses_sequence_parallel)
+        sequence = " + sequence parallel" if strategy.uses_sequence_parallel else ""
+        applied += f"torch DTensor tensor parallel{sequence} + loss parallel, "
+    if strategy.cp > 1:
+        assert isinstance(root, TransformerLM)
+        split = SequenceSplit(root, mesh.get_group("cp"), scenario.training.sequence_length)
+        applied += f"teaching ring attention over cp {strategy.cp} (send/recv), "
+    return applied, split
 
 
 def apply_strategy(traced: TracedModel, scenario: Scenario, device: str = "cpu") -> str:
     """Wrap each block and the root with torch's engine for the strategy; returns the engine's name. ddp and
     zero1 are wrapped later, on fake parameters (DistributedDataParallel broadcasts them as it is built). Under
-    tensor parallelism the model is split over the mesh's tp axis first (shardscope.trace.tensor_parallel), then
-    sharded over the data-parallel axes, as torchtitan does. The device is the mesh's (benchmarks/gpu_check.py
+    tensor and context parallelism the model is split over the mesh's tp and cp axes first (split_model), then
+    sharded over the data-parallel axes and cp, as torchtitan does. The device is the mesh's (benchmarks/gpu_check.py
     shards real CUDA tensors over the fake process group)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from shardscope.trace.tensor_parallel import parallelize
 
     strategy, training = scenario.strategy, scenario.training
     if runs_on_ddp(scenario):
         return "torch DistributedDataParallel" + (" + ZeroRedundancyOptimizer" if strategy.stage == 1 else "")
     mesh = traced.mesh = make_mesh(scenario, device)
-    name = ""
-    if strategy.tp > 1:
-        parallelize(traced.root, mesh["tp"], strategy.uses_sequence_parallel)
-        name = "torch DTensor tensor parallel" + (" + sequence parallel" if strategy.uses_sequence_parallel else "")
-        name += " + loss parallel, "
-        mesh = mesh[data_parallel_axes(scenario)]
+    name, split = split_model(traced.root, mesh, scenario)
+    if split is not None:
+        whole_batch = traced.make_batch
+        traced.make_batch = lambda: split.rank_tokens(*whole_batch())
     compute = COMPUTE_DTYPES.get(training.precision)
     policy = (
         MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     )
     reshard = strategy.reshard_after_forward and strategy.stage == 3
+    shards = sharding_mesh(mesh, scenario)
     for unit in traced.blocks:
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(traced.root, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=shards, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(traced.root, mesh=shards, mp_policy=policy, reshard_after_forward=reshard)
     return f"{name}torch fully_shard (reshard_after_forward={reshard})"
 
 

@@ -24,37 +24,37 @@ from shardscope.specs import Scenario
 if TYPE_CHECKING:  # torch is imported where a model is split, so RunConfig can check a scenario without it
     from torch import nn
 
-CONTEXT_PARALLEL_REFUSAL = (
-    "torch's context_parallel shards only the CUDA attention kernels (flash, efficient, cuDNN); on a CPU "
-    "attention calls aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding rule"
-)
-
 
 class TensorParallelError(ValueError):
     """A scenario torch's tensor-parallel plan does not cover; the message says why and what to do."""
 
 
 def torch_model_parallel_refusal(scenario: Scenario) -> str:
-    """Why torch's own engines cannot split this scenario's model (on fake tensors or on gloo), in one line, or ''
-    when they can."""
+    """Why torch's own engines cannot split this scenario's model (on fake tensors or on gloo), in one line without
+    a remedy (the command adds the options that work for it), or '' when they can. Context parallelism is the
+    teaching ring attention (trace/context_parallel.py), which composes with DTensor's tensor parallelism."""
     strategy, model = scenario.strategy, scenario.model
-    if strategy.cp > 1:
-        return f"--cp {strategy.cp}: {CONTEXT_PARALLEL_REFUSAL}; use `shardscope estimate` or --engine paper"
-    if strategy.tp == 1:
+    if strategy.tp == 1 and strategy.cp == 1:
         return ""
     if strategy.preset.zero_stage in (0, 1):
+        if strategy.tp > 1:
+            return (
+                f"--tp {strategy.tp} with --strategy {strategy.name}: torch's DistributedDataParallel and "
+                "ZeroRedundancyOptimizer do not take DTensor parameters on a 2-D mesh (torchtitan: 'DDP has not "
+                "supported > 1D parallelism'); --strategy fsdp, zero2 or hsdp do"
+            )
         return (
-            f"--tp {strategy.tp} with --strategy {strategy.name}: torch's DistributedDataParallel and "
-            "ZeroRedundancyOptimizer do not take DTensor parameters on a 2-D mesh (torchtitan: 'DDP has not supported "
-            "> 1D parallelism'); use --strategy fsdp, zero2 or hsdp, or `shardscope estimate`"
+            f"--cp {strategy.cp} with --strategy {strategy.name}: the pytorch engine's context parallelism is built "
+            "over fully_shard only (the cp ranks' gradients averaged with the data-parallel ranks'); --strategy "
+            "fsdp, zero2 or hsdp do"
         )
-    if model.family != "llama":
+    if strategy.tp > 1 and model.family != "llama":
         why = (
             "its fused c_attn would be cut into contiguous pieces by DTensor, not by heads within each of q, k and v"
             if model.family == "gpt2"
             else f"torch's tensor-parallel plan here covers the llama family only, not {model.family}"
         )
-        return f"--tp {strategy.tp} with model {model.name}: {why}; use `shardscope estimate` for this model"
+        return f"--tp {strategy.tp} with model {model.name}: {why}"
     return ""
 
 

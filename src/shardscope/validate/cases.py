@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardscope.choices import STRATEGIES, engine_name, parse_choice
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies, data_parallel_mesh
@@ -58,6 +58,12 @@ class ValidationCase:
     """Context-parallel degree: ranks that split each sequence (ring attention)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the norms between the tp ranks (needs tp > 1)."""
+    pp: int = 1
+    """Pipeline-parallel degree (outermost): ranks that each hold consecutive layers."""
+    pp_schedule: str = "1f1b"
+    """The pipeline's schedule: gpipe, 1f1b or interleaved-1f1b (2 stages a rank)."""
+    grad_accum: int = 1
+    """Micro-batches per step (a pipeline's)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", parse_choice("ValidationCase.engine", engine_name(self.engine), RUN_ENGINES))
@@ -65,6 +71,8 @@ class ValidationCase:
             raise SpecError(f"ValidationCase.device={self.device!r} is not known; allowed: cpu, cuda")
         if self.tp < 1 or self.cp < 1 or self.world_size % (self.tp * self.cp):
             raise SpecError(f"ValidationCase: tp({self.tp}) * cp({self.cp}) must divide world_size({self.world_size})")
+        if self.pp < 1 or self.world_size % (self.pp * self.tp * self.cp):
+            raise SpecError(f"ValidationCase: pp({self.pp}) * tp * cp must divide world_size({self.world_size})")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError("ValidationCase.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
         if _grouped(self.strategy) and self.data_ranks < 4:
@@ -72,8 +80,8 @@ class ValidationCase:
 
     @property
     def data_ranks(self) -> int:
-        """The ranks the data-parallel strategy spans: world_size / (tp x cp)."""
-        return self.world_size // (self.tp * self.cp)
+        """The ranks the data-parallel strategy spans: world_size / (pp x tp x cp)."""
+        return self.world_size // (self.pp * self.tp * self.cp)
 
     @property
     def splits_model(self) -> bool:
@@ -94,6 +102,8 @@ class ValidationCase:
     def label(self) -> str:
         """A short name for tables."""
         mesh = (f" tp{self.tp}" if self.tp > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
+        if self.pp > 1:
+            mesh += f" pp{self.pp} {self.pp_schedule} m{self.grad_accum}"
         return (
             f"{self.model} {self.strategy} {self.engine} w{self.world_size}{mesh}"
             + (" sp" if self.sequence_parallel else "")
@@ -114,6 +124,7 @@ class ValidationCase:
                 sequence_length=self.sequence_length,
                 precision=self.precision,
                 checkpointing=self.checkpointing,
+                grad_accum_steps=self.grad_accum,
             ),
             strategy=Strategy(
                 name=self.strategy,
@@ -122,9 +133,17 @@ class ValidationCase:
                 tp=self.tp,
                 cp=self.cp,
                 sequence_parallel=self.sequence_parallel,
+                **self._pipeline_fields(),
             ),
             overheads=NO_OVERHEAD,
         )
+
+    def _pipeline_fields(self) -> dict[str, object]:
+        """The Strategy fields of the case's pipeline (none without one)."""
+        if self.pp == 1:
+            return {}
+        virtual = 2 if self.pp_schedule == "interleaved-1f1b" else 0
+        return {"pp": self.pp, "pp_schedule": self.pp_schedule, "pp_virtual_stages": virtual}
 
     def run_options(self, steps: int) -> dict[str, object]:
         """The case as `RunConfig.from_options` reads it."""
@@ -143,7 +162,8 @@ class ValidationCase:
             "tp": self.tp,
             "cp": self.cp,
             "sequence_parallel": self.sequence_parallel,
-        }
+            **self._pipeline_fields(),
+        } | ({"grad_accum": self.grad_accum} if self.pp > 1 else {})
 
     def not_runnable(self) -> str:
         """Why no run engine can run this case yet ('' when one can): the run's own check, e.g. FSDP under tensor
@@ -156,18 +176,22 @@ class ValidationCase:
 
     def to_json(self) -> dict[str, object]:
         """The case's fields."""
-        return {
-            "model": self.model,
-            "strategy": self.strategy,
-            "engine": self.engine,
-            "world_size": self.world_size,
-            "precision": self.precision,
-            "checkpointing": self.checkpointing,
-            "device": self.device,
-            "parallelism": data_parallel_mesh(
-                self.strategy, self.world_size, self.shard_group, tp=self.tp, cp=self.cp
-            ).to_json(),
-        } | ({"sequence_parallel": self.sequence_parallel} if self.tp > 1 else {})
+        return (
+            {
+                "model": self.model,
+                "strategy": self.strategy,
+                "engine": self.engine,
+                "world_size": self.world_size,
+                "precision": self.precision,
+                "checkpointing": self.checkpointing,
+                "device": self.device,
+                "parallelism": data_parallel_mesh(
+                    self.strategy, self.world_size, self.shard_group, tp=self.tp, cp=self.cp, pp=self.pp
+                ).to_json(),
+            }
+            | ({"sequence_parallel": self.sequence_parallel} if self.tp > 1 else {})
+            | ({"pp_schedule": self.pp_schedule, "grad_accum": self.grad_accum} if self.pp > 1 else {})
+        )
 
 
 def full_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
@@ -242,9 +266,23 @@ def model_parallel_matrix(device: str = "cpu", *, three_d: bool = True) -> tuple
     return tuple(cases)
 
 
+def pipeline_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
+    """Issue 20's pipeline cases, run by the teaching pipeline inside ddp: pp 2 x dp 2 under 1F1B (tiny-llama), and
+    pp 4 under each schedule (tiny-llama-8, whose 8 layers fill 8 interleaved stages), 4 micro-batches each."""
+    cases = [ValidationCase(model="tiny-llama", strategy="ddp", engine="paper", world_size=4, pp=2, grad_accum=4)]
+    cases += [
+        ValidationCase(
+            model="tiny-llama-8", strategy="ddp", engine="paper", world_size=4, pp=4, pp_schedule=schedule, grad_accum=4
+        )
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+    ]
+    return tuple(replace(case, device=device) for case in cases)
+
+
 def every_case(device: str = "cpu") -> tuple[ValidationCase, ...]:
-    """The whole matrix: issue 6's data-parallel cases, then issue 19's tensor- and context-parallel ones."""
-    return full_matrix(device) + model_parallel_matrix(device)
+    """The whole matrix: issue 6's data-parallel cases, issue 19's tensor- and context-parallel ones, then issue
+    20's pipelines."""
+    return full_matrix(device) + model_parallel_matrix(device) + pipeline_matrix(device)
 
 
 def quick_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:

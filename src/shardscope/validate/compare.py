@@ -15,6 +15,7 @@ TARGETS: dict[str, tuple[float, float]] = {
     "gradients": (0.0, 0.0),
     "optimizer_state": (0.0, 0.0),
     "ledger_payload": (0.0, 0.0),
+    "point_to_point_payload": (0.0, 0.0),
     "activations": (0.05, 0.05),
     "peak": (0.05, 0.01),
 }
@@ -28,7 +29,8 @@ class ValidationRow:
     case: ValidationCase
     """The case."""
     quantity: str
-    """A memory category, 'peak', 'ledger_payload' (bytes of the step's collectives) or 'step_time_s'."""
+    """A memory category, 'peak', 'ledger_payload' (bytes of the step's collectives), 'point_to_point_payload'
+    (bytes of its send and recv) or 'step_time_s'."""
     predicted: float
     """The core's figure."""
     traced: float | None
@@ -77,13 +79,13 @@ def _relative(value: float, reference: float) -> float:
 
 
 POINT_TO_POINT = ("send", "recv")
-"""Ring attention's exchange: the run's ledger reads collectives only (measure/ledger.py), so these predicted rows are
-reported beside the comparison, not in it (tests/distributed/test_tensor_context_parallel.py counts them exactly)."""
+"""Ring attention's exchange and a pipeline's messages: a payload row of their own (point_to_point_payload), and
+compared call for call with the collectives (ledger_differences)."""
 LedgerShape = tuple[str, str, int, int]
 
 
 def _step_collectives(ledger: tuple[CollectiveRow, ...]) -> list[CollectiveRow]:
-    """One step's collective rows: setup excluded (it happens once), send and recv excluded (not measured)."""
+    """One step's collective rows: setup excluded (it happens once), send and recv excluded (counted apart)."""
     return [row for row in ledger if row.phase != "setup" and row.op not in POINT_TO_POINT]
 
 
@@ -93,22 +95,25 @@ def step_payload_bytes(ledger: tuple[CollectiveRow, ...]) -> int:
 
 
 def point_to_point_bytes(ledger: tuple[CollectiveRow, ...]) -> int:
-    """Bytes one step sends and receives point to point (context parallelism's ring)."""
-    return sum(row.total_payload_bytes for row in ledger if row.op in POINT_TO_POINT)
+    """Bytes one step sends and receives point to point (context parallelism's ring, a pipeline's messages)."""
+    return sum(row.total_payload_bytes for row in ledger if row.phase != "setup" and row.op in POINT_TO_POINT)
 
 
 def _calls(ledger: tuple[CollectiveRow, ...]) -> dict[LedgerShape, int]:
-    # by (phase, op, group size, payload): the run's rows do not know which mesh dimension a group is
+    # by (phase, op, group size, payload): the run's rows do not know which mesh dimension a group is; send and
+    # recv are calls like the collectives here (only the payload rows keep them apart)
     calls: dict[LedgerShape, int] = {}
-    for row in _step_collectives(ledger):
+    for row in ledger:
+        if row.phase == "setup":
+            continue
         shape = (row.phase, row.op, row.group_size, row.payload_bytes)
         calls[shape] = calls.get(shape, 0) + row.count
     return calls
 
 
 def ledger_differences(predicted: tuple[CollectiveRow, ...], measured: tuple[CollectiveRow, ...]) -> tuple[str, ...]:
-    """Every kind of collective call whose count differs between the prediction and the run, one line each; empty
-    when the two ledgers agree call for call (a stricter check than the payload total)."""
+    """Every kind of collective, send or recv call whose count differs between the prediction and the run, one line
+    each; empty when the two ledgers agree call for call (a stricter check than the payload totals)."""
     want, got = _calls(predicted), _calls(measured)
     return tuple(
         f"{phase} {op} of {payload:,} B over {size} ranks: predicted {want.get(shape, 0)}, measured {got.get(shape, 0)}"
@@ -160,6 +165,17 @@ def compare_case(
             measured=step_payload_bytes(measured_ledger),
         )
     )
+    predicted_ring, measured_ring = point_to_point_bytes(predicted_ledger), point_to_point_bytes(measured_ledger)
+    if predicted_ring or measured_ring:  # only the cases with a ring or a pipeline have the row
+        rows.append(
+            ValidationRow(
+                case=case,
+                quantity="point_to_point_payload",
+                predicted=predicted_ring,
+                traced=None if traced_ledger is None else point_to_point_bytes(traced_ledger),
+                measured=measured_ring,
+            )
+        )
     rows.append(
         ValidationRow(
             case=case, quantity="step_time_s", predicted=predicted_step_s, traced=None, measured=measured_step_s

@@ -90,6 +90,13 @@ class EngineRules(Protocol):
     """The optimizer step reads and writes each state once (fused kernels) instead of once per op."""
     torch_engines: bool
     """Its rules are those of torch's own engines, which `trace` replays on fake tensors."""
+    parameters_sharded_from_stage: int
+    """The lowest ZeRO stage whose parameters stay sharded at rest: 3 by the ZeRO paper, 2 under FSDP2's fully_shard
+    (zero2 there is fully_shard with reshard_after_forward=False, which gathers for the step and frees after it)."""
+    experts_placed_from_stage: int
+    """The lowest ZeRO stage whose states the engine builds with each expert unit sharded over the D / ep ranks
+    holding it (core.expert_parallel.expert_flat_units), so core.expert_parallel leaves them as they are; above 3:
+    never (they are scaled from the rank's layout)."""
     megatron_tensor_parallel: bool
     """Tensor parallelism runs as Megatron-LM's (the teaching TensorParallelLM), not torch's DTensor plan: the
     column-parallel linears all-gather their input again in backward, the vocab-parallel loss keeps masks
@@ -149,6 +156,8 @@ class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
 
     megatron_tensor_parallel = False
+    parameters_sharded_from_stage = 3
+    experts_placed_from_stage = 4
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """Every rank holds the same: rank 0."""

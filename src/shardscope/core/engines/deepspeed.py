@@ -22,6 +22,7 @@ from shardscope.core.comm_events import (
     step_gathers,
 )
 from shardscope.core.engines.base import RankMemory, RulesDefaults, shared_memory
+from shardscope.core.expert_parallel import expert_parallel_states
 from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments
 from shardscope.core.params import ParamTensor, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
@@ -42,7 +43,7 @@ class DeepSpeedRules(RulesDefaults):
     torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        return shared_memory(scenario, _states(scenario))
+        return shared_memory(scenario, expert_parallel_states(scenario, _states(scenario)))
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """The 5e8-element reduce bucket, filled walking the parameters in reverse."""

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
+    LiveBytes,
     Moment,
     RankMemory,
     activations_for,
@@ -27,8 +28,15 @@ from shardscope.core.engines.base import (
     gradients_in_base,
     shared_moments,
 )
-from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import head_numel, rank_facts
+from shardscope.core.model_states import (
+    ModelStates,
+    dtype_bytes,
+    kept_states,
+    offload,
+    optimizer_moments,
+    step_tensor_bytes,
+)
+from shardscope.core.params import ParamLayout, head_numel, rank_facts
 from shardscope.core.sharding import dim0_shards, dim0_unit_sizes, flat_shard_numel
 from shardscope.specs import Scenario
 
@@ -58,15 +66,46 @@ class _UnitMoments(NamedTuple):
     first_block_buffers: int
     head_buffers: int
     """Gathered in the output head's forward beyond the persistent buffers."""
+    embedding_buffers: int
+    """FSDP2's buffers while the embeddings' backward runs (see `_embedding_terms`)."""
+    embedding_grads: int
+    """The embeddings' gradients as their backward makes them, before FSDP2 takes them (see `_embedding_terms`)."""
 
 
 def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
     """The rank's states and every moment FSDP2 makes."""
-    states, units = _states(scenario, rank)
-    states = offload(scenario, states)
+    states, units = _offloaded_states(scenario, rank)
     acts = activations_for(scenario, states.autocast)
     moments = _moments(scenario, states, units, acts)
     return RankMemory(states=states, activations=acts, moments=tuple(moments))
+
+
+_STATES_CACHE: dict[tuple[object, ...], tuple[ModelStates, _UnitMoments]] = {}
+
+
+def _offloaded_states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
+    """`_states` after `offload`, kept by what the two read: the model, the precision and optimizer, tp, the stage,
+    resharding, offload, the shard degree, the backend and the rank (tests/planner/test_speed_caches.py holds the
+    kept value to a fresh one)."""
+    training, strategy = scenario.training, scenario.strategy
+    key = (
+        scenario.model,
+        training.precision,
+        training.optimizer,
+        strategy.tp,
+        strategy.stage,
+        strategy.reshard_after_forward,
+        strategy.offload,
+        scenario.shard_degree,
+        scenario.cluster.backend,
+        rank,
+    )
+
+    def make() -> tuple[ModelStates, _UnitMoments]:
+        states, units = _states(scenario, rank)
+        return offload(scenario, states), units
+
+    return kept_states(_STATES_CACHE, key, make)
 
 
 def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts: ActivationEstimate) -> list[Moment]:
@@ -127,6 +166,8 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
         acts.first_block_backward_bytes + acts.hidden_bytes + LOSS_GRAD_BYTES,
     )
     moments.append(("bottom block's backward", as_live_bytes(bottom)))
+    if units.embedding_grads:
+        moments.append(("embeddings' backward", _embedding_moment(states, units, acts, grads, landed)))
     if units.gloo:
         # gloo's reduce-scatter holds a clone of its input: the bottom block's, with its backward's tensors freed,
         # and the root's, with every block's stored tensors freed and their gradient shards landed.
@@ -151,6 +192,24 @@ def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts:
         moments.append(("bottom block's reduce-scatter", as_live_bytes(bottom_scatter)))
         moments.append(("root's reduce-scatter", as_live_bytes(root_scatter)))
     return moments
+
+
+def _embedding_moment(
+    states: ModelStates, units: _UnitMoments, acts: ActivationEstimate, grads: int, landed: bool
+) -> LiveBytes:
+    """The embeddings' backward, as FSDP2's root post-backward takes their gradients: every block has freed what it
+    stored and landed its gradient shard, the head's gradients wait for the root's reduce-scatter, and only the
+    inputs are still saved."""
+    return as_live_bytes(
+        (
+            states.parameters_bytes,
+            grads + units.bottom_grads + (units.root_landed_grads if landed else 0),
+            states.optimizer_state_bytes,
+            acts.inputs_bytes,
+            states.persistent_buffers_bytes + units.embedding_buffers,
+            units.embedding_grads + LOSS_GRAD_BYTES,
+        )
+    )
 
 
 def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
@@ -216,6 +275,7 @@ def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
         # flat all-gather outputs are live beside the root
         first_block_buffers=(root + 2 * block) * compute + 2 * staging if staging and blocks > 1 else 0,
         head_buffers=head_gathered if layout is not None else 0,
+        **_embedding_terms(scenario, layout, root, block, compute, reduce_bytes),
     )
     states = ModelStates(
         parameters_bytes=padded * stored,
@@ -229,3 +289,27 @@ def _states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
         optimizer_temporary_bytes=single_tensor_step_bytes(training.optimizer, largest * stored),
     )
     return states, units
+
+
+def _embedding_terms(
+    scenario: Scenario, layout: ParamLayout | None, root: int, block: int, compute: int, reduce_bytes: int
+) -> dict[str, int]:
+    """What the embeddings' backward holds besides the states. The root is gathered (every block resharded after its
+    backward) and the bottom block's reduce-scatter input (the reduce dtype) is held until the root's reduce-scatter
+    starts. aten.embedding_dense_backward makes each embedding's gradient in the compute dtype, with as many rows as
+    the weight has. Under tensor parallelism the token embedding is DTensor's vocabulary-split RowwiseParallel, and
+    torch has no sharding rule that makes its gradient split by rows (torch/distributed/tensor/_ops/_embedding_ops.py:
+    embedding_dense_backward's strategies shard dim 1, or the batch, or stay Partial), so the gradient is made whole,
+    vocab x hidden, on every rank; FSDP2's post-backward then redistributes it to the parameter's Shard(0) placement
+    (FSDPParam._get_grad_inner_tensor), which copies this rank's rows out while the whole gradient is still live.
+    Followed under tensor parallelism only: without it the gradient is the parameter's own size and not copied, and
+    the place holds most later, at the root's reduce-scatter (traced), which only the gloo moments follow so far."""
+    tp = scenario.strategy.tp
+    if layout is None or tp == 1:
+        return {"embedding_buffers": 0, "embedding_grads": 0}
+    tokens = next((tensor for tensor in layout.root if tensor.name.startswith("embed_tokens")), None)
+    if tokens is None:  # a pipeline stage without the embeddings
+        return {"embedding_buffers": 0, "embedding_grads": 0}
+    copied = tokens.numel * compute  # this rank's rows, copied out of the whole gradient
+    buffers = root * compute + (block * reduce_bytes if layout.num_blocks else 0) + copied
+    return {"embedding_buffers": buffers, "embedding_grads": tokens.numel * tp * compute}

@@ -41,11 +41,12 @@ from shardscope.core.engines.base import (
     shared_moments,
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
+from shardscope.core.expert_parallel import block_expert_numel, expert_flat_units, expert_unit_events
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import ParamLayout, head_numel, param_layout, rank_facts, rank_layout
 from shardscope.core.rank_share import rank_share, ring_attention_backward_bytes, sizes_of
 from shardscope.core.result import CollectiveRow
-from shardscope.core.sharding import flat_shard_numel, flat_units
+from shardscope.core.sharding import FlatUnits, flat_shard_numel, flat_units
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -60,6 +61,7 @@ class PaperRules(RulesDefaults):
     fused_optimizer = False
     torch_engines = False
     megatron_tensor_parallel = True
+    experts_placed_from_stage = 3  # runtime/teaching/expert_sharded.py: each block's experts a unit of their own
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward. Tensor
@@ -100,11 +102,13 @@ class PaperRules(RulesDefaults):
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
         if stage == 3:
             degree = scenario.shard_degree
+            experts = block_expert_numel(layout) if scenario.strategy.ep > 1 else 0  # a unit of their own
             gathered = (
                 flat_shard_numel(layout.root_numel, degree) * degree,
-                flat_shard_numel(layout.block_numel, degree) * degree,
+                flat_shard_numel(layout.block_numel - experts, degree) * degree,
             )
-            return sharded_events(scenario, gathered, param, grad, regather_root=False)
+            events = sharded_events(scenario, gathered, param, grad, regather_root=False)
+            return events + expert_unit_events(scenario, param, grad) if experts else events
         if _in_model_parallel_grid(scenario):
             return _grid_reductions(scenario, grad)
         buckets = self.gradient_buckets(scenario)
@@ -118,7 +122,7 @@ class PaperRules(RulesDefaults):
         """Every parameter tensor broadcast from rank 0 (with tp or cp, under every stage, the whole tensor to the
         world, before the ranks keep their slices)."""
         element = dtype_bytes(scenario.training.precision)
-        if scenario.parallelism.splits_model:
+        if scenario.parallelism.splits_model or scenario.strategy.ep > 1:
             world = scenario.cluster.world_size
             return [
                 CollectiveRow(phase="setup", op="broadcast", group_size=world, payload_bytes=t.numel * element, count=1)
@@ -146,7 +150,10 @@ class PaperRules(RulesDefaults):
     def optimizer_tensors(self, scenario: Scenario) -> int:
         """One flat buffer (or shard) per unit; every parameter tensor in the tp/cp grid."""
         layout = rank_layout(scenario)
-        return layout.tensor_count if _in_model_parallel_grid(scenario) else layout.num_blocks + 1
+        if _in_model_parallel_grid(scenario):
+            return layout.tensor_count
+        experts = scenario.strategy.ep > 1 and scenario.strategy.stage >= self.experts_placed_from_stage
+        return (2 if experts else 1) * layout.num_blocks + 1  # each block's experts a buffer of their own
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """The teaching DDP (DataParallelBucket) all-reduces its buckets with async_op=True from backward; the tp/cp
@@ -238,8 +245,7 @@ def _states(scenario: Scenario) -> tuple[ModelStates, int]:
     of ZeRO-1's reduce-scatters after backward (0 for the other stages)."""
     training, stage = scenario.training, scenario.strategy.stage
     total, layout = rank_facts(scenario)
-    degree = scenario.shard_degree if stage else 1
-    units = flat_units(layout if layout is not None else total, degree)
+    units = _flat_units(scenario, layout if layout is not None else total)
     weight = dtype_bytes(training.precision)
     master = 4 if training.is_mixed else 0
     moment = 4 if training.is_mixed else weight
@@ -270,6 +276,16 @@ def _states(scenario: Scenario) -> tuple[ModelStates, int]:
         boundary_grads_bytes=in_flight[4],
     )
     return states, after_backward
+
+
+def _flat_units(scenario: Scenario, layout: ParamLayout | int) -> FlatUnits:
+    """The teaching strategies' flat buffers of one rank: one per unit over the shard degree (none for ddp), each
+    block's experts a unit of their own under expert parallelism in zero3 (core.expert_parallel)."""
+    stage, ep = scenario.strategy.stage, scenario.strategy.ep
+    degree = scenario.shard_degree if stage else 1
+    if ep > 1 and stage >= PaperRules.experts_placed_from_stage and isinstance(layout, ParamLayout):
+        return expert_flat_units(layout, degree, ep)
+    return flat_units(layout, degree)
 
 
 def _in_flight(

@@ -27,7 +27,14 @@ from shardscope.core.engines.base import (
     shared_memory,
 )
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
-from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
+from shardscope.core.model_states import (
+    ModelStates,
+    dtype_bytes,
+    kept_states,
+    offload,
+    optimizer_moments,
+    step_tensor_bytes,
+)
 from shardscope.core.params import head_numel, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
@@ -51,11 +58,12 @@ class PyTorchRules(RulesDefaults):
     summary = "what DDP, ZeroRedundancyOptimizer and FSDP2 fully_shard allocate (fp32 weights when mixed)"
     fused_optimizer = False
     torch_engines = True
+    parameters_sharded_from_stage = 2  # zero2 is fully_shard(reshard_after_forward=False): sharded at rest
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         if not runs_on_ddp(scenario):
             return fsdp2_memory(scenario, rank)
-        return shared_memory(scenario, offload(scenario, _replicated(scenario, rank)))
+        return shared_memory(scenario, _offloaded_replicated(scenario, rank))
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
@@ -163,6 +171,29 @@ class PyTorchRules(RulesDefaults):
         """DDP's Reducer all-reduces its buckets with async_op=True from backward (zero1's too); FSDP2's own
         overlap is part of its per-unit term. Tensor parallelism's reductions are DTensor's, not the Reducer's."""
         return runs_on_ddp(scenario) and event.trigger == "after_backward" and event.group == "world"
+
+
+_STATES_CACHE: dict[tuple[object, ...], ModelStates] = {}
+
+
+def _offloaded_replicated(scenario: Scenario, rank: int) -> ModelStates:
+    """`_replicated` after `offload`, kept by what the two read: the model, the precision and optimizer, tp, the
+    stage, the state ranks and shard degree, the bucket view, offload and the rank (tests/planner/test_speed_caches.py
+    holds the kept value to a fresh one)."""
+    training, strategy = scenario.training, scenario.strategy
+    key = (
+        scenario.model,
+        training.precision,
+        training.optimizer,
+        strategy.tp,
+        strategy.stage,
+        scenario.state_ranks,
+        scenario.shard_degree,
+        strategy.gradient_as_bucket_view,
+        strategy.offload,
+        rank,
+    )
+    return kept_states(_STATES_CACHE, key, lambda: offload(scenario, _replicated(scenario, rank)))
 
 
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:

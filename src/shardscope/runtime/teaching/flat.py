@@ -33,13 +33,14 @@ class Unit:
 
 
 def model_units(model: nn.Module) -> list[Unit]:
-    """The root unit (everything outside `layers`) then one unit per block, like core.params.ParamLayout."""
+    """The root unit (everything outside `layers`; none on a pipeline stage that holds only blocks) then one unit
+    per block, like core.params.ParamLayout."""
     root_names, root_params = [], []
     for name, param in model.named_parameters():
         if not name.startswith("layers."):
             root_names.append(name)
             root_params.append(param)
-    units = [Unit("root", model, root_names, root_params)]
+    units = [Unit("root", model, root_names, root_params)] if root_params else []
     for index, block in enumerate(model.layers):  # type: ignore[arg-type]
         names, params = zip(*block.named_parameters(), strict=True)
         units.append(Unit(f"layers.{index}", block, [f"layers.{index}.{n}" for n in names], list(params)))

@@ -19,7 +19,7 @@ from torch import nn
 
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
-from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
+from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, model_units
 from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
@@ -51,7 +51,9 @@ def hsdp_groups(
 
 class FullyShardedTeaching(Trainer):
     """zero3 over shard_pg (None: the world); hsdp when replica_pg is given, across which the gradient shards are
-    averaged. The ranks must start from the same weights (broadcast them first)."""
+    averaged. `units` and `unit_groups` replace model_units(module) and shard some units over their own group (expert
+    parallelism's experts over the ranks holding the same experts); gradients are divided by the data-parallel
+    size all the same. The ranks must start from the same weights (broadcast them first)."""
 
     def __init__(
         self,
@@ -59,17 +61,24 @@ class FullyShardedTeaching(Trainer):
         training: TrainingSpec,
         shard_pg: dist.ProcessGroup | None = None,
         replica_pg: dist.ProcessGroup | None = None,
+        *,
+        units: list[Unit] | None = None,
+        unit_groups: list[dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.module, self.shard_pg, self.replica_pg = module, shard_pg, replica_pg
         degree = dist.get_world_size(shard_pg)
         self.world_size = degree * (1 if replica_pg is None else dist.get_world_size(replica_pg))
-        self.rank = dist.get_rank(self.shard_pg)
-        self.layouts = [FlatLayout(unit, shard_degree=degree) for unit in model_units(module)]
+        units = model_units(module) if units is None else units
+        self.groups = [shard_pg] * len(units) if unit_groups is None else unit_groups
+        self.layouts = [
+            FlatLayout(unit, shard_degree=dist.get_world_size(group))
+            for unit, group in zip(units, self.groups, strict=True)
+        ]
         self.shards, self.whole, self.grad_shards = [], [], []
-        for layout in self.layouts:
+        for layout, group in zip(self.layouts, self.groups, strict=True):
             full = layout.flatten(layout.unit.params)
             with measured_as("parameters"):
-                self.shards.append(layout.shard(full, self.rank).clone())
+                self.shards.append(layout.shard(full, dist.get_rank(group)).clone())
             with measured_as("buffers"):
                 whole = torch.empty_like(full)
             layout.point_params_at(whole)
@@ -95,7 +104,7 @@ class FullyShardedTeaching(Trainer):
             return  # already gathered (the root in backward, or a block recomputed under checkpointing)
         whole.untyped_storage().resize_(whole.numel() * whole.element_size())
         with torch.no_grad():
-            all_gather_single(whole, self.shards[index], group=self.shard_pg)
+            all_gather_single(whole, self.shards[index], group=self.groups[index])
 
     def _free(self, index: int) -> None:
         self.whole[index].untyped_storage().resize_(0)
@@ -122,7 +131,7 @@ class FullyShardedTeaching(Trainer):
         for param in layout.unit.params:
             param.grad = None
         self._free(index)
-        reduce_scatter_single(self.grad_shards[index], flat_grad, group=self.shard_pg)
+        reduce_scatter_single(self.grad_shards[index], flat_grad, group=self.groups[index])
         if self.replica_pg is not None:
             dist.all_reduce(self.grad_shards[index], group=self.replica_pg)
         self.grad_shards[index].div_(self.world_size)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardscope.reference_models import TransformerLM
-from shardscope.runtime.teaching.context_parallel import use_ring_attention, zigzag_positions
+from shardscope.ring_attention import use_ring_attention, zigzag_positions
 from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of

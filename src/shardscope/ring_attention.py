@@ -66,6 +66,7 @@ def _start_ring_pass(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[to
 def _finish(requests: list[Any]) -> None:
     for request in requests:
         request.wait()
+    requests.clear()  # a gloo Work holds the tensor it sent or received until it is dropped
 
 
 def _block_probabilities(
@@ -76,8 +77,14 @@ def _block_probabilities(
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = scores.masked_fill(hidden, float("-inf"))
     block_lse = scores.logsumexp(dim=-1)
-    subtract = block_lse.nan_to_num(neginf=0.0) if lse is None else lse
+    # backward subtracts the saved (fp32) log-sum-exp in the scores' dtype, so its probabilities stay 16-bit
+    subtract = block_lse.nan_to_num(neginf=0.0) if lse is None else lse.to(scores.dtype)
     return (scores - subtract[..., None]).exp(), block_lse
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: fp32, or q's when q is wider (fp64)."""
+    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _heads_for_queries(kv: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -100,15 +107,22 @@ class _RingAttention(torch.autograd.Function):
         size, repeat = dist.get_world_size(group), q.shape[1] // k.shape[1]
         batch, heads, rows, head_dim = q.shape
         out = q.new_zeros(batch, rows, heads, head_dim).transpose(1, 2)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        # The running log-sum-exp, and the one saved for backward, stay in fp32 (fp64 under fp64) whatever the
+        # compute dtype, as torch's ring attention keeps them: its flash kernels return the log-sum-exp in fp32 and
+        # _SDPAMerger merges the blocks in fp32 (torch/distributed/tensor/experimental/_context_parallel/
+        # _attention.py, convert_to_f32).
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=_lse_dtype(q), device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:  # the next block travels while this one is computed
                 next_kv, requests = _start_ring_pass(kv, group)
             keys, values = (_heads_for_queries(t, repeat) for t in kv)
             probs, block_lse = _block_probabilities(q, keys, _hidden_keys(q, group, step), None)
+            block_lse = block_lse.to(lse.dtype)
             merged = torch.logaddexp(lse, block_lse)  # step 0 is the rank's own block: every query sees itself
-            out.mul_((lse - merged).exp()[..., None]).add_((probs @ values) * (block_lse - merged).exp()[..., None])
+            # the blocks' weights are cast to the output's dtype, so the weighted block output stays 16-bit
+            old_weight, block_weight = ((x - merged).exp().to(out.dtype)[..., None] for x in (lse, block_lse))
+            out.mul_(old_weight).add_((probs @ values) * block_weight)
             lse = merged
             if step < size - 1:
                 _finish(requests)

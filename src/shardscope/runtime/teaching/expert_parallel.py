@@ -1,0 +1,149 @@
+"""Expert parallelism from collectives: each MoE layer's experts split over an expert group, tokens sent to them.
+
+A rank of an expert group of `ep` ranks keeps num_experts / ep experts of every MoE layer (the router, attention and
+norms stay whole). Its MoE layer, for its own tokens:
+1. routes them: the router's top-k experts per token and their renormalised weights, as the reference MoE does;
+2. sorts the k copies of its tokens by expert (so by the rank that holds the expert) and swaps with every rank of the
+   group how many rows each sends to each expert (an all-to-all of num_experts counts);
+3. dispatches: one all-to-all sends every row to the rank holding its expert (gloo runs all_to_all_single on CPU);
+4. runs each local expert on the rows it received, from every rank of the group;
+5. combines: the reverse all-to-all brings every output back to the rank its token came from, which weights the k
+   outputs of each token and adds them up.
+Backward sends the gradients through the same two all-to-alls in reverse (`_AllToAll`, whose conjugate is itself
+with the splits swapped). Routing is dropless: no capacity, no token dropped (core/expert_parallel.py predicts it).
+
+`ExpertParallelTeaching` trains a model so, with every rank's tensors in flat buffers as DataParallelBucket's: after
+backward each dense gradient is averaged over the world, and each expert's over the ranks holding the same experts
+(one per expert group), divided by the world too: the expert's gradient already sums its whole group's tokens
+(torchtitan's fsdp_gradient_divide_factor keeps the divisor the data-parallel size for the same reason).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardscope.reference_models import MoE, TransformerLM
+from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
+from shardscope.runtime.teaching.flat import ShardOptimizer
+from shardscope.runtime.trainer import broadcast_module
+from shardscope.specs import TrainingSpec
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` sent by `send_splits` to the group's ranks, rows received by `recv_splits`; backward sends the
+    gradients back the same way with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """One MoE layer on one rank of an expert group: the whole router, its num_experts / ep experts."""
+
+    def __init__(self, moe: MoE, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group, self.ep, index = group, dist.get_world_size(group), dist.get_rank(group)
+        self.top_k, self.num_experts = moe.top_k, len(moe.experts)
+        self.local = self.num_experts // self.ep
+        self.router = moe.router
+        self.experts = nn.ModuleList(moe.experts[index * self.local : (index + 1) * self.local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(tokens), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # 2. the tokens x k rows in expert order, and the row counts the group swaps
+        order = chosen.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=self.group)
+        send = counts.view(self.ep, self.local).sum(dim=1).tolist()
+        recv = received_counts.view(self.ep, self.local).sum(dim=1).tolist()
+        # 3. dispatch
+        received = _AllToAll.apply(tokens[order // self.top_k], send, recv, self.group)
+        # 4. the local experts, each on its rows from every rank (sender-major, then expert by expert)
+        expert_of_row = torch.arange(self.local, device=x.device).repeat(self.ep)
+        expert_of_row = expert_of_row.repeat_interleave(received_counts)
+        out = torch.zeros_like(received)
+        for index, expert in enumerate(self.experts):  # even on no rows: every expert then has a gradient
+            rows = (expert_of_row == index).nonzero(as_tuple=True)[0]
+            out = out.index_add(0, rows, expert(received[rows]).to(out.dtype))
+        # 5. combine: the outputs back home, weighted, k per token summed
+        back = _AllToAll.apply(out, recv, send, self.group)
+        weighted = back * weights.reshape(-1)[order, None]
+        return torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted.to(tokens.dtype)).view_as(x)
+
+
+def expert_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's expert group: ep consecutive ranks, the innermost of dp_shard as torchtitan's dp_shard_in_ep;
+    the ranks holding the same experts: one per expert group). Every rank creates every group, in order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ep:
+        raise ValueError(f"ep({ep}) must divide the world size({world})")
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind, lists in (
+        ("experts", [list(range(start, start + ep)) for start in range(0, world, ep)]),
+        ("data", [list(range(index, world, ep)) for index in range(ep)]),
+    ):
+        for ranks in lists:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return mine["experts"], mine["data"]
+
+
+class ExpertParallelTeaching(FlatBufferTrainer):
+    """A mixture-of-experts model trained with expert parallelism inside data parallelism, from collectives."""
+
+    def __init__(self, module: TransformerLM, training: TrainingSpec, *, ep: int) -> None:
+        self.module, self.world_size = module, dist.get_world_size()
+        self.expert_group, self.expert_data_group = expert_groups(ep)
+        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its experts of them
+        for block in module.layers:
+            block.moe = ExpertParallelMoE(block.moe, self.expert_group)  # type: ignore[union-attr]
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
+        self.optimizer = ShardOptimizer(self.flat_params, training)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        for name, param in self.module.named_parameters():
+            if param.grad is None:
+                continue
+            group = self.expert_data_group if ".experts." in name else None
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.div_(self.world_size)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return whole_experts(dict(self.module.named_parameters()), self.expert_group)
+
+
+def whole_experts(params: dict[str, torch.Tensor], expert_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter under the reference model's names, each local expert gathered over the expert group (the
+    rank at index i of the group holds experts i * local to (i + 1) * local - 1). Called on every rank."""
+    out, ep = {}, dist.get_world_size(expert_group)
+    local_experts = {name.split(".experts.")[1].split(".")[0] for name in params if ".experts." in name}
+    for name, param in params.items():
+        if ".experts." not in name:
+            out[name] = param.detach().clone()
+            continue
+        head, rest = name.split(".experts.")
+        local, tail = rest.split(".", 1)
+        pieces = [torch.empty_like(param) for _ in range(ep)]
+        dist.all_gather(pieces, param.detach().contiguous(), group=expert_group)
+        for owner, piece in enumerate(pieces):
+            out[f"{head}.experts.{owner * len(local_experts) + int(local)}.{tail}"] = piece
+    return out

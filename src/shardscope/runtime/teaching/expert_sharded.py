@@ -1,0 +1,71 @@
+"""Expert parallelism inside fully sharded data parallelism (zero3, FSDP), as torchtitan composes them.
+
+The world's D ranks are cut into expert groups of `ep` consecutive ranks (expert_parallel.py): each MoE layer
+sends its tokens to the experts over its group with all-to-alls. Every dense weight (root, attention, norms, router) is
+sharded over all D ranks, as FSDP alone would; the rank's num_experts / ep experts of each layer are a unit of their
+own, sharded over the D / ep ranks that hold the same experts (one per expert group): torchtitan's ParallelDims
+fully_shard()s the experts over dp_shard_mod_ep (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py,
+`_build_mesh_with_ep`, at commit 73bb964d8f66f585d977b40fe3de88301cdd03cd). So a block is two units: its dense
+weights, gathered before the block runs, and its experts, gathered before its MoE layer runs; each is reduce-scattered
+over its own group when its gradients are complete, and every gradient is divided by D (an expert's already sums its
+expert group's tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardscope.reference_models import TransformerLM
+from shardscope.runtime.teaching.expert_parallel import ExpertParallelMoE, expert_groups, whole_experts
+from shardscope.runtime.teaching.flat import Unit, model_units
+from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
+from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.specs import TrainingSpec
+
+
+def expert_units(module: TransformerLM) -> list[Unit]:
+    """model_units with each block cut in two: the block's dense weights (the block's unit, run by its forward),
+    then its experts (a unit of the MoE layer's, run by the MoE layer's forward)."""
+    units = []
+    for unit in model_units(module):
+        if unit.name == "root":
+            units.append(unit)
+            continue
+        pairs = list(zip(unit.names, unit.params, strict=True))
+        dense = [(name, param) for name, param in pairs if ".experts." not in name]
+        experts = [(name, param) for name, param in pairs if ".experts." in name]
+        moe = module.layers[int(unit.name.split(".")[1])].moe  # type: ignore[union-attr]
+        for name, owner, members in ((unit.name, unit.module, dense), (f"{unit.name}.experts", moe, experts)):
+            names, params = zip(*members, strict=True)
+            units.append(Unit(name, owner, list(names), list(params)))  # type: ignore[arg-type]
+    return units
+
+
+class ShardedExpertParallel(Trainer):
+    """A mixture-of-experts model trained with expert parallelism inside zero3 / FSDP, from collectives."""
+
+    def __init__(self, module: TransformerLM, training: TrainingSpec, *, ep: int) -> None:
+        self.module, self.world_size = module, dist.get_world_size()
+        self.expert_group, expert_data_group = expert_groups(ep)
+        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its experts of them
+        for block in module.layers:
+            block.moe = ExpertParallelMoE(block.moe, self.expert_group)  # type: ignore[union-attr]
+        units = expert_units(module)
+        groups = [expert_data_group if unit.name.endswith(".experts") else None for unit in units]
+        self.data = FullyShardedTeaching(module, training, units=units, unit_groups=groups)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.data.backward(loss)
+
+    def step(self) -> None:
+        self.data.step()
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return self.data.held()
+
+    def resizable_buffers(self) -> list[torch.Tensor]:
+        return self.data.resizable_buffers()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return whole_experts(self.data.full_parameters(), self.expert_group)
