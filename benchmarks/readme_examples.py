@@ -11,6 +11,7 @@ only that file. tests/cli/test_readme_examples.py holds the torch-free ones equa
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -70,7 +71,8 @@ def find_examples(lines: list[str]) -> list[Example]:
 
 
 def printed(example: Example) -> str:
-    """What the command prints on standard output now, in a fresh process."""
+    """What the command prints on standard output now, in a fresh process started in the repository (examples name
+    files of tests/data), with a temporary directory of its own for anything it writes there."""
     with tempfile.TemporaryDirectory(prefix="shardscope-examples-") as folder:
         result = subprocess.run(
             [sys.executable, "-m", "shardscope", *example.argv],
@@ -78,7 +80,8 @@ def printed(example: Example) -> str:
             text=True,
             check=False,
             timeout=600,
-            cwd=folder,
+            cwd=REPO,
+            env=dict(os.environ, TMPDIR=folder),
         )
     if result.returncode != 0:
         raise SystemExit(f"{example.command} exited {result.returncode}: {result.stderr.strip()}")
