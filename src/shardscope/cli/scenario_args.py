@@ -170,9 +170,10 @@ def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allocator-headroom",
         type=float,
-        default=0.05,
+        default=None,
         metavar="FRACTION",
-        help="assumed allocator headroom as a fraction of the tensor peak (default %(default)s)",
+        help="override the caching allocator model: take the reserved peak as the allocated peak x (1 + FRACTION) "
+        "(default: the model's reserved peak)",
     )
 
 

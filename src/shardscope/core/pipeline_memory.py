@@ -101,7 +101,7 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     in_flight = sum(counts.values())
     moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
     tensor_peak = max(steady, step)
-    overhead = scenario.overheads.context_bytes + int(tensor_peak * scenario.overheads.allocator_headroom)
+    overhead = scenario.overheads.context_bytes
     per_rank = MemoryBreakdown(
         parameters_bytes=states.parameters_bytes,
         gradients_bytes=states.gradients_bytes,
