@@ -83,9 +83,12 @@ def find_examples(lines: list[str]) -> list[Example]:
 
 
 def printed(example: Example) -> str:
-    """What the command prints on standard output now, in a fresh process started in the repository (examples name
-    files of tests/data), with a temporary directory of its own for anything it writes there."""
+    """What the command prints on standard output now, in a fresh process started in a temporary folder, so the files
+    it writes (report's plan.html, timeline's pipeline.json) go nowhere; the folder links the repository's tests (the
+    examples read tests/data) and src (for a relative PYTHONPATH=src)."""
     with tempfile.TemporaryDirectory(prefix="shardscope-examples-") as folder:
+        for name in ("tests", "src"):
+            (Path(folder) / name).symlink_to(REPO / name, target_is_directory=True)
         define = f'shardscope() {{ {shlex.quote(sys.executable)} -m shardscope "$@"; }}; '
         command = ["bash", "-c", define + example.command] if example.shell else [sys.executable, "-m", "shardscope"]
         result = subprocess.run(
@@ -94,7 +97,7 @@ def printed(example: Example) -> str:
             text=True,
             check=False,
             timeout=600,
-            cwd=REPO,
+            cwd=folder,
             env=dict(os.environ, TMPDIR=folder),
         )
     if result.returncode != 0:
