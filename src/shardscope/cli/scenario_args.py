@@ -256,19 +256,9 @@ def layer_list(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in words)
 
 
-PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come later"
-
-
-def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the command that cannot take a pipeline yet (trace); `run` asks its engine (runtime/config.py
-    MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS) whether it runs a pipeline or experts."""
-    if args.pp > 1 and args.command == "trace":
-        raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-
-
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline settings of the command line as Strategy fields, once the command is known to take them."""
-    refuse_unbuilt_parallelism(args)
+    """The pipeline settings of the command line as Strategy fields (`run` asks its engine whether it runs them:
+    runtime/config.py MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS)."""
     return {
         "pp": args.pp,
         "pp_schedule": args.pp_schedule,

@@ -72,9 +72,28 @@ def teaching_refusal(scenario: Scenario) -> str:
 
 def _torch_refusal(scenario: Scenario) -> str:
     if scenario.strategy.pp > 1:
-        return "pipelines run on torch.distributed.pipelining later; --engine paper runs the teaching pipeline"
+        return torch_pipeline_refusal(scenario)
     why = torch_model_parallel_refusal(scenario)
     return f"{why}; --engine paper runs it (the teaching implementation)" if why else ""
+
+
+def torch_pipeline_refusal(scenario: Scenario) -> str:
+    """Why torch's pipelining cannot run a scenario ('' when it can): runtime/torch_pipeline.py shards the stages
+    with fully_shard (zero2, zero3/fsdp, hsdp), without tp or cp, and cuts llama-style models without experts (a
+    tie of the embeddings across the first and last stages, and gpt2's learned positions, are not built)."""
+    strategy, model = scenario.strategy, scenario.model
+    if strategy.tp > 1 or strategy.cp > 1:
+        return f"pp {strategy.pp} runs without tp and cp (tp {strategy.tp}, cp {strategy.cp} given)"
+    if strategy.stage < 2:
+        return (
+            f"pp {strategy.pp} runs inside fully_shard only (zero2, zero3, fsdp, hsdp), not {strategy.name}; "
+            "--engine paper runs the teaching pipeline inside ddp"
+        )
+    if model.family != "llama":
+        return f"pp {strategy.pp} cuts llama-style models only, not {model.name} (a {model.family} model)"
+    if model.tie_embeddings:
+        return f"pp {strategy.pp} needs a model without tied embeddings ({model.name} ties them)"
+    return ""
 
 
 def teaching_expert_refusal(scenario: Scenario) -> str:
