@@ -24,9 +24,12 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCUMENTS = (README, REPO / "docs" / "guide.md")
 FENCE = "```"
-# The one field of a human output that is a wall-clock reading: plan's "searched ... in 0.19 s".
 SUBCOMMAND = re.compile(r"\bshardscope\s+([a-z]+)")
-ELAPSED = re.compile(r"(?<=, in )\d+\.\d+(?= s; ranked by)")
+# The fields of a human output that are wall-clock readings: plan's "searched ... in 0.19 s", run's "step time:
+# 136.3 ms" and trace's "(36.3 s)" at the end of its first line.
+ELAPSED = re.compile(
+    r"(?<=, in )\d+\.\d+(?= s; ranked by)|(?<=^step time: )\d+\.\d+(?= ms)|(?<= \()\d+\.\d+(?= s\)$)", re.MULTILINE
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +86,12 @@ def find_examples(lines: list[str]) -> list[Example]:
 
 
 def printed(example: Example) -> str:
-    """What the command prints on standard output now, in a fresh process started in the repository (examples name
-    files of tests/data), with a temporary directory of its own for anything it writes there."""
+    """What the command prints on standard output now, in a fresh process started in a temporary folder, so the files
+    it writes (report's plan.html, timeline's pipeline.json) go nowhere; the folder links the repository's tests (the
+    examples read tests/data) and src (for a relative PYTHONPATH=src)."""
     with tempfile.TemporaryDirectory(prefix="shardscope-examples-") as folder:
+        for name in ("tests", "src"):
+            (Path(folder) / name).symlink_to(REPO / name, target_is_directory=True)
         define = f'shardscope() {{ {shlex.quote(sys.executable)} -m shardscope "$@"; }}; '
         command = ["bash", "-c", define + example.command] if example.shell else [sys.executable, "-m", "shardscope"]
         result = subprocess.run(
@@ -94,7 +100,7 @@ def printed(example: Example) -> str:
             text=True,
             check=False,
             timeout=600,
-            cwd=REPO,
+            cwd=folder,
             env=dict(os.environ, TMPDIR=folder),
         )
     if result.returncode != 0:
@@ -114,7 +120,9 @@ def without_elapsed(text: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only say which examples differ; exit 1 if any")
+    parser.add_argument(
+        "--check", action="store_true", help="only say which examples differ, wall-clock readings aside; exit 1 if any"
+    )
     parser.add_argument("--only", metavar="COMMAND", help="only the examples of this subcommand, e.g. estimate")
     parser.add_argument(
         "--document", metavar="NAME", choices=[path.name for path in DOCUMENTS], help="only this file, e.g. guide.md"
