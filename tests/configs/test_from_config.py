@@ -151,6 +151,32 @@ def test_command_line_flags_override_the_file() -> None:
         assert (args.strategy, args.micro_batch, args.grad_accum) == ("zero1", 5, 4)
 
 
+def test_explicit_flags_at_their_default_values_override_the_file() -> None:
+    """A flag given on the command line wins even when it repeats its default (the file says zero3, bf16-mixed,
+    micro-batch 2, grad-accum 4 and offload optimizer), before or after --from."""
+    path = str(DATA / "deepspeed_zero3_offload.json")
+    given = ["--precision", "fp32", "--micro-batch", "1", "--grad-accum", "1", "--offload", "none", "--gpus", "8"]
+    for argv in (["--from", path, *given], [*given, "--from", path]):
+        args = parsed("estimate", "--model", "gpt2", *argv)
+        assert (args.precision, args.micro_batch, args.grad_accum, args.offload) == ("fp32", 1, 1, "none")
+        assert (args.strategy, args.engine) == ("zero3", "deepspeed")  # not given: the file's
+        unmodelled = args.config_source.unmodelled
+        assert unmodelled["train_micro_batch_size_per_gpu"] == "--micro-batch on the command line overrides it"
+        assert unmodelled["zero_optimization.offload_optimizer/offload_param.device=cpu"] == (
+            "--offload on the command line overrides it"
+        )
+    defaults = parsed("estimate", "--model", "gpt2", "--micro-batch", "1", "--from", path)
+    assert (defaults.micro_batch, defaults.precision) == (1, "bf16-mixed")
+
+
+def test_a_model_flag_keeps_the_file_model_out() -> None:
+    args = parsed("estimate", "--params", "7B", "--from", str(DATA / "torchtitan_llama3_8b.toml"))
+    assert (args.model, args.params) == (None, "7B")
+    assert args.config_source.unmodelled["model.name=llama3, model.flavor=8B"] == (
+        "--params on the command line overrides it"
+    )
+
+
 def test_auto_values_are_reported_as_needing_a_flag() -> None:
     args = parsed("estimate", "--model", "gpt2", "--from", str(DATA / "deepspeed_hf_auto.json"))
     assert (args.strategy, args.micro_batch) == ("zero2", 1)
