@@ -212,6 +212,11 @@ def test_plan_keeps_the_model_and_step_and_searches_the_rest() -> None:
     [
         (["estimate", "--model", "gpt2", "--json"], "shardscope.estimate/v1"),
         (["plan", "--model", "gpt2", "--global-batch-tokens", "64K", "--top", "1", "--json"], "shardscope.plan/v1"),
+        (["timeline", "--model", "gpt2", "--json"], ""),
+        (
+            ["trace", "--model", "tiny-gpt2", "--gpus", "8", "--offload", "none", "--engine", "pytorch", "--json"],
+            "shardscope.trace/v1",
+        ),
     ],
 )
 def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -219,12 +224,13 @@ def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pyte
 
     jsonschema = pytest.importorskip("jsonschema")
     path = str(DATA / "deepspeed_zero3_offload.json")
-    assert main([*argv, "--seq-len", "1024", "--from", path]) == 0
+    assert main([*argv, "--seq-len", "32" if "trace" in argv else "1024", "--from", path]) == 0
     document = json.loads(capsys.readouterr().out)
-    jsonschema.validate(document, load_schema(name))
+    if name:  # timeline's JSON is `estimate --time`'s entry, without a versioned schema of its own
+        jsonschema.validate(document, load_schema(name))
     assert document["source"]["format"] == "deepspeed"
     source = document["source"]
-    if name == "shardscope.estimate/v1":
+    if name != "shardscope.plan/v1":
         assert {"field": "zero_optimization.stage=3", "flag": "--strategy", "value": "zero3"} in source["mapping"]
     else:  # plan searches the strategy itself
         assert source["unmodelled"]["zero_optimization.stage=3"] == "shardscope plan searches --strategy itself"
@@ -236,3 +242,15 @@ def test_torchtitan_shard_degree_defaults_to_the_gpus_left(tmp_path: Path) -> No
     path.write_text(toml_text({"parallelism": {"tensor_parallel_degree": 2}}))  # job_config.py: shard degree -1
     args = parsed("estimate", "--model", "gpt2", "--gpus", "8", "--from", str(path))
     assert (args.gpus, args.strategy, args.tp) == (8, "fsdp", 2)
+
+
+def test_report_that_plans_prints_the_mapping_and_names_what_it_searches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    path = str(DATA / "deepspeed_zero3_offload.json")
+    argv = ["report", "--model", "gpt2", "--global-batch-tokens", "64K", "--seq-len", "1024", "--from", path]
+    assert main([*argv, "--output", str(tmp_path / "page.html")]) == 0
+    err = capsys.readouterr().err
+    assert "optimizer.type=AdamW -> --optimizer adamw" in err
+    assert "zero_optimization.stage=3: shardscope report searches --strategy itself" in err

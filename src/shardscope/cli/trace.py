@@ -18,6 +18,7 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import render_table
+from shardscope.configs.args import with_source
 from shardscope.core.engines import ENGINE_RULES
 from shardscope.core.result import CATEGORIES
 from shardscope.specs import ModelSpec, Scenario
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             sys.stderr.write("\r\x1b[K")
     if args.json:
-        print(json.dumps(result.to_json(scenario), indent=1))
+        print(json.dumps(with_source(result.to_json(scenario), args), indent=1))
     else:
         print(render(result, args.units))
     if snapshot:

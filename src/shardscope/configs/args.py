@@ -34,6 +34,11 @@ def explicit_destinations(parser: argparse.ArgumentParser, argv: Sequence[str]) 
     return set(vars(given))
 
 
+def plans(namespace: argparse.Namespace, command: str) -> bool:
+    """Whether the command searches plans (plan, and report with --global-batch-tokens), keeping only PLAN_TAKES."""
+    return command.split()[-1] == "plan" or getattr(namespace, "global_batch_tokens", None) is not None
+
+
 def apply_config_file(parser: argparse.ArgumentParser, namespace: argparse.Namespace, explicit: set[str]) -> None:
     """Read --from into the namespace: each setting of the file goes to its flag unless that flag was given
     explicitly (or the command searches it itself: plan); the mapping used is kept as namespace.config_source."""
@@ -44,9 +49,10 @@ def apply_config_file(parser: argparse.ArgumentParser, namespace: argparse.Names
         mapping = read_config(path, getattr(namespace, "from_format", None), getattr(namespace, "gpus", 8))
     except ConfigError as error:
         parser.error(str(error))
+    searches = plans(namespace, parser.prog)
     for dest in list(mapping.settings):
         flag = "--" + dest.replace("_", "-")
-        if not hasattr(namespace, dest) or (parser.prog.endswith(" plan") and dest not in PLAN_TAKES):
+        if not hasattr(namespace, dest) or (searches and dest not in PLAN_TAKES):
             why = f"{parser.prog} searches {flag} itself"
         elif dest in explicit or (dest in MODEL_SOURCES and explicit.intersection(MODEL_SOURCES)):
             given = next(name for name in (dest, *MODEL_SOURCES) if name in explicit)
@@ -96,16 +102,18 @@ def print_source(args: argparse.Namespace, stream: Any = None) -> None:
     print("\n".join(f"shardscope {args.command}: {line}" for line in mapping.lines()), file=stream or sys.stderr)
 
 
-def source_json(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The mapping as the JSON output's `source`, or None without --from."""
+def with_source(document: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A command's JSON document with the --from mapping under `source` (the document as it is without --from);
+    every command that reads --from and prints JSON goes through here, so they all carry it the same way."""
     mapping = getattr(args, "config_source", None)
-    return None if mapping is None else dict(mapping.as_json())
+    return document if mapping is None else {**document, "source": mapping.as_json()}
 
 
 __all__: Sequence[str] = [
     "add_from_arguments",
     "apply_config_file",
     "explicit_destinations",
+    "plans",
     "print_source",
-    "source_json",
+    "with_source",
 ]
