@@ -85,6 +85,27 @@ def test_a_model_type_outside_the_core_is_traced_from_its_config(capsys: pytest.
 
 
 @pytest.mark.long
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-moe"])
+def test_gpt2_and_mixtral_hold_every_parameter_the_core_counts(preset: str) -> None:
+    """transformers' GPT2LMHeadModel (tied head) and MixtralForCausalLM (its experts as 3-D tensors, which the
+    reference MoE's data-dependent routing cannot replay on fake tensors), zero3 bf16-mixed on 2 ranks: half of every
+    fp32 parameter the core counts (every dim 0 of these presets is even, so FSDP2 pads none). bf16: transformers'
+    grouped_mm experts kernel takes bf16 operands only."""
+    from shardscope.core.params import count_parameters
+
+    spec = model_preset(preset)
+    scenario = Scenario(
+        model=spec,
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2),
+        training=TrainingSpec(precision="bf16-mixed", micro_batch_size=BATCH, sequence_length=SEQUENCE),
+        strategy=Strategy(name="zero3"),
+    )
+    result = run_in_subprocess(TraceRequest(scenario=scenario, implementation="hf", time_limit_s=300))
+    assert result.per_rank.parameters_bytes == result.per_rank.gradients_bytes == count_parameters(spec) * 4 // 2
+    assert result.per_rank.activations_bytes > 0
+
+
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("config", "flags", "message"),
     [
