@@ -174,7 +174,7 @@ CASES: list[tuple[list[str], str]] = [
     (["trace", "--model", "tiny-llama", "--attn-implementation", "eager"], "--attn-implementation eager"),
     (["trace", "--model", "tiny-llama", "--implementation", "gguf"], "invalid choice: 'gguf'"),
     (["trace", "--model", "tiny-llama", "--implementation", "hf", "--attn-implementation", "flex"], "'flex'"),
-    (["trace", "--config", "{head_dim.json}", "--implementation", "reference"], "--implementation reference"),
+    (["trace", "--config", "{bert.json}", "--implementation", "reference"], "model_type 'bert' is not supported"),
     (["trace", "--module", "pkg.models:make", "--implementation", "hf"], "--implementation hf"),
     (["trace", "--implementation", "hf", "--params", "7B"], "--params"),
     (["trace", "--config", "{list.json}"], "list.json holds a list"),

@@ -106,6 +106,22 @@ def test_gpt2_and_mixtral_hold_every_parameter_the_core_counts(preset: str) -> N
 
 
 @pytest.mark.long
+def test_a_config_traced_with_the_reference_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--config FILE --implementation reference builds shardscope's modules to the file's shape: tiny-llama's."""
+    from shardscope.presets.hf_config import hf_config_of
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config_of(model_preset("tiny-llama"))))
+    flags = ["--gpus", "3", "--precision", "fp32", "--micro-batch", str(BATCH), "--seq-len", str(SEQUENCE), "--json"]
+    assert main(["trace", "--config", str(path), "--implementation", "reference", *flags]) == 0
+    document = json.loads(capsys.readouterr().out)
+    reference = run_in_subprocess(_request("reference"))
+    assert document["per_rank"]["activations_bytes"] == reference.per_rank.activations_bytes
+    assert document["per_rank"]["peak_moment"].startswith("backward: layers.")  # not transformers' model.layers
+    assert not any("transformers" in note for note in document["notes"])
+
+
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("config", "flags", "message"),
     [

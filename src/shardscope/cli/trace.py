@@ -57,9 +57,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--implementation",
         choices=IMPLEMENTATIONS,
-        help="whose modeling code runs: reference (shardscope's modules; the default with --model) or hf "
-        "(transformers' own, built from the preset's or --config's config.json on the meta device, offline; the "
-        "default with --config)",
+        help="whose modeling code runs: reference (shardscope's modules, built to the model's shape; the default "
+        "with --model) or hf (transformers' own, built from the preset's or --config's config.json on the meta "
+        "device, offline; the default with --config)",
     )
     parser.add_argument(
         "--attn-implementation",
@@ -97,12 +97,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def implementation_of(args: argparse.Namespace) -> str:
-    """--implementation, or its default: hf for a --config file, reference otherwise; checked against the rest."""
+    """--implementation, or its default: hf for a --config file, reference otherwise; checked against the rest.
+    `--config FILE --implementation reference` traces shardscope's modules built to that config's shape."""
     implementation: str = args.implementation or ("hf" if args.config else "reference")
     if args.module and args.implementation:
         raise CliError(f"--implementation {args.implementation}: a --module factory runs its own modeling code")
-    if args.config and implementation == "reference":
-        raise CliError("--config builds the model with transformers; --implementation reference traces --model presets")
     if args.attn_implementation and implementation != "hf":
         raise CliError(
             f"--attn-implementation {args.attn_implementation} chooses transformers' attention (--implementation hf); "
@@ -111,7 +110,7 @@ def implementation_of(args: argparse.Namespace) -> str:
     if args.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise CliError(
             "--attn-implementation flash_attention_2 needs the flash-attn package (a CUDA build), which is not "
-            "installed here; use sdpa, whose memory is the same fused kernel's"
+            "installed here; use sdpa or eager"
         )
     return implementation
 
@@ -119,7 +118,7 @@ def implementation_of(args: argparse.Namespace) -> str:
 def _traced_only_model(args: argparse.Namespace) -> ModelSpec | None:
     """For a --config whose model_type the core has no family for: a spec that only names it (the trace measures
     its model states and activations alone); None for every other model."""
-    if not args.config:
+    if not args.config or implementation_of(args) != "hf":
         return None
     try:
         read_hf_config(args.config)
@@ -224,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     request = TraceRequest(
         scenario=scenario,
         implementation=implementation,
-        config_path=args.config or "",
+        config_path=args.config if implementation == "hf" else "",
         attn_implementation=args.attn_implementation or "",
         factory=args.module or "",
         time_limit_s=args.time_limit,
