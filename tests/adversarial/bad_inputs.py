@@ -177,6 +177,7 @@ CASES: list[tuple[list[str], str]] = [
     (["trace", "--config", "{bert.json}", "--implementation", "reference"], "model_type 'bert' is not supported"),
     (["trace", "--module", "pkg.models:make", "--implementation", "hf"], "--implementation hf"),
     (["trace", "--implementation", "hf", "--params", "7B"], "--params"),
+    (["trace", "--model", "tiny-llama", "--implementation", "hf", "--pp", "2", "--grad-accum", "2"], "--pp 2 with"),
     (["trace", "--config", "{list.json}"], "list.json holds a list"),
     (["trace", "--config", "{no_type.json}"], "field 'model_type' is None"),
     *(  # flash-attn is a CUDA build; where it is installed the worker tries it

@@ -109,8 +109,8 @@ def request_from_json(text: str) -> TraceRequest:
 def pipeline_refusal(request: TraceRequest) -> str:
     """Why this pipeline cannot be replayed, in one line, or '' when it can."""
     strategy = request.scenario.strategy
-    if request.factory or request.config_path:
-        source = "--module" if request.factory else "--config"
+    if request.factory or request.implementation == "hf":
+        source = "--module" if request.factory else "--implementation hf"
         return f"--pp {strategy.pp} with {source}: the trace cuts shardscope's reference modules only (--model)"
     if strategy.tp > 1 or strategy.cp > 1:
         return f"--pp {strategy.pp} with --tp or --cp is not replayed yet; use `shardscope estimate`"
