@@ -6,6 +6,7 @@ the offending value, before any work (and, for run and calibrate, before any pro
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 from shardscope.presets import gpu_preset
@@ -31,6 +32,7 @@ FILES = {
     "not_json.json": "{model_type: llama",
     "list.json": "[1, 2]",
     "bert.json": json.dumps({"model_type": "bert"}),
+    "no_type.json": json.dumps({"hidden_size": 64}),
     "layers_text.json": json.dumps({**LLAMA, "hidden_size": 256, "num_hidden_layers": "two"}),
     "missing_vocab.json": json.dumps(
         {key: value for key, value in LLAMA.items() if key != "vocab_size"} | {"hidden_size": 256}
@@ -58,6 +60,7 @@ FILES = {
     "accelerate_ok.yaml": "distributed_type: MULTI_GPU\nnum_processes: 8\n",
 }
 EST = ["estimate", "--model", "llama-3-8b"]
+FLASH = ["--attn-implementation", "flash_attention_2"]
 PLAN = ["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M"]
 TL = ["timeline", "--model", "llama-3-8b", "--strategy", "zero3"]
 REP = ["report", "--model", "llama-3-8b"]
@@ -167,6 +170,21 @@ CASES: list[tuple[list[str], str]] = [
     (["trace", "--params", "7B"], "--params"),
     (["trace", "--config", "{deep.json}"], "deep.json is nested too deeply"),
     (["trace", "--model", "tiny-gpt2", "--seq-len", "65"], "--seq-len 65"),
+    # trace --implementation hf (transformers' modeling code), refused before the worker starts
+    (["trace", "--model", "tiny-llama", "--attn-implementation", "eager"], "--attn-implementation eager"),
+    (["trace", "--model", "tiny-llama", "--implementation", "gguf"], "invalid choice: 'gguf'"),
+    (["trace", "--model", "tiny-llama", "--implementation", "hf", "--attn-implementation", "flex"], "'flex'"),
+    (["trace", "--config", "{bert.json}", "--implementation", "reference"], "model_type 'bert' is not supported"),
+    (["trace", "--module", "pkg.models:make", "--implementation", "hf"], "--implementation hf"),
+    (["trace", "--implementation", "hf", "--params", "7B"], "--params"),
+    (["trace", "--model", "tiny-llama", "--implementation", "hf", "--pp", "2", "--grad-accum", "2"], "--pp 2 with"),
+    (["trace", "--config", "{list.json}"], "list.json holds a list"),
+    (["trace", "--config", "{no_type.json}"], "field 'model_type' is None"),
+    *(  # flash-attn is a CUDA build; where it is installed the worker tries it
+        [(["trace", "--model", "tiny-llama", "--implementation", "hf", *FLASH], "needs the flash-attn package")]
+        if importlib.util.find_spec("flash_attn") is None
+        else []
+    ),
     # validate (refused before any case runs)
     (["validate", "--models", ""], "--models ''"),
     (["validate", "--models", "nope"], "'nope'"),

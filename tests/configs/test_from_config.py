@@ -151,6 +151,32 @@ def test_command_line_flags_override_the_file() -> None:
         assert (args.strategy, args.micro_batch, args.grad_accum) == ("zero1", 5, 4)
 
 
+def test_explicit_flags_at_their_default_values_override_the_file() -> None:
+    """A flag given on the command line wins even when it repeats its default (the file says zero3, bf16-mixed,
+    micro-batch 2, grad-accum 4 and offload optimizer), before or after --from."""
+    path = str(DATA / "deepspeed_zero3_offload.json")
+    given = ["--precision", "fp32", "--micro-batch", "1", "--grad-accum", "1", "--offload", "none", "--gpus", "8"]
+    for argv in (["--from", path, *given], [*given, "--from", path]):
+        args = parsed("estimate", "--model", "gpt2", *argv)
+        assert (args.precision, args.micro_batch, args.grad_accum, args.offload) == ("fp32", 1, 1, "none")
+        assert (args.strategy, args.engine) == ("zero3", "deepspeed")  # not given: the file's
+        unmodelled = args.config_source.unmodelled
+        assert unmodelled["train_micro_batch_size_per_gpu"] == "--micro-batch on the command line overrides it"
+        assert unmodelled["zero_optimization.offload_optimizer/offload_param.device=cpu"] == (
+            "--offload on the command line overrides it"
+        )
+    defaults = parsed("estimate", "--model", "gpt2", "--micro-batch", "1", "--from", path)
+    assert (defaults.micro_batch, defaults.precision) == (1, "bf16-mixed")
+
+
+def test_a_model_flag_keeps_the_file_model_out() -> None:
+    args = parsed("estimate", "--params", "7B", "--from", str(DATA / "torchtitan_llama3_8b.toml"))
+    assert (args.model, args.params) == (None, "7B")
+    assert args.config_source.unmodelled["model.name=llama3, model.flavor=8B"] == (
+        "--params on the command line overrides it"
+    )
+
+
 def test_auto_values_are_reported_as_needing_a_flag() -> None:
     args = parsed("estimate", "--model", "gpt2", "--from", str(DATA / "deepspeed_hf_auto.json"))
     assert (args.strategy, args.micro_batch) == ("zero2", 1)
@@ -186,6 +212,11 @@ def test_plan_keeps_the_model_and_step_and_searches_the_rest() -> None:
     [
         (["estimate", "--model", "gpt2", "--json"], "shardscope.estimate/v1"),
         (["plan", "--model", "gpt2", "--global-batch-tokens", "64K", "--top", "1", "--json"], "shardscope.plan/v1"),
+        (["timeline", "--model", "gpt2", "--json"], ""),
+        (
+            ["trace", "--model", "tiny-gpt2", "--gpus", "8", "--offload", "none", "--engine", "pytorch", "--json"],
+            "shardscope.trace/v1",
+        ),
     ],
 )
 def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -193,12 +224,13 @@ def test_json_output_carries_the_source(argv: list[str], name: str, capsys: pyte
 
     jsonschema = pytest.importorskip("jsonschema")
     path = str(DATA / "deepspeed_zero3_offload.json")
-    assert main([*argv, "--seq-len", "1024", "--from", path]) == 0
+    assert main([*argv, "--seq-len", "32" if "trace" in argv else "1024", "--from", path]) == 0
     document = json.loads(capsys.readouterr().out)
-    jsonschema.validate(document, load_schema(name))
+    if name:  # timeline's JSON is `estimate --time`'s entry, without a versioned schema of its own
+        jsonschema.validate(document, load_schema(name))
     assert document["source"]["format"] == "deepspeed"
     source = document["source"]
-    if name == "shardscope.estimate/v1":
+    if name != "shardscope.plan/v1":
         assert {"field": "zero_optimization.stage=3", "flag": "--strategy", "value": "zero3"} in source["mapping"]
     else:  # plan searches the strategy itself
         assert source["unmodelled"]["zero_optimization.stage=3"] == "shardscope plan searches --strategy itself"
@@ -210,3 +242,15 @@ def test_torchtitan_shard_degree_defaults_to_the_gpus_left(tmp_path: Path) -> No
     path.write_text(toml_text({"parallelism": {"tensor_parallel_degree": 2}}))  # job_config.py: shard degree -1
     args = parsed("estimate", "--model", "gpt2", "--gpus", "8", "--from", str(path))
     assert (args.gpus, args.strategy, args.tp) == (8, "fsdp", 2)
+
+
+def test_report_that_plans_prints_the_mapping_and_names_what_it_searches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    path = str(DATA / "deepspeed_zero3_offload.json")
+    argv = ["report", "--model", "gpt2", "--global-batch-tokens", "64K", "--seq-len", "1024", "--from", path]
+    assert main([*argv, "--output", str(tmp_path / "page.html")]) == 0
+    err = capsys.readouterr().err
+    assert "optimizer.type=AdamW -> --optimizer adamw" in err
+    assert "zero_optimization.stage=3: shardscope report searches --strategy itself" in err

@@ -15,6 +15,7 @@ from shardscope.cli.scenario_args import (
 )
 from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
+from shardscope.configs.args import with_source
 from shardscope.core.memory import describe_assumptions, estimate_memory
 from shardscope.core.params import count_parameters
 from shardscope.core.result import CATEGORIES, ESTIMATE_SCHEMA, MemoryEstimate, estimate_document
@@ -134,10 +135,7 @@ def run(args: argparse.Namespace) -> int:
         hardware = hardware_from_args(args, scenarios[0].cluster.gpu)
         times = [estimate_time(scenario, hardware) for scenario in scenarios]
     if args.json:
-        document = estimate_document(estimates, times)
-        if args.config_source is not None:
-            document["source"] = args.config_source.as_json()
-        print(json.dumps(document, indent=2))
+        print(json.dumps(with_source(estimate_document(estimates, times), args), indent=2))
     else:
         print(render_estimates(estimates, args.units))
         if times:

@@ -23,6 +23,7 @@ from shardscope.cli.scenario_args import (
 )
 from shardscope.cli.tables import bar, render_table
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
+from shardscope.configs.args import with_source
 from shardscope.core.params import count_parameters
 from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
@@ -248,10 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty() and not args.json:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     if args.json:
-        document = result.to_json()
-        if args.config_source is not None:
-            document["source"] = args.config_source.as_json()
-        print(json.dumps(document, indent=2))
+        print(json.dumps(with_source(result.to_json(), args), indent=2))
     else:
         print(render_plan(result, args.units, elapsed))
     return 0  # "nothing fits" is an answer, printed with the rejections

@@ -23,7 +23,7 @@ from shardscope.choices import (
     parse_choice,
 )
 from shardscope.cli.errors import CliError
-from shardscope.configs.args import add_from_arguments, print_source
+from shardscope.configs.args import add_from_arguments, plans, print_source
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
 from shardscope.presets import gpu_preset, gpu_preset_names, model_preset, model_preset_names, with_memory
 from shardscope.presets.hf_config import read_hf_config
@@ -272,7 +272,7 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The ModelSpec named by --model, --config or --params (or the --from file)."""
     if args.model_required and not any(getattr(args, name, None) is not None for name in ("model", "config", "params")):
         raise CliError("one of the arguments --model --config --params is required (or a --from file that names it)")
-    if args.command == "plan":  # plan builds no scenario here; the others print once their scenarios are valid
+    if plans(args, args.command):  # a plan builds no scenario here; the others print once their scenarios are valid
         print_source(args)
     if getattr(args, "config", None) is not None:
         if not args.config:

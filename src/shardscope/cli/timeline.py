@@ -22,6 +22,7 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import render_table
+from shardscope.configs.args import with_source
 from shardscope.core.chrome_trace import chrome_trace, pipeline_chrome_trace
 from shardscope.core.memory import estimate_memory
 from shardscope.core.network import ledger_costs
@@ -169,7 +170,7 @@ def run_pipeline(scenario: Scenario, hardware: HardwareProfile, args: argparse.N
     if args.trace:
         write_trace(pipeline_chrome_trace(step), args.trace)
     if args.json:
-        print(json.dumps({**estimate.to_json(), "pipeline": pipeline_json(step)}, indent=2))
+        print(json.dumps(with_source({**estimate.to_json(), "pipeline": pipeline_json(step)}, args), indent=2))
         return 0
     print(render_pipeline(step, estimate))
     if args.trace:
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         write_trace(chrome_trace(estimate, estimate_memory(scenario)), args.trace)
     if args.json:
-        print(json.dumps(estimate.to_json(), indent=2))
+        print(json.dumps(with_source(estimate.to_json(), args), indent=2))
     else:
         print(render_summary(estimate))
         if args.trace:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from shardscope.choices import Attention
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
     add_cluster_arguments,
@@ -18,15 +20,19 @@ from shardscope.cli.scenario_args import (
     scenarios_from_args,
 )
 from shardscope.cli.tables import render_table
+from shardscope.configs.args import with_source
 from shardscope.core.engines import ENGINE_RULES
 from shardscope.core.result import CATEGORIES
+from shardscope.presets.hf_config import UnsupportedModelType, read_hf_config
 from shardscope.specs import ModelSpec, Scenario
+from shardscope.trace.request import ATTN_IMPLEMENTATIONS, IMPLEMENTATIONS
 from shardscope.units import format_bytes
 
 EXAMPLES = """examples:
   shardscope trace --model llama-3-8b --gpus 8 --strategy zero3 --seq-len 4096 --checkpointing full
   shardscope trace --model tiny-llama --gpus 64 --strategy hsdp --shard-group 8 --json
   shardscope trace --config path/to/config.json --gpus 16 --strategy zero2
+  shardscope trace --model mistral-7b --implementation hf --attn-implementation eager --gpus 8 --seq-len 4096
   shardscope trace --module mypackage.models:make --gpus 8 --strategy fsdp
   shardscope trace --model tiny-llama --gpus 4 --strategy fsdp --cp 2 --seq-len 32
   shardscope trace --model tiny-llama --gpus 4 --pp 2 --pp-schedule 1f1b --grad-accum 4 --strategy fsdp
@@ -48,6 +54,19 @@ def add_parser(subparsers: Any) -> None:
         "--module",
         metavar="PACKAGE.MODULE:FUNCTION",
         help="a factory returning (torch.nn.Module, sample batch), built on the meta device",
+    )
+    parser.add_argument(
+        "--implementation",
+        choices=IMPLEMENTATIONS,
+        help="whose modeling code runs: reference (shardscope's modules, built to the model's shape; the default "
+        "with --model) or hf (transformers' own, built from the preset's or --config's config.json on the meta "
+        "device, offline; the default with --config)",
+    )
+    parser.add_argument(
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        help="--implementation hf: transformers' attention kernel (default: --attention's); eager counts as "
+        "--attention eager, the others as sdpa",
     )
     add_cluster_arguments(parser)
     add_training_arguments(parser)
@@ -78,6 +97,42 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON (shardscope.trace/v1)")
 
 
+def implementation_of(args: argparse.Namespace) -> str:
+    """--implementation, or its default: hf for a --config file, reference otherwise; checked against the rest.
+    `--config FILE --implementation reference` traces shardscope's modules built to that config's shape."""
+    implementation: str = args.implementation or ("hf" if args.config else "reference")
+    if args.module and args.implementation:
+        raise CliError(f"--implementation {args.implementation}: a --module factory runs its own modeling code")
+    if args.attn_implementation and implementation != "hf":
+        raise CliError(
+            f"--attn-implementation {args.attn_implementation} chooses transformers' attention (--implementation hf); "
+            "the reference modules take --attention eager or sdpa"
+        )
+    if args.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise CliError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package (a CUDA build), which is not "
+            "installed here; use sdpa or eager"
+        )
+    return implementation
+
+
+def _traced_only_model(args: argparse.Namespace) -> ModelSpec | None:
+    """For a --config whose model_type the core has no family for: a spec that only names it (the trace measures
+    its model states and activations alone); None for every other model."""
+    if not args.config or implementation_of(args) != "hf":
+        return None
+    try:
+        read_hf_config(args.config)
+    except UnsupportedModelType as error:
+        return ModelSpec(
+            name=f"{error.model_type} ({args.config})",
+            family="count",
+            declared_parameters=1,
+            source=f"{args.config}: model_type {error.model_type}, outside the core's families; traced only",
+        )
+    return None
+
+
 def _scenario(args: argparse.Namespace) -> Scenario:
     chosen = [flag for flag in ("model", "config", "params", "module") if getattr(args, flag, None)]
     if len(chosen) != 1:
@@ -96,12 +151,22 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             f"--offload {args.offload} is not traced (fake tensors have no host/device split); use "
             "`shardscope estimate`"
         )
+    traced_only = _traced_only_model(args)
     if args.module:
         args.params = "1"  # the factory's module is the model; the spec only carries the name
-    scenario = scenarios_from_args(args, [args.strategy])[0]
+    if traced_only is not None:  # the core cannot read it: build the rest of the scenario around a named count
+        scenario = scenarios_from_args(
+            argparse.Namespace(**{**vars(args), "config": None, "params": "1"}), [args.strategy]
+        )[0]
+        scenario = dataclasses.replace(scenario, model=traced_only)
+    else:
+        scenario = scenarios_from_args(args, [args.strategy])[0]
     if args.module:
         model = ModelSpec(name=args.module, family="count", declared_parameters=1, source="--module factory")
         scenario = dataclasses.replace(scenario, model=model)
+    if args.attn_implementation:  # what the scenario is counted with: eager materialises scores, the rest fuse
+        attention: Attention = "eager" if args.attn_implementation == "eager" else "sdpa"
+        scenario = dataclasses.replace(scenario, training=dataclasses.replace(scenario.training, attention=attention))
     return scenario
 
 
@@ -157,6 +222,7 @@ def render(result: Any, units: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Trace the scenario in a subprocess and print it."""
+    implementation = implementation_of(args)
     scenario = _scenario(args)
     from shardscope.trace.request import TraceRequest, pipeline_refusal
     from shardscope.trace.runner import TraceError, run_in_subprocess, stderr_progress
@@ -173,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
         snapshot = str(target)
     request = TraceRequest(
         scenario=scenario,
-        config_path=args.config or "",
+        implementation=implementation,
+        config_path=args.config if implementation == "hf" else "",
+        attn_implementation=args.attn_implementation or "",
         factory=args.module or "",
         time_limit_s=args.time_limit,
         traced_blocks=args.traced_blocks,
@@ -190,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             sys.stderr.write("\r\x1b[K")
     if args.json:
-        print(json.dumps(result.to_json(scenario), indent=1))
+        print(json.dumps(with_source(result.to_json(scenario), args), indent=1))
     else:
         print(render(result, args.units))
     if snapshot:

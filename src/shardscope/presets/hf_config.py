@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,18 @@ def _head_dim(config: dict[str, Any], path: Path, hidden: int, heads: int, hidde
     return hidden // heads
 
 
-def read_hf_config(path: str | Path) -> ModelSpec:
-    """Parse a config.json of model type gpt2, llama, mistral, mixtral or qwen2; other fields are ignored."""
+class UnsupportedModelType(ConfigError):
+    """A config.json whose model_type is outside the core's families (the trace can still replay it)."""
+
+    def __init__(self, path: Path, model_type: str) -> None:
+        super().__init__(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+        self.model_type = model_type
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a config.json, or ConfigError naming the file and what is wrong with it."""
     path = Path(path)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -63,10 +74,22 @@ def read_hf_config(path: str | Path) -> ModelSpec:
     if not isinstance(config, dict):
         raise ConfigError(f"config file {path} holds a {type(config).__name__}, not a JSON object")
     model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{path}: field 'model_type' is {model_type!r}, not the name of a model type")
+    return config
+
+
+def read_hf_config(path: str | Path) -> ModelSpec:
+    """Parse a config.json of model type gpt2, llama, mistral, mixtral or qwen2; other fields are ignored."""
+    return spec_from_hf_config(load_hf_config(path), Path(path))
+
+
+def spec_from_hf_config(config: dict[str, Any], path: Path) -> ModelSpec:
+    """The ModelSpec of a config.json's object (read from `path`, which errors and the spec's name and source
+    take)."""
+    model_type = config["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise UnsupportedModelType(path, model_type)
     name = path.stem if path.stem != "config" else f"{model_type} ({path.parent.name or path})"
     if model_type == "gpt2":
         hidden = _int_field(config, path, "n_embd", "hidden_size")
@@ -105,3 +128,63 @@ def read_hf_config(path: str | Path) -> ModelSpec:
         experts_per_token=_int_field(config, path, "num_experts_per_tok") if is_moe else 0,
         source=str(path),
     )
+
+
+PRESET_CONFIGS = "hf_configs"
+"""The package folder of the presets' config.json files, named after the presets."""
+SHAPE_FIELDS = tuple(
+    name for name in ModelSpec.__dataclass_fields__ if name not in ("name", "source", "declared_parameters")
+)
+
+
+def same_shape(first: ModelSpec, second: ModelSpec) -> bool:
+    """Whether two specs describe the same architecture (their names and sources aside)."""
+    return all(getattr(first, name) == getattr(second, name) for name in SHAPE_FIELDS)
+
+
+def hf_config_of(spec: ModelSpec) -> dict[str, Any]:
+    """A config.json for a ModelSpec, as transformers spells it: gpt2 for the gpt2 family, mixtral for moe, qwen2
+    for a llama with attention biases (Qwen2 puts them on q, k and v only, as the core counts), else llama. No
+    dropout, as the reference models have none."""
+    if not spec.has_shape:
+        raise ConfigError(f"model {spec.name} has no shape (family {spec.family}) to write a config.json from")
+    if spec.family == "gpt2":
+        return {
+            "model_type": "gpt2",
+            "n_embd": spec.hidden_size,
+            "n_layer": spec.num_layers,
+            "n_head": spec.num_heads,
+            "n_inner": spec.ffn_hidden_size,
+            "vocab_size": spec.vocab_size,
+            "n_positions": spec.max_positions,
+            "tie_word_embeddings": spec.tie_embeddings,
+            **dict.fromkeys(("attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout"), 0.0),
+        }
+    model_type = "mixtral" if spec.family == "moe" else "qwen2" if spec.attention_bias else "llama"
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.ffn_hidden_size,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_positions,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "attention_dropout": 0.0,
+    }
+    if spec.family == "moe":
+        config |= {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.experts_per_token}
+    return config
+
+
+def preset_hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The config.json a Hugging Face user of this model trains with: the preset's file in hf_configs/ when the
+    spec is that preset (same name and shape), else one written from the spec (hf_config_of)."""
+    file = resources.files("shardscope.presets").joinpath(PRESET_CONFIGS, f"{spec.name}.json")
+    if file.is_file():
+        config = json.loads(file.read_text(encoding="utf-8"))
+        if same_shape(spec_from_hf_config(config, Path(f"{spec.name}.json")), spec):
+            return dict(config)
+    return hf_config_of(spec)

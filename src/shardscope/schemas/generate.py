@@ -222,8 +222,13 @@ def trace_schema() -> Schema:
         "notes": STRINGS,
         "traced_blocks": array(DEGREE),
         "elapsed_s": NUMBER,
+        "source": SOURCE,
     }
-    return with_defs(TRACE_SCHEMA, "A replay on fake tensors (trace.result.TraceResult.to_json).", closed(document))
+    return with_defs(
+        TRACE_SCHEMA,
+        "A replay on fake tensors (trace.result.TraceResult.to_json).",
+        closed(document, optional=("source",)),
+    )
 
 
 def run_schema() -> Schema:

@@ -261,8 +261,8 @@ def refuse_model_parallel(request: TraceRequest) -> None:
     """TraceSetupError, in one line, for the tensor and context parallelism the trace cannot replay; the remedy
     named is one the trace's command line has (not --engine paper, which it refuses)."""
     strategy = request.scenario.strategy
-    if (strategy.tp > 1 or strategy.cp > 1) and (request.factory or request.config_path):
-        source = "--module" if request.factory else "--config"
+    if (strategy.tp > 1 or strategy.cp > 1) and (request.factory or request.implementation == "hf"):
+        source = "--module" if request.factory else "--implementation hf"
         flags = " ".join(
             f"--{axis} {degree}" for axis, degree in (("tp", strategy.tp), ("cp", strategy.cp)) if degree > 1
         )

@@ -11,6 +11,10 @@ from shardscope.specs import ClusterSpec, GpuSpec, ModelSpec, Overheads, Scenari
 
 DEFAULT_TIME_LIMIT_S = 600.0
 DEFAULT_TRACED_BLOCKS = 6
+IMPLEMENTATIONS = ("reference", "hf")
+"""Whose modeling code a trace runs: shardscope's reference modules, or transformers' own."""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+"""transformers' attn_implementation values the 'hf' model takes, spelt as transformers spells them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -19,8 +23,13 @@ class TraceRequest:
 
     scenario: Scenario
     """The model shape (for counting), cluster, training setup and strategy."""
+    implementation: str = "reference"
+    """Whose modeling code runs: 'reference' (shardscope's modules, built from the ModelSpec) or 'hf' (transformers'
+    own, from config_path or, without one, the preset's config.json)."""
     config_path: str = ""
-    """Build the model from this Hugging Face config.json through transformers instead of the reference modules."""
+    """The Hugging Face config.json the 'hf' implementation builds from."""
+    attn_implementation: str = ""
+    """The 'hf' model's attention as transformers spells it (IMPLEMENTATIONS); '' follows the scenario's attention."""
     factory: str = ""
     """Build the model with this `package.module:function`, which returns (module, sample batch)."""
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
@@ -36,6 +45,25 @@ class TraceRequest:
     def __post_init__(self) -> None:
         if self.config_path and self.factory:
             raise SpecError("TraceRequest: give config_path or factory, not both")
+        if self.implementation not in IMPLEMENTATIONS:
+            raise SpecError(
+                f"TraceRequest.implementation={self.implementation!r} must be one of {', '.join(IMPLEMENTATIONS)}"
+            )
+        if self.implementation == "hf" and self.factory:
+            raise SpecError(
+                "TraceRequest: a factory's module is its own implementation; implementation 'hf' needs none"
+            )
+        if self.config_path and self.implementation != "hf":
+            raise SpecError("TraceRequest.config_path is built by transformers: implementation must be 'hf'")
+        if self.attn_implementation and self.implementation != "hf":
+            raise SpecError(
+                f"TraceRequest.attn_implementation={self.attn_implementation!r} applies to implementation 'hf' only"
+            )
+        if self.attn_implementation and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise SpecError(
+                f"TraceRequest.attn_implementation={self.attn_implementation!r} must be one of "
+                f"{', '.join(ATTN_IMPLEMENTATIONS)}"
+            )
         if self.factory and ":" not in self.factory:
             raise SpecError(f"TraceRequest.factory={self.factory!r} must look like package.module:function")
         if not self.time_limit_s > 0:
@@ -81,8 +109,8 @@ def request_from_json(text: str) -> TraceRequest:
 def pipeline_refusal(request: TraceRequest) -> str:
     """Why this pipeline cannot be replayed, in one line, or '' when it can."""
     strategy = request.scenario.strategy
-    if request.factory or request.config_path:
-        source = "--module" if request.factory else "--config"
+    if request.factory or request.implementation == "hf":
+        source = "--module" if request.factory else "--implementation hf"
         return f"--pp {strategy.pp} with {source}: the trace cuts shardscope's reference modules only (--model)"
     if strategy.tp > 1 or strategy.cp > 1:
         return f"--pp {strategy.pp} with --tp or --cp is not replayed yet; use `shardscope estimate`"

@@ -1,7 +1,8 @@
 """Build the model on the meta device and apply the strategy with torch's engines, before any fake tensor exists.
 
-Three model sources: shardscope's reference modules from a ModelSpec, a Hugging Face config.json through
-transformers, or a user's factory `package.module:function` returning (module, sample batch). Strategies map to
+Three model sources: shardscope's reference modules from a ModelSpec, transformers' own modeling code from a
+Hugging Face config.json (`--implementation hf`, trace/hf_model.py), or a user's factory `package.module:function`
+returning (module, sample batch). Strategies map to
 torch's own engines, as the runtime runs them: zero3/fsdp/hsdp -> fully_shard (hsdp on a 2-D mesh), zero2 ->
 fully_shard without resharding after forward (torch's SHARD_GRAD_OP), ddp -> DistributedDataParallel, zero1 -> DDP
 with ZeroRedundancyOptimizer (shardscope.trace.ddp wraps the model once its fake parameters exist).
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardscope.choices import checkpoint_every
 from shardscope.core.engines.pytorch import runs_on_ddp
 from shardscope.specs import Scenario
 from shardscope.trace.compat import flatten_mesh
@@ -75,57 +75,13 @@ def _reference_model(request: TraceRequest, num_blocks: int | None) -> TracedMod
     )
 
 
-def _largest_module_list(root: nn.Module) -> list[nn.Module]:
+def largest_module_list(root: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the ModuleList holding the most parameters."""
     lists = [module for module in root.modules() if isinstance(module, nn.ModuleList)]
     if not lists:
         return []
     best = max(lists, key=lambda modules: sum(p.numel() for p in modules.parameters()))
     return list(best)
-
-
-def _hf_config(request: TraceRequest, num_blocks: int | None) -> Any:
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise TraceSetupError("--config needs transformers (pip install 'shardscope[hf]')") from None
-    config = AutoConfig.from_pretrained(request.config_path)
-    if num_blocks is not None:
-        config.num_hidden_layers = num_blocks
-        if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (gemma, qwen3)
-            config.layer_types = config.layer_types[:num_blocks]
-    return config
-
-
-def _hf_model(request: TraceRequest, num_blocks: int | None) -> TracedModel:
-    config = _hf_config(request, num_blocks)
-    from transformers import AutoModelForCausalLM
-
-    from shardscope.reference_models import lm_loss
-
-    training = request.scenario.training
-    with torch.device("meta"):
-        root = AutoModelForCausalLM.from_config(config, dtype=DTYPES[training.precision])
-    whole = checkpoint_every(training.checkpointing) == 1  # 'full' or 'every:1': every block
-    if whole:
-        root.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    shape = (training.micro_batch_size, training.sequence_length)
-    vocab = int(config.vocab_size)
-
-    def make_batch() -> tuple[Any, Any]:
-        return torch.randint(0, vocab, shape), torch.randint(0, vocab, shape)
-
-    notes = (
-        []
-        if whole or training.checkpointing == "none"
-        else [f"checkpointing {training.checkpointing} is not applied to a transformers model; traced without it"]
-    )
-    return TracedModel(
-        root=root,
-        blocks=_largest_module_list(root),
-        make_batch=make_batch,
-        loss=lambda outputs, targets: lm_loss(outputs.logits, targets),
-        engine_notes=notes,
-    )
 
 
 def load_factory(path: str) -> Callable[[], Any]:
@@ -192,7 +148,7 @@ def _factory_model(request: TraceRequest) -> TracedModel:
     wrapper = _Root()
     return TracedModel(
         root=wrapper,
-        blocks=_largest_module_list(root),
+        blocks=largest_module_list(root),
         make_batch=lambda: (_to_fake_like(batch), None),
         loss=_factory_loss,
         engine_notes=[
@@ -206,8 +162,10 @@ def model_depth(request: TraceRequest) -> int | None:
     """Blocks of the request's model, or None when its depth cannot be changed (a factory's module)."""
     if request.factory:
         return None
-    if request.config_path:
-        return int(_hf_config(request, None).num_hidden_layers)
+    if request.implementation == "hf":
+        from shardscope.trace.hf_model import hf_depth
+
+        return hf_depth(request)
     return request.scenario.model.num_layers
 
 
@@ -215,8 +173,10 @@ def build_traced_model(request: TraceRequest, num_blocks: int | None = None) -> 
     """The model of a request on the meta device, cut to num_blocks blocks when given (not for a factory)."""
     if request.factory:
         return _factory_model(request)
-    if request.config_path:
-        return _hf_model(request, num_blocks)
+    if request.implementation == "hf":
+        from shardscope.trace.hf_model import hf_model
+
+        return hf_model(request, num_blocks)
     return _reference_model(request, num_blocks)
 
 
