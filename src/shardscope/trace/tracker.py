@@ -19,7 +19,8 @@ replays), so the caching allocator's reserved bytes can be computed for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         self.where = "setup"
         self.recording = False
         self._scopes: list[bool] = []
+        self._unrecorded = 0  # depth of `unrecorded()` blocks
         self._places: list[tuple[str, str] | None] = []  # per closed tick: (phase, where) while recording
         self._window_tick = 0
         self._moments: tuple[int, dict[tuple[str, str], Moment]] | None = None  # (tick, moments) of the last sweep
@@ -136,6 +138,16 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         if life is not None and life.label == "activations":
             saved -= life.nbytes
         self.saved_activations = max(self.saved_activations, saved)
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Ops run inside are neither counted nor sent: what they make is metadata a real rank does not hold at
+        this moment (DTensor's shape propagation, trace.compat.dtensor_shape_propagation)."""
+        self._unrecorded += 1
+        try:
+            yield
+        finally:
+            self._unrecorded -= 1
 
     @property
     def live(self) -> dict[str, int]:
@@ -230,6 +242,8 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         kwargs = kwargs or {}
         if holds_dtensor(args) or holds_dtensor(kwargs):
             return NotImplemented  # let DTensor desugar it into local ops and collectives, then see those
+        if self._unrecorded:
+            return func(*args, **kwargs)
         if func is _RECORD_ENTER:
             name = str(args[0])
             inherited = bool(self._scopes) and self._scopes[-1]
