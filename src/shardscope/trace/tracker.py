@@ -52,6 +52,11 @@ _RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
 _NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+# wait_tensor(Tensor(a) tensor) -> Tensor(a) returns the tensor it waited on, as the real kernel does; its fake
+# kernel returns a new storage, which would count a functional collective's output twice. Under fake tensors DTensor
+# calls it after each of its collectives (torch.distributed._functional_collectives._maybe_wrap_tensor, when
+# _are_we_tracing(); a real rank wraps the output instead, allocating nothing).
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # The CUDA streams FSDP2 allocates on besides the default one (torch/distributed/fsdp/_fully_shard/
 # _fsdp_collectives.py): an all-gather's input and output are made on its copy-in stream (implicit prefetching in
 # forward and before backward, the only unshards shardscope's steps make); a reduce-scatter's output on the
@@ -244,6 +249,8 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
             return NotImplemented  # let DTensor desugar it into local ops and collectives, then see those
         if self._unrecorded:
             return func(*args, **kwargs)
+        if func is _WAIT_TENSOR:
+            return args[0]
         if func is _RECORD_ENTER:
             name = str(args[0])
             inherited = bool(self._scopes) and self._scopes[-1]
