@@ -104,7 +104,11 @@ def model_parallel_section(results: list[CaseResult], seconds: float, command: s
         "recv (ring attention's exchange, in the cases with cp); the run's ledger counts both, from the same "
         "dispatch mode. Beyond the totals, every kind of call, collective, send or recv (phase, op, group size, "
         f"payload), is compared by its count: {call_for_call} of {len(ran)} cases agree call for call (the others "
-        "are listed below the rows).",
+        "are listed below the rows). Where the trace's activations or peak differ from the run's by a few hundred "
+        "bytes, it is the token batch, which the two hold differently: on CPU the run's rank slices the "
+        "data-parallel ranks' whole batch without a copy and counts those storages, where the trace makes its "
+        "rank's own tokens; under cp the run frees its chunk of the targets once the loss's backward has used it, "
+        "where the trace's loop keeps it to the end of the step.",
         "",
         f"**{len(rows) - len(failing)} of {len(rows)} rows within target.**",
         "",
