@@ -100,10 +100,15 @@ def model_parallel_section(results: list[CaseResult], seconds: float, command: s
         "attention), inside data parallelism, on 4 gloo ranks (dp 2 x tp 2 and cp 2 x tp 2) and one 3-D case on 8 "
         "(dp 2 x cp 2 x tp 2); micro-batch 2 x 32 tokens. The paper engine predicts the teaching grid "
         "(runtime/teaching/model_parallel.py), which runs the tp and cp ranks inside ddp; it has no trace column. "
-        "Targets as above. ledger_payload sums the step's collectives; ring attention's send/recv are predicted "
-        "and listed in the notes (the run's ledger reads collectives only). Beyond the total, every kind of "
-        "collective call (phase, op, group size, payload) is compared by its count: "
-        f"{call_for_call} of {len(ran)} cases agree call for call (the others are listed below the rows).",
+        "Targets as above. ledger_payload sums the step's collectives and point_to_point_payload its send and "
+        "recv (ring attention's exchange, in the cases with cp); the run's ledger counts both, from the same "
+        "dispatch mode. Beyond the totals, every kind of call, collective, send or recv (phase, op, group size, "
+        f"payload), is compared by its count: {call_for_call} of {len(ran)} cases agree call for call (the others "
+        "are listed below the rows). Where the trace's activations or peak differ from the run's by a few hundred "
+        "bytes, it is the token batch, which the two hold differently: on CPU the run's rank slices the "
+        "data-parallel ranks' whole batch without a copy and counts those storages, where the trace makes its "
+        "rank's own tokens; under cp the run frees its chunk of the targets once the loss's backward has used it, "
+        "where the trace's loop keeps it to the end of the step.",
         "",
         f"**{len(rows) - len(failing)} of {len(rows)} rows within target.**",
         "",
@@ -122,9 +127,7 @@ def model_parallel_section(results: list[CaseResult], seconds: float, command: s
         lines += [f"- {reason}: {', '.join(labels)}" for reason, labels in waiting.items()]
     lines += ["", "### Collective calls that differ", ""]
     lines += [f"- {r.case.label}: {line}" for r in ran for line in r.ledger_mismatches] or ["- none"]
-    ring = [f"{r.case.label} {r.point_to_point_bytes:,} B" for r in ran if r.point_to_point_bytes]
     notes = sorted({note for result in ran for note in result.notes})
-    notes += [f"send/recv predicted per step (rank 0): {'; '.join(ring)}"] if ring else []
     lines += ["", "### Notes", ""] + [f"- {note}" for note in notes]
     return lines
 

@@ -69,3 +69,31 @@ def test_fsdp2_collective_buffers_are_allocated_on_their_streams() -> None:
         del shard, gathered, gradients, reduced
     finally:
         dist.destroy_process_group()
+
+
+def test_a_waited_collective_output_is_counted_once() -> None:
+    """wait_tensor returns the tensor it waited on (its schema aliases the two, and the real kernel does so); the
+    fake kernel's new storage would count a functional collective's output twice until the first is freed."""
+    from shardscope.trace.compat import fake_tensor_mode
+
+    recorder = StepRecorder()
+    recorder.phase = "forward"
+    with fake_tensor_mode(), recorder:
+        reduced = torch.empty(2048)
+        waited = torch.ops._c10d_functional.wait_tensor(reduced)
+        assert waited is reduced
+        assert recorder.live["activations"] == 2048 * 4
+    assert [size for _key, size in recorder.events] == [2048 * 4]
+
+
+def test_what_runs_unrecorded_is_not_counted() -> None:
+    """DTensor's shape propagation runs inside `unrecorded` (trace.compat.dtensor_shape_propagation)."""
+    recorder = StepRecorder()
+    recorder.phase = "forward"
+    with recorder:
+        kept = torch.empty(100)
+        with recorder.unrecorded():
+            shape_only = torch.empty(1000)
+        assert recorder.live["activations"] == 400
+    assert [size for _key, size in recorder.events] == [400]
+    del kept, shape_only

@@ -95,6 +95,20 @@ def test_flops_are_one_tensor_parallel_rank_s(sequence_parallel: tuple[Scenario,
     assert traced.flops.forward_flops == 2 * tokens * matmul_weights // tp + attention
 
 
+def test_loss_parallel_counts_no_global_size_tensors() -> None:
+    # Under fake tensors DTensor re-derives the global shape of loss parallel's log-softmax and NLL outputs at every
+    # call, on fake tensors of the whole vocabulary (b x s x 256 fp32, 65,536 B each), where a real rank reads its
+    # cache; counted, they made the loss the peak of this case at 881,876 B. A real gloo run of it (`shardscope
+    # validate --models tiny-llama --strategies fsdp --engines pytorch --tp 2 --cp 1 --no-sequence-parallel
+    # --precisions bf16-mixed`) peaks in the backward of layers.1 at 868,060 B: 1,024 B more than the trace, which
+    # are rank 0's batch, there views into the inputs and targets of both data-parallel ranks (4 x 32 int64 tokens,
+    # 1,024 B each) where the trace makes this rank's own (512 B each); its activations differ by the same 1,024 B.
+    traced = _trace(_scenario(sequence_parallel=False, precision="bf16-mixed"))
+    assert traced.peak_moment == "backward: layers.1"
+    assert traced.per_rank.peak_bytes == 868_060 - 1_024
+    assert traced.per_rank.activations_bytes == 358_660 - 1_024
+
+
 @pytest.mark.parametrize(
     ("sequence_parallel", "checkpointing"), [(False, "none"), (True, "full"), (False, "full"), (True, "op")]
 )

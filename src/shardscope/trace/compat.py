@@ -1,16 +1,16 @@
 """Every private torch API the trace needs, in this one module, behind a version check with a clear message.
 
 The fake process group (torch.testing._internal.distributed.fake_pg), the fake tensor mode (torch._subclasses),
-the storage resize hook, DeviceMesh's flattening of axes and what lets DistributedDataParallel run on fake tensors
-(its shape check, its reducer's bucket rebuild) are not public and move between releases; nothing else in
-shardscope.trace imports them.
+the storage resize hook, DeviceMesh's flattening of axes, DTensor's shape propagation and what lets
+DistributedDataParallel run on fake tensors (its shape check, its reducer's bucket rebuild) are not public and move
+between releases; nothing else in shardscope.trace imports them.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -107,6 +107,36 @@ def storage_resize_hook(on_resize: Callable[[torch.UntypedStorage, int, int], No
         yield
     finally:
         torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def dtensor_shape_propagation(around: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Run every shape propagation of DTensor's inside `around()`.
+
+    To learn the global shape of an op's output, DTensor runs the op on fake tensors of the global shape
+    (ShardingPropagator._propagate_tensor_meta_non_cached, torch 2.13). A real rank does that once per kind of call
+    and caches the answer; under fake tensors DTensor takes itself to be traced by a compiler (_functional_collectives.
+    _are_we_tracing() is true while a FakeTensorMode is active) and propagates anew at every call, so loss parallel's
+    handlers (torch/distributed/tensor/parallel/loss.py) would show a replay global-size tensors no rank holds.
+    """
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:
+        raise TorchVersionError(
+            f"tensor parallelism needs ShardingPropagator._propagate_tensor_meta_non_cached (torch >= "
+            f"{MIN_TORCH[0]}.{MIN_TORCH[1]}, tested with {TESTED_TORCH}); found {torch.__version__}"
+        )
+
+    def propagate(propagator: Any, *args: Any, **kwargs: Any) -> Any:
+        with around():
+            return original(propagator, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -24,7 +24,13 @@ from shardscope.core.memory_snapshot import memory_snapshot
 from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
 from shardscope.specs import Scenario
-from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, require_torch, storage_resize_hook
+from shardscope.trace.compat import (
+    dtensor_shape_propagation,
+    fake_tensor_mode,
+    init_fake_process_group,
+    require_torch,
+    storage_resize_hook,
+)
 from shardscope.trace.ddp import DDP_STEPS, before_forward, forward_context, materialise, uses_ddp, wrap_ddp
 from shardscope.trace.extrapolate import DepthTrace, extrapolate
 from shardscope.trace.flops import attention_flops, flop_counter, module_flops
@@ -153,6 +159,7 @@ def _trace_depth(
     with ExitStack() as stack:
         stack.enter_context(fake_tensor_mode())
         stack.enter_context(storage_resize_hook(recorder.on_resize))
+        stack.enter_context(dtensor_shape_propagation(recorder.unrecorded))
         stack.enter_context(recorder)
         if uses_ddp(scenario):
             materialise(traced.root)

@@ -36,7 +36,12 @@ from shardscope.core.pipeline import PipelineStage, rank_stages
 from shardscope.core.result import MemoryBreakdown
 from shardscope.reference_models import TransformerLM, build_model, lm_loss
 from shardscope.specs import Scenario
-from shardscope.trace.compat import fake_tensor_mode, init_fake_process_group, storage_resize_hook
+from shardscope.trace.compat import (
+    dtensor_shape_propagation,
+    fake_tensor_mode,
+    init_fake_process_group,
+    storage_resize_hook,
+)
 from shardscope.trace.gpu_kernels import use_gpu_kernels
 from shardscope.trace.request import TraceRequest, pipeline_refusal
 from shardscope.trace.result import FlopCount, StageTrace, TraceResult
@@ -260,6 +265,7 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
     with ExitStack() as stack:
         stack.enter_context(fake_tensor_mode())
         stack.enter_context(storage_resize_hook(recorder.on_resize))
+        stack.enter_context(dtensor_shape_propagation(recorder.unrecorded))
         stack.enter_context(recorder)
         for module in modules:
             module.to_empty(device="cpu")

@@ -19,7 +19,8 @@ replays), so the caching allocator's reserved bytes can be computed for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,11 @@ _RECORD_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # communication staging and gathered parameters (buffers), except the casts of a module's inputs and outputs.
 _NOT_BUFFERS = ("cast_forward", "inputs_to_device", "root_pre_forward")
 _GRADIENT_OUTPUT_OPS = {torch.ops.c10d._reduce_scatter_base_.default}
+# wait_tensor(Tensor(a) tensor) -> Tensor(a) returns the tensor it waited on, as the real kernel does; its fake
+# kernel returns a new storage, which would count a functional collective's output twice. Under fake tensors DTensor
+# calls it after each of its collectives (torch.distributed._functional_collectives._maybe_wrap_tensor, when
+# _are_we_tracing(); a real rank wraps the output instead, allocating nothing).
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # The CUDA streams FSDP2 allocates on besides the default one (torch/distributed/fsdp/_fully_shard/
 # _fsdp_collectives.py): an all-gather's input and output are made on its copy-in stream (implicit prefetching in
 # forward and before backward, the only unshards shardscope's steps make); a reduce-scatter's output on the
@@ -104,6 +110,7 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         self.where = "setup"
         self.recording = False
         self._scopes: list[bool] = []
+        self._unrecorded = 0  # depth of `unrecorded()` blocks
         self._places: list[tuple[str, str] | None] = []  # per closed tick: (phase, where) while recording
         self._window_tick = 0
         self._moments: tuple[int, dict[tuple[str, str], Moment]] | None = None  # (tick, moments) of the last sweep
@@ -136,6 +143,16 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         if life is not None and life.label == "activations":
             saved -= life.nbytes
         self.saved_activations = max(self.saved_activations, saved)
+
+    @contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Ops run inside are neither counted nor sent: what they make is metadata a real rank does not hold at
+        this moment (DTensor's shape propagation, trace.compat.dtensor_shape_propagation)."""
+        self._unrecorded += 1
+        try:
+            yield
+        finally:
+            self._unrecorded -= 1
 
     @property
     def live(self) -> dict[str, int]:
@@ -230,6 +247,10 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         kwargs = kwargs or {}
         if holds_dtensor(args) or holds_dtensor(kwargs):
             return NotImplemented  # let DTensor desugar it into local ops and collectives, then see those
+        if self._unrecorded:
+            return func(*args, **kwargs)
+        if func is _WAIT_TENSOR:
+            return args[0]
         if func is _RECORD_ENTER:
             name = str(args[0])
             inherited = bool(self._scopes) and self._scopes[-1]

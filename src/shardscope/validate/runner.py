@@ -13,7 +13,7 @@ from shardscope.core.pipeline_time import pipeline_rank_ledger
 from shardscope.core.result import CollectiveRow, MemoryBreakdown
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.validate.cases import ValidationCase
-from shardscope.validate.compare import ValidationRow, compare_case, ledger_differences, point_to_point_bytes
+from shardscope.validate.compare import ValidationRow, compare_case, ledger_differences
 
 if TYPE_CHECKING:
     from shardscope.runtime.api import RunResult
@@ -36,8 +36,6 @@ class CaseResult:
     """The kinds of collective call whose count the prediction and the run disagree on (compare.ledger_differences)."""
     not_run: str = ""
     """Why no run engine can run the case yet ('' when it ran): it has no rows."""
-    point_to_point_bytes: int = 0
-    """Bytes of send/recv the prediction has in one step (context parallelism's ring), which the run does not count."""
 
     @property
     def ok(self) -> bool:
@@ -154,11 +152,9 @@ def _compare(
     if hardware is None:
         rows = tuple(row for row in rows if row.quantity != "step_time_s")
         notes.append("step time not predicted: give --hardware with a profile from `shardscope calibrate`")
-    ring = point_to_point_bytes(predicted_ledger)
     return CaseResult(
         case=case,
         rows=rows,
         notes=tuple(notes),
         ledger_mismatches=ledger_differences(predicted_ledger, measured.ledger),
-        point_to_point_bytes=ring,
     )
