@@ -31,7 +31,7 @@ class Plan:
     cost_per_million_tokens: float | None
     """price_per_gpu_hour x gpus x hours per million tokens; None without a price."""
     mesh_reason: str = ""
-    """Why the plan splits the model with tensor or context parallelism ('' when it does not)."""
+    """Why the plan splits the model with tensor, context, pipeline or expert parallelism ('' when it does not)."""
 
     @property
     def scenario(self) -> Scenario:

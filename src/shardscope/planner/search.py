@@ -19,18 +19,22 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from shardscope.core.memory import estimate_memory
+from shardscope.core.pipeline_time import stage_times
 from shardscope.core.result import CATEGORIES, MemoryEstimate
 from shardscope.planner.failure import diagnose
+from shardscope.planner.pipeline import busiest_states_bytes, pipeline_bound_s, pipeline_timing
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
 from shardscope.planner.space import (
     BatchShape,
+    Variant,
     batch_shapes,
     checkpointing_options,
     family_of,
     make_scenario,
     micro_batches,
     offloads_for,
+    pipeline_schedules,
     variants,
 )
 from shardscope.planner.timing import (
@@ -60,6 +64,8 @@ class _Evaluator:
         self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
         self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
         self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
+        self._pipeline_bound: dict[tuple[int, int, int, int, str, int, int, int, str, int], float] = {}
+        self._stage_times: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
 
     def memory(self, scenario: Scenario) -> MemoryEstimate:
         found = self._memory.get(scenario)
@@ -76,10 +82,40 @@ class _Evaluator:
     def timing(self, scenario: Scenario) -> PlanTiming:
         found = self._timing.get(scenario)
         if found is None:
-            found = self._timing[scenario] = plan_timing(scenario, self.hardware)
+            pipelined = scenario.strategy.pp > 1
+            found = (pipeline_timing if pipelined else plan_timing)(scenario, self.hardware)
+            self._timing[scenario] = found
+        return found
+
+    def pipeline_bound_s(self, scenario: Scenario) -> float:
+        """`planner.pipeline.pipeline_bound_s`, kept per pipeline shape: it reads the stages' compute and the
+        messages between them, the same for every data-parallel family, shard group and offload."""
+        training, strategy = scenario.training, scenario.strategy
+        key = (
+            scenario.cluster.world_size,
+            strategy.tp,
+            strategy.cp,
+            strategy.pp,
+            strategy.pp_schedule,
+            strategy.virtual_stages,
+            strategy.ep,
+            training.micro_batch_size,
+            training.checkpointing,
+            training.grad_accum_steps,
+        )
+        found = self._pipeline_bound.get(key)
+        if found is None:
+            # the stages' compute is that of one micro-batch, whatever the GPU count and micro-batch count
+            stage_key = (*key[1:-1], False)
+            stage_s = self._stage_times.get(stage_key)
+            if stage_s is None:
+                stage_s = self._stage_times[stage_key] = stage_times(scenario, self.hardware)
+            found = self._pipeline_bound[key] = pipeline_bound_s(scenario, self.hardware, stage_s)
         return found
 
     def lower_bound_s(self, scenario: Scenario) -> float:
+        if scenario.strategy.pp > 1:
+            return self.pipeline_bound_s(scenario)
         training, strategy = scenario.training, scenario.strategy
         # what the compute stream does: the batch shape, the recompute, and each rank's share of the model
         shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
@@ -111,6 +147,8 @@ class _Evaluator:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
         asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
         asks again."""
+        if scenario.strategy.pp > 1:
+            return self.pipeline_bound_s(scenario)
         found = self._tight.get(scenario)
         if found is None:
             found = self._tight[scenario] = self._tight_bound_s(scenario)
@@ -169,6 +207,29 @@ class _Search:
         self.candidates = 0
         self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
         self.budget_bytes = request.budget_bytes
+        self.limits: dict[str, float] = {}
+        """Per family, the ranking value a pipeline must beat to enter the top plans or be its family's best (set
+        from the plans without a pipeline, `_Search.set_limits`); a family missing has no limit."""
+
+    def set_limits(self, ranked: list[tuple[float, MemoryEstimate, PlanTiming]]) -> None:
+        """The limits that ranking `ranked` leaves: a pipeline whose lower bound reaches both the top plans' last
+        value and its family's best would be skipped by `rank` (whose values only fall as it keeps more plans), so
+        its memory need not be estimated."""
+        top = self.request.top
+        top_value = ranked[top - 1][0] if len(ranked) >= top else math.inf
+        best: dict[str, float] = {}
+        for value, memory, _ in ranked:
+            best.setdefault(family_of(memory.scenario), value)
+        self.limits = {family: max(top_value, best.get(family, math.inf)) for family in self.request.families}
+
+    @property
+    def splitting(self) -> str:
+        """The ways of splitting the model the request searches, as the reasons name them."""
+        request = self.request
+        ways = ["tensor", "context"]
+        ways += ["pipeline"] if request.pipeline_parallel != (1,) else []
+        ways += ["expert"] if request.expert_parallel != (1,) and request.model.family == "moe" else []
+        return ", ".join(ways[:-1]) + f" or {ways[-1]} parallelism"
 
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
@@ -177,12 +238,15 @@ class _Search:
             self.closest[family] = (over, memory)
 
     def fitting(self, shape: BatchShape) -> list[MemoryEstimate]:
-        """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating."""
+        """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating; for a
+        pipeline every fitting micro-batch (a smaller one runs more micro-batches, so a smaller bubble)."""
         request, found = self.request, []
         sizes = micro_batches(request, shape.sequences_per_rank)
-        for variant in variants(request, shape.gpus, shape.tp, shape.cp):
+        for variant in variants(request, shape.gpus, shape.tp, shape.cp, shape.pp):
+            pipelined = variant.pp > 1
             fitted: list[tuple[int, int, int]] = []
             for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
+                states_checked = False
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
                     floor = max(
                         (mb for o, c, mb in fitted if o == offload_rank and c <= checkpoint_rank),
@@ -195,18 +259,50 @@ class _Search:
                         whole = size == shape.sequences_per_rank
                         if size <= floor or (failed and not whole):
                             continue  # dominated, or larger than a micro-batch that already does not fit
-                        grad_accum = max(1, shape.sequences_per_rank // size)
+                        grad_accum = _grad_accum(request, shape, size)
+                        if not variant.allows(grad_accum):
+                            continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
+                        if pipelined and self.metric(
+                            scenario, self.evaluator.lower_bound_s(scenario)
+                        ) >= self.limits.get(variant.family, math.inf):
+                            continue  # cannot enter the top plans nor beat its family's best
+                        if pipelined and not states_checked:
+                            states_checked = True
+                            if busiest_states_bytes(scenario) > self.budget_bytes:
+                                break  # no micro-batch or checkpointing fits the model states
                         memory = self.evaluator.new_memory(scenario)
-                        if _fits(memory, request, self.budget_bytes):
-                            best = memory
-                        else:
+                        if not _fits(memory, request, self.budget_bytes):
                             failed = True
                             self._note_miss(memory)
-                    if best is not None:
-                        fitted.append((offload_rank, checkpoint_rank, best.scenario.training.micro_batch_size))
-                        found.append(best)
+                        elif pipelined:  # every size that fits competes
+                            fitted.append((offload_rank, checkpoint_rank, size))
+                            found.append(memory)
+                        else:
+                            best = memory
+                    else:
+                        if best is not None:
+                            fitted.append((offload_rank, checkpoint_rank, best.scenario.training.micro_batch_size))
+                            found.append(best)
+                        continue
+                    break  # the states do not fit: neither does any checkpointing of this offload
         return found
+
+    def optimistic(self, shape: BatchShape) -> float:
+        """The least ranking value any plan of a pipeline shape can have: its lower bound at the cheapest
+        checkpointing, the best schedule and micro-batch (the bound is the same for every family and offload)."""
+        request, best = self.request, math.inf
+        checkpointing = checkpointing_options(request)[0]
+        for schedule, virtual in pipeline_schedules(request, shape.pp):
+            variant = Variant(
+                family="ddp", tp=shape.tp, cp=shape.cp, pp=shape.pp, pp_schedule=schedule, pp_virtual_stages=virtual
+            )
+            for size in micro_batches(request, shape.sequences_per_rank):
+                grad_accum = _grad_accum(request, shape, size)
+                if variant.allows(grad_accum):
+                    scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
+                    best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
+        return best
 
     def metric(self, scenario: Scenario, step_time_s: float) -> float:
         """The ranking value, smaller is better."""
@@ -276,7 +372,7 @@ class _Search:
             scenario = memory.scenario
             degrees = _degrees_text(scenario)
             if not unsplit:
-                reasons[scenario] = f"{degrees}: without tensor or context parallelism nothing fits in the space"
+                reasons[scenario] = f"{degrees}: without {self.splitting} nothing fits in the space"
                 continue
             _, other, other_timing = unsplit[0]
             gpus = other.scenario.cluster.world_size
@@ -291,8 +387,17 @@ class _Search:
         return reasons
 
 
+def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
+    """Micro-batches per step of micro-batch `size`: the rank's sequences in micro-batches, or, without a target
+    batch, one (a pipeline's pp)."""
+    if request.global_batch_tokens is None:
+        return shape.pp
+    return max(1, shape.sequences_per_rank // size)
+
+
 def _model_parallel(scenario: Scenario) -> int:
-    return scenario.strategy.tp * scenario.strategy.cp
+    strategy = scenario.strategy
+    return strategy.tp * strategy.cp * strategy.pp * strategy.ep
 
 
 def _degrees_text(scenario: Scenario) -> str:
@@ -303,7 +408,55 @@ def _degrees_text(scenario: Scenario) -> str:
         parts.append(f"TP {strategy.tp}" + (" inside the node" if strategy.tp <= per_node else " across nodes"))
     if strategy.cp > 1:
         parts.append(f"CP {strategy.cp}")
+    if strategy.pp > 1:
+        virtual = f", {strategy.virtual_stages} stages a rank" if strategy.virtual_stages > 1 else ""
+        parts.append(f"PP {strategy.pp} ({strategy.pp_schedule}{virtual})")
+    if strategy.ep > 1:
+        parts.append(f"EP {strategy.ep}")
     return " x ".join(parts)
+
+
+def _fewest_gpus(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
+    """What fits at the smallest GPU count that fits anything."""
+    fitting: list[MemoryEstimate] = []
+    for done, shape in enumerate(shapes):
+        fitting += search.fitting(shape)
+        if search.progress is not None:
+            search.progress("memory", done + 1, len(shapes))
+        if fitting:
+            break
+    return fitting
+
+
+def _fitting_with_pipelines(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
+    """What fits: every shape without a pipeline, then the pipeline shapes in the order of their least possible
+    ranking value, each estimated only where a plan of it can still enter the top plans or beat its family's best
+    (the plans ranked so far set those limits, `_Search.set_limits`, and they only fall as more are ranked, so
+    `rank` over everything fitting skips whatever this skips: the answer is the whole space's)."""
+    flat = [shape for shape in shapes if shape.pp == 1]
+    fitting: list[MemoryEstimate] = []
+    for done, shape in enumerate(flat):
+        fitting += search.fitting(shape)
+        if search.progress is not None:
+            search.progress("memory", done + 1, len(flat))
+    piped = sorted(
+        ((search.optimistic(shape), index, shape) for index, shape in enumerate(shapes) if shape.pp > 1),
+    )
+    if not piped:
+        return fitting
+    ranked = search.rank(fitting)
+    search.set_limits(ranked)
+    for done, (least, _, shape) in enumerate(piped):
+        if least >= max(search.limits.values()):
+            break  # neither this shape nor any later one has a plan that can matter
+        found = search.fitting(shape)
+        if found:
+            fitting += found
+            ranked = search.rank([memory for _, memory, _ in ranked] + found)
+            search.set_limits(ranked)
+        if search.progress is not None:
+            search.progress("pipelines", done + 1, len(piped))
+    return fitting
 
 
 @contextmanager
@@ -330,13 +483,7 @@ def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
 def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     search = _Search(request, progress)
     shapes = batch_shapes(request)
-    fitting: list[MemoryEstimate] = []
-    for done, shape in enumerate(shapes):
-        fitting += search.fitting(shape)
-        if progress is not None:
-            progress("memory", done + 1, len(shapes))
-        if request.min_gpus and fitting:
-            break
+    fitting = _fewest_gpus(search, shapes) if request.min_gpus else _fitting_with_pipelines(search, shapes)
     ranked = search.rank(fitting)
     best: dict[str, tuple[float, MemoryEstimate, PlanTiming]] = {}
     for item in ranked:
