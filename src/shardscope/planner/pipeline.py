@@ -31,6 +31,7 @@ def pipeline_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming
         tokens_per_s=estimate.tokens_per_s,
         mfu=estimate.mfu,
         simulated_micro_batches=estimate.simulated_micro_batches,
+        ledger=estimate.ledger,
     )
 
 
