@@ -73,10 +73,10 @@ def supported_modes() -> list[str]:
 
 def prediction(scenario: Scenario) -> dict[str, Any]:
     """What shardscope predicts for rank 0: the allocated peak and the compute stream's busy time."""
-    per_rank = estimate_memory(scenario, rank=0).per_rank
+    estimate = estimate_memory(scenario, rank=0)
     return {
-        "allocated_peak_bytes": per_rank.peak_bytes - per_rank.overhead_bytes,  # tensors only, as torch counts
-        "reserved_peak_bytes": getattr(per_rank, "reserved_peak_bytes", None),
+        "allocated_peak_bytes": estimate.tensor_peak_bytes,  # tensors only, as torch counts
+        "reserved_peak_bytes": estimate.reserved_peak_bytes,
         "compute_time_s": estimate_time(scenario).compute_time_s,
     }
 

@@ -99,12 +99,11 @@ def scenario_of(corpus: Mapping[str, Any], run: Mapping[str, Any]) -> tuple[Scen
 
 def predicted_memory(memory: MemoryEstimate, kind: str) -> int:
     """The predicted peak in the measured statistic's terms: 'allocated' (tensors only, torch's max_memory_allocated)
-    or 'reserved' (tensors and the allocator's headroom, max_memory_reserved); neither holds the CUDA context."""
-    per_rank = memory.per_rank
+    or 'reserved' (what the caching allocator model holds, max_memory_reserved); neither holds the CUDA context."""
     if kind == "allocated":
-        return per_rank.peak_bytes - per_rank.overhead_bytes
+        return memory.tensor_peak_bytes
     if kind == "reserved":
-        return per_rank.peak_bytes - memory.scenario.overheads.context_bytes
+        return memory.reserved_peak_bytes
     raise ValueError(f"memory_kind={kind!r} must be 'allocated' or 'reserved'")
 
 

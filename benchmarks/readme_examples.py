@@ -11,6 +11,7 @@ only that file. tests/cli/test_readme_examples.py holds the torch-free ones equa
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import subprocess
@@ -24,6 +25,7 @@ README = REPO / "README.md"
 DOCUMENTS = (README, REPO / "docs" / "guide.md")
 FENCE = "```"
 # The one field of a human output that is a wall-clock reading: plan's "searched ... in 0.19 s".
+SUBCOMMAND = re.compile(r"\bshardscope\s+([a-z]+)")
 ELAPSED = re.compile(r"(?<=, in )\d+\.\d+(?= s; ranked by)")
 
 
@@ -32,21 +34,32 @@ class Example:
     """One example: the command, and where its output block's lines are in the README (start inclusive, end not)."""
 
     command: str
-    """The command line as shown, starting with `shardscope`."""
+    """The command line as shown: `shardscope ...`, or a shell line that runs shardscope (a loop, a pipe into jq)."""
     start: int
     """Index of the block's first output line (the line after the opening fence)."""
     end: int
     """Index of the closing fence."""
 
     @property
+    def shell(self) -> bool:
+        """The example is a shell line (run by bash with `shardscope` defined as this Python's module)."""
+        return not self.command.startswith("shardscope ")
+
+    @property
     def argv(self) -> list[str]:
-        """The arguments after `shardscope`."""
+        """The arguments after `shardscope` (of a plain example)."""
         return shlex.split(self.command)[1:]
+
+    @property
+    def subcommand(self) -> str:
+        """The shardscope command the example runs, e.g. estimate."""
+        match = SUBCOMMAND.search(self.command)
+        return match.group(1) if match else ""
 
 
 def find_examples(lines: list[str]) -> list[Example]:
     """Every ``` block (without a language) whose preceding paragraph starts with `shardscope ...` in backticks, or
-    whose first line is `$ shardscope ...`."""
+    whose first line is `$ ...` running shardscope."""
     examples = []
     index = 0
     while index < len(lines):
@@ -60,7 +73,7 @@ def find_examples(lines: list[str]) -> list[Example]:
         while above > 0 and lines[above - 1].strip():
             above -= 1  # to the first line of the paragraph
         match = re.match(r"`(shardscope [^`]+)`", lines[above]) if above >= 0 else None
-        prompt = lines[index + 1].startswith("$ shardscope ") if index + 1 < end else False
+        prompt = index + 1 < end and lines[index + 1].startswith("$ ") and "shardscope " in lines[index + 1]
         if prompt and lines[index].strip() == FENCE:
             examples.append(Example(command=lines[index + 1][2:], start=index + 2, end=end))
         elif match and lines[index].strip() == FENCE:
@@ -70,15 +83,19 @@ def find_examples(lines: list[str]) -> list[Example]:
 
 
 def printed(example: Example) -> str:
-    """What the command prints on standard output now, in a fresh process."""
+    """What the command prints on standard output now, in a fresh process started in the repository (examples name
+    files of tests/data), with a temporary directory of its own for anything it writes there."""
     with tempfile.TemporaryDirectory(prefix="shardscope-examples-") as folder:
+        define = f'shardscope() {{ {shlex.quote(sys.executable)} -m shardscope "$@"; }}; '
+        command = ["bash", "-c", define + example.command] if example.shell else [sys.executable, "-m", "shardscope"]
         result = subprocess.run(
-            [sys.executable, "-m", "shardscope", *example.argv],
+            command if example.shell else [*command, *example.argv],
             capture_output=True,
             text=True,
             check=False,
             timeout=600,
-            cwd=folder,
+            cwd=REPO,
+            env=dict(os.environ, TMPDIR=folder),
         )
     if result.returncode != 0:
         raise SystemExit(f"{example.command} exited {result.returncode}: {result.stderr.strip()}")
@@ -109,7 +126,7 @@ def main() -> int:
             continue
         lines = document.read_text(encoding="utf-8").splitlines()
         for example in reversed(find_examples(lines)):  # from the end, so earlier indices stay valid
-            if args.only and example.argv[0] != args.only:
+            if args.only and example.subcommand != args.only:
                 continue
             now = printed(example)
             if without_elapsed(now) == without_elapsed(block(lines, example)):

@@ -261,12 +261,13 @@ class Overheads:
 
     context_bytes: int = 512 * 1024 * 1024
     """Framework and driver context per GPU (CUDA context, cuBLAS/NCCL workspaces); typical figure, not measured."""
-    allocator_headroom: float = 0.05
-    """Fraction of the tensor peak the caching allocator holds beyond live tensors (fragmentation)."""
+    allocator_headroom: float | None = None
+    """None: the reserved peak is the caching allocator model's (core.allocation_stream). A fraction: an explicit
+    override of that model, the reserved peak taken as the allocated tensor peak x (1 + fraction)."""
 
     def __post_init__(self) -> None:
         require_int("Overheads", "context_bytes", self.context_bytes, 0)
-        if not 0.0 <= self.allocator_headroom <= 1.0:
+        if self.allocator_headroom is not None and not 0.0 <= self.allocator_headroom <= 1.0:
             raise SpecError(f"Overheads.allocator_headroom={self.allocator_headroom} must be between 0 and 1")
 
 

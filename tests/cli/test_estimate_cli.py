@@ -38,9 +38,14 @@ def test_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
         "overhead_bytes",
         "total_bytes",
         "peak_bytes",
+        "reserved_peak_bytes",
     }
     for entry in data["strategies"]:
         assert keys == set(entry["per_rank"])
+        # the caching allocator holds every allocated byte; the context is in peak_bytes, not in the reserved peak
+        per_rank = entry["per_rank"]
+        assert per_rank["reserved_peak_bytes"] >= per_rank["peak_bytes"] - per_rank["overhead_bytes"]
+        assert entry["fits"] is (per_rank["reserved_peak_bytes"] + per_rank["overhead_bytes"] <= 80 * 2**30)
         assert all(isinstance(value, int) for value in entry["per_rank"].values())
         assert {"strategy", "engine", "world_size", "parameters", "host_bytes", "fits"} <= set(entry)
 

@@ -38,18 +38,25 @@ TORCH_FREE_EXAMPLES = [
     (name, example)
     for name, lines in DOCUMENT_LINES.items()
     for example in SCRIPT.find_examples(lines)
-    if example.argv[0] in TORCH_FREE
+    if example.subcommand in TORCH_FREE and not example.shell
+]
+SHELL_EXAMPLES = [
+    (name, example)
+    for name, lines in DOCUMENT_LINES.items()
+    for example in SCRIPT.find_examples(lines)
+    if example.subcommand in (*TORCH_FREE, "timeline") and example.shell
 ]
 
 
 def test_the_readme_shows_each_command_it_explains() -> None:
-    assert {example.argv[0] for example in EXAMPLES} == {"estimate", "plan", "run", "trace"}
+    assert {example.subcommand for example in EXAMPLES} == {"estimate", "plan", "run", "trace"}
 
 
 def test_the_guide_shows_its_examples() -> None:
-    guide = [example.argv[0] for example in SCRIPT.find_examples(DOCUMENT_LINES["guide.md"])]
-    assert guide.count("estimate") == 7 and guide.count("plan") == 3 and guide.count("run") == 3
-    assert guide.count("timeline") == 1 and guide.count("report") == 2
+    guide = [example.subcommand for example in SCRIPT.find_examples(DOCUMENT_LINES["guide.md"])]
+    assert guide.count("estimate") == 9 and guide.count("plan") == 3 and guide.count("run") == 3
+    assert guide.count("timeline") == 2 and guide.count("report") == 2
+    assert len(SHELL_EXAMPLES) == 3  # the guide's loops over schedules and ep degrees, and its jq over the ledger
 
 
 @pytest.mark.parametrize(
@@ -66,3 +73,12 @@ def test_torch_free_example_is_what_the_command_prints(
     assert SCRIPT.without_elapsed(printed) == SCRIPT.without_elapsed(shown), (
         f"{document} is out of date: run .venv/bin/python benchmarks/readme_examples.py"
     )
+
+
+@pytest.mark.parametrize(
+    ("document", "example"), SHELL_EXAMPLES, ids=[f"{name}: {example.command}" for name, example in SHELL_EXAMPLES]
+)
+def test_shell_example_is_what_it_prints(document: str, example: object) -> None:
+    printed = SCRIPT.printed(example)  # bash, with `shardscope` this Python's module
+    shown = SCRIPT.block(DOCUMENT_LINES[document], example)
+    assert printed == shown, f"{document} is out of date: run .venv/bin/python benchmarks/readme_examples.py"

@@ -136,5 +136,7 @@ def test_optimizer_step_overhead_is_a_plausible_time() -> None:
 def test_bookkeeping_op_cost_is_a_plausible_time() -> None:
     from shardscope.calibrate.overheads import measure_bookkeeping_op
 
-    # a slice, detach, reshape or copy_ of a small tensor from Python: more than 10 ns, less than 1 ms
-    assert 1e-8 < measure_bookkeeping_op(repeats=3) < 1e-3
+    # a slice, detach, reshape or copy_ of a small tensor from Python: more than 10 ns; a few microseconds on an idle
+    # host, and 1.06 ms was seen with a dozen processes sharing the two cores, so the bound is 10 ms (a reading in
+    # microseconds or nanoseconds instead of seconds still fails it)
+    assert 1e-8 < measure_bookkeeping_op(repeats=3) < 1e-2

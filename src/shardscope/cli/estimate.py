@@ -67,6 +67,7 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
         rows.append([label] + [format_bytes(e.per_rank.category_bytes(category), units) for e in estimates])
     rows.append(["sum of categories"] + [format_bytes(e.per_rank.total_bytes, units) for e in estimates])
     rows.append(["peak"] + [format_bytes(e.per_rank.peak_bytes, units) for e in estimates])
+    rows.append(["reserved peak"] + [format_bytes(held_bytes(e), units) for e in estimates])
     rows.append(["peak moment"] + [e.peak_moment for e in estimates])
     if any(e.host_bytes_per_node for e in estimates):
         rows.append(["host per node"] + [format_bytes(e.host_bytes_per_node, units) for e in estimates])
@@ -77,8 +78,8 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
     capacity = cluster.gpu.memory_bytes
     for column, estimate in zip(columns, estimates, strict=True):
         lines.append(
-            f"{column:>10} {bar(estimate.per_rank.peak_bytes, capacity)} "
-            f"{estimate.per_rank.peak_bytes / capacity:.0%} of GPU memory"
+            f"{column:>10} {bar(held_bytes(estimate), capacity)} "
+            f"{held_bytes(estimate) / capacity:.0%} of GPU memory reserved"
         )
     lines += [
         stage_line(column, estimate, units)
@@ -87,6 +88,12 @@ def render_estimates(estimates: list[MemoryEstimate], units: str) -> str:
     ]
     lines += ["", "assumptions:"] + [f"  - {note}" for note in describe_assumptions(estimates[0])]
     return "\n".join(lines)
+
+
+def held_bytes(estimate: MemoryEstimate) -> int:
+    """What the GPU holds at the step's worst: the caching allocator's reserved peak plus the framework context (the
+    peak row's overhead), what `fits` is judged on."""
+    return estimate.reserved_peak_bytes + estimate.per_rank.overhead_bytes
 
 
 def stage_line(column: str, estimate: MemoryEstimate, units: str) -> str:

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from shardscope.cli.errors import CliError
-from shardscope.cli.scenario_args import add_model_parallel_arguments, refuse_unbuilt_parallelism
+from shardscope.cli.scenario_args import add_model_parallel_arguments
 from shardscope.cli.tables import render_table
 
 DTYPES = {"float64": "fp64", "fp64": "fp64", "float32": "fp32", "fp32": "fp32"}
@@ -110,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
             f"--world-size {args.world_size} must be between 1 and {MAX_LOCAL_WORLD_SIZE} local processes; "
             "for more ranks run the worker under torchrun (docs/cluster.md)"
         )
-    refuse_unbuilt_parallelism(args)
     try:
         config = RunConfig.from_options(
             model=args.model,

@@ -170,9 +170,10 @@ def add_rules_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allocator-headroom",
         type=float,
-        default=0.05,
+        default=None,
         metavar="FRACTION",
-        help="assumed allocator headroom as a fraction of the tensor peak (default %(default)s)",
+        help="override the caching allocator model: take the reserved peak as the allocated peak x (1 + FRACTION) "
+        "(default: the model's reserved peak)",
     )
 
 
@@ -218,7 +219,7 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs (default 1; validated only, predicted later)",
+        "data-parallel shard x cp GPUs (default 1; estimated, and run by --engine paper inside zero3 or fsdp)",
     )
     parser.add_argument(
         "--pp",
@@ -255,19 +256,9 @@ def layer_list(text: str) -> tuple[int, ...]:
     return tuple(int(word) for word in words)
 
 
-PIPELINE_LATER = "pipeline parallelism is predicted only; replay and run come later"
-
-
-def refuse_unbuilt_parallelism(args: argparse.Namespace) -> None:
-    """CliError for the command that cannot take a pipeline yet (trace); `run` asks its engine (runtime/config.py
-    MODEL_PARALLEL_REFUSALS, expert_parallel_refusal) whether it runs a pipeline or experts."""
-    if args.pp > 1 and args.command == "trace":
-        raise CliError(f"--pp {args.pp}: {PIPELINE_LATER}")
-
-
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
-    """The pipeline settings of the command line as Strategy fields, once the command is known to take them."""
-    refuse_unbuilt_parallelism(args)
+    """The pipeline settings of the command line as Strategy fields (`run` asks its engine whether it runs them:
+    runtime/config.py MODEL_PARALLEL_REFUSALS, EXPERT_PARALLEL_REFUSALS)."""
     return {
         "pp": args.pp,
         "pp_schedule": args.pp_schedule,

@@ -29,6 +29,7 @@ EXAMPLES = """examples:
   shardscope trace --config path/to/config.json --gpus 16 --strategy zero2
   shardscope trace --module mypackage.models:make --gpus 8 --strategy fsdp
   shardscope trace --model tiny-llama --gpus 4 --strategy fsdp --cp 2 --seq-len 32
+  shardscope trace --model tiny-llama --gpus 4 --pp 2 --pp-schedule 1f1b --grad-accum 4 --strategy fsdp
 """
 
 
@@ -107,8 +108,12 @@ def _scenario(args: argparse.Namespace) -> Scenario:
 def render(result: Any, units: str) -> str:
     """The human-readable report of one trace."""
     per_rank = result.per_rank
+    shown = "rank 0"
+    if result.per_stage:
+        busiest = next(entry for entry in result.per_stage if entry.per_rank == per_rank)
+        shown = f"pipeline rank {busiest.pipeline_rank} (the busiest; each traced as its first rank)"
     lines = [
-        f"trace of rank 0 of {result.world_size}, {result.strategy} on {result.engine} ({result.elapsed_s:.1f} s)",
+        f"trace of {shown} of {result.world_size}, {result.strategy} on {result.engine} ({result.elapsed_s:.1f} s)",
         "",
     ]
     fallback = dict(result.fallbacks)
@@ -121,6 +126,18 @@ def render(result: Any, units: str) -> str:
     if result.reserved_peak_bytes is not None:
         rows.append(["reserved", format_bytes(result.reserved_peak_bytes, units), "CUDA caching allocator, replayed"])
     lines += [render_table(["category", "bytes per rank", "source"], rows), ""]
+    if result.per_stage:
+        stages = [
+            [
+                str(entry.pipeline_rank),
+                ", ".join(entry.stages),
+                format_bytes(entry.per_rank.activations_bytes, units),
+                format_bytes(entry.per_rank.peak_bytes, units),
+                entry.peak_moment,
+            ]
+            for entry in result.per_stage
+        ]
+        lines += [render_table(["pipeline rank", "stages", "activations", "peak", "when"], stages), ""]
     if result.ledger:
         # the group by its mesh axis (dp, tp, cp), as the JSON ledger names it, beside its size
         ledger = [
@@ -141,7 +158,7 @@ def render(result: Any, units: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Trace the scenario in a subprocess and print it."""
     scenario = _scenario(args)
-    from shardscope.trace.request import TraceRequest
+    from shardscope.trace.request import TraceRequest, pipeline_refusal
     from shardscope.trace.runner import TraceError, run_in_subprocess, stderr_progress
 
     if args.time_limit <= 0:
@@ -162,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         traced_blocks=args.traced_blocks,
         memory_snapshot=snapshot,
     )
+    refusal = pipeline_refusal(request) if scenario.strategy.pp > 1 else ""
+    if refusal:
+        raise CliError(refusal)
     try:
         result = run_in_subprocess(request, stderr_progress("trace"))
     except TraceError as error:

@@ -308,8 +308,15 @@ def fsdp2_events(scenario: Scenario, depth: int) -> tuple[list[Event], int]:
 
 
 def _runs_per_unit(scenario: Scenario) -> bool:
-    """FSDP2's per-unit stream applies: torch's engines, gradients sharded, a model with a shape."""
-    return rules_for(scenario).torch_engines and scenario.strategy.stage >= 2 and scenario.model.has_shape
+    """FSDP2's per-unit stream applies: torch's engines, gradients sharded, nothing offloaded (the per-unit stream
+    keeps every state on the device), a model with a shape."""
+    strategy = scenario.strategy
+    return (
+        rules_for(scenario).torch_engines
+        and strategy.stage >= 2
+        and strategy.offload == "none"
+        and scenario.model.has_shape
+    )
 
 
 def _device_bytes(scenario: Scenario) -> int:

@@ -38,10 +38,15 @@ def moments_events(scenario: Scenario) -> tuple[list[Event], int]:
     # Activations and workspace grow by residual-stream tensors, the other categories by their largest tensor's
     # share (without a shape: in one piece).
     largest = max(tensor_sizes)
+    # With parameters and gradients offloaded the states give no tensor size: the largest moment's bytes stand in
+    # (without it a chunk of 1 byte writes a stream of billions of events).
+    state_bytes = max(memory.states.gradients_bytes, memory.states.parameters_bytes) or max(
+        (sum(live) for _name, live in memory.moments), default=0
+    )
     chunks = {
         name: max(1, memory.activations.hidden_bytes)
         if name in ("activations", "temporary") and memory.activations.hidden_bytes
-        else max(1, largest * max(memory.states.gradients_bytes, memory.states.parameters_bytes) // max(1, total))
+        else max(1, largest * state_bytes // max(1, total))
         for name in LiveBytes._fields
     }
     events: list[Event] = []

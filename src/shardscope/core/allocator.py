@@ -58,7 +58,7 @@ _SMALL, _LARGE = 0, 1
 _NONE = -1
 # A free block is kept in its pool's sorted list as one integer, size above address, so that bisect finds the
 # smallest block that fits and, among equal sizes, the lowest address.
-_ADDRESS_BITS = 48
+_ADDRESS_BITS = 64  # wide enough that cudaMallocs retried near the limit never run out of addresses
 _ADDRESS_MASK = (1 << _ADDRESS_BITS) - 1
 _EXPANDABLE_SPACING = 1 << 42  # expandable segments: where the k-th (stream, pool) one starts, (k + 1) times this
 
@@ -121,6 +121,7 @@ class CachingAllocator:
         self._next: dict[int, int] = {}
         self._pool: dict[int, tuple[int, int]] = {}
         self._free: set[int] = set()
+        self._free_segments: set[int] = set()  # free blocks that are a whole segment: what a release gives back
         self._free_keys: dict[tuple[int, int], list[int]] = {}
         self._live: dict[int, int] = {}  # handle -> block address
         self._next_address = 0
@@ -197,6 +198,7 @@ class CachingAllocator:
                 return _NONE  # an oversize request takes an oversize block only within 20 MiB of its size
         del keys[index]
         self._free.discard(address)
+        self._free_segments.discard(address)
         return address
 
     def _should_split(self, pool: tuple[int, int], block: int, size: int) -> bool:
@@ -224,7 +226,7 @@ class CachingAllocator:
         """cudaFree every segment that is one free block (release_cached_blocks; not done for expandable segments)."""
         if self.config.expandable_segments:
             return
-        for address in [a for a in self._free if self._prev[a] == _NONE and self._next[a] == _NONE]:
+        for address in list(self._free_segments):
             self._unfree(address)
             self.reserved_bytes -= self._size.pop(address)
             del self._prev[address], self._next[address], self._pool[address]
@@ -289,12 +291,15 @@ class CachingAllocator:
 
     def _cache(self, address: int) -> None:
         self._free.add(address)
+        if self._prev[address] == _NONE and self._next[address] == _NONE:
+            self._free_segments.add(address)
         insort(self._free_keys[self._pool[address]], self._size[address] << _ADDRESS_BITS | address)
 
     def _unfree(self, address: int) -> None:
         keys = self._free_keys[self._pool[address]]
         del keys[bisect_left(keys, self._size[address] << _ADDRESS_BITS | address)]
         self._free.discard(address)
+        self._free_segments.discard(address)
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved_bytes += nbytes

@@ -1,7 +1,9 @@
 """Per-rank memory by category and the peak, for one scenario: model states plus activations plus overhead.
 
 The peak is the largest of the moments of the step the scenario's engine names (`core.engines`), not the plain sum
-of the categories. Overhead (framework context, allocator headroom) is added on top as a stated assumption.
+of the categories. Overhead (the framework context) is added on top as a stated assumption. What the caching allocator
+reserves for the step (MemoryEstimate.reserved_peak_bytes, which `fits` is judged on) is derived on demand by
+core.allocation_stream: it costs a replay of the step's allocations, which a planner asks only near the limit.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ def estimate_memory(scenario: Scenario, rank: int | None = None) -> MemoryEstima
     states, acts, model = memory.states, memory.activations, scenario.model
     peak_moment, live = peak_of(memory.moments)
     tensor_peak = live.total
-    overheads = scenario.overheads
-    overhead = overheads.context_bytes + int(tensor_peak * overheads.allocator_headroom)
+    overhead = scenario.overheads.context_bytes
     per_rank = MemoryBreakdown(
         parameters_bytes=states.parameters_bytes,
         gradients_bytes=states.gradients_bytes,
@@ -68,8 +69,8 @@ def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
     overheads, strategy, training = scenario.overheads, scenario.strategy, scenario.training
     notes = [
         f"engine {strategy.engine}: {rules_for(scenario).summary}",
-        f"framework context {overheads.context_bytes / MIB:.0f} MiB per GPU and allocator headroom "
-        f"{overheads.allocator_headroom:.0%} of the tensor peak (override with --context-memory, --allocator-headroom)",
+        f"framework context {overheads.context_bytes / MIB:.0f} MiB per GPU (override with --context-memory)",
+        _reserved_note(overheads.allocator_headroom),
         f"rank {rank} shown (the busiest)",
     ]
     if not scenario.model.has_shape:
@@ -87,3 +88,15 @@ def describe_assumptions(estimate: MemoryEstimate) -> tuple[str, ...]:
             f"micro-batches: the pipeline rank with the highest peak is shown (the others in per_stage)"
         )
     return tuple(notes)
+
+
+def _reserved_note(allocator_headroom: float | None) -> str:
+    if allocator_headroom is None:
+        return (
+            "fits: the reserved peak (the step's allocations replayed through a model of PyTorch's caching allocator) "
+            "plus the context within GPU memory"
+        )
+    return (
+        f"fits: the reserved peak taken as the allocated peak plus {allocator_headroom:.0%} (--allocator-headroom, "
+        "instead of the caching allocator model) plus the context within GPU memory"
+    )

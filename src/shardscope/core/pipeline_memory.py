@@ -6,12 +6,13 @@ embeddings on the first stage, the final norm and output head on the last, shard
 the pipeline rank (the world divided by pp x tp) as the strategy says; tensor parallelism splits them as it does
 without a pipeline (`core.params`). See `_states` for how the engine's rules are applied to a stage.
 
-Activations: one micro-batch's activations of each stage (its blocks' share of `core.activations`, the embeddings'
-part on the first stage, the head's on the last) times the micro-batches of that stage in flight at the worst moment
-of the rank's schedule (`core.pipeline_schedule`). torch's PipelineStage allocates one activation receive buffer (all
-but the first stage) and one gradient receive buffer (all but the last) per micro-batch and keeps them for the step
-(`_prepare_forward_infra`, `_setup_backward_recv_info` in torch/distributed/pipelining/stage.py, torch 2.13): those are
-the rank's buffers, beside ZeRO-3's gathered unit.
+Activations: one micro-batch's activations of each stage, as the engine's pipeline holds them (its rules'
+`pipeline_stage_activations`: the teaching pipeline's for 'paper', torch's PipelineStage's for 'pytorch'), times the
+micro-batches of that stage in flight at the worst moment of the rank's schedule (`core.pipeline_schedule`), plus
+what the engine's schedule holds for the whole step (`pipeline_step_activations`). torch's PipelineStage allocates one
+activation receive buffer (all but the first stage) and one gradient receive buffer (all but the last) per
+micro-batch and keeps them for the step (`_prepare_forward_infra`, `_setup_backward_recv_info` in
+torch/distributed/pipelining/stage.py, torch 2.13): those are the rank's buffers, beside ZeRO-3's gathered unit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import activations_for
 from shardscope.core.model_states import ModelStates
@@ -67,20 +67,6 @@ def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelState
     return rules_for(scenario).rank_memory(rank_proxy(scenario, stages), 0).states
 
 
-def stage_activation_bytes(acts: ActivationEstimate, stage: PipelineStage, num_layers: int) -> int:
-    """One micro-batch's saved activations of one stage: its blocks' share of every block's and the tables they all
-    read (each stage with blocks makes its own), plus the embeddings' part (token ids and what the embeddings keep)
-    on the first stage and the head's on the last. A stage that sends its output on keeps it (its backward starts
-    there); a stage that receives its input saves the receive buffer (counted as a buffer) where one process would
-    save its first block's input (or the final norm's)."""
-    blocks = acts.stored_blocks_bytes * stage.layers // num_layers + (acts.shared_bytes if stage.layers else 0)
-    head = acts.head_bytes
-    embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.shared_bytes - head
-    output = 0 if stage.head else acts.hidden_bytes
-    received = 0 if stage.embedding else acts.hidden_bytes
-    return blocks + (embedding if stage.embedding else 0) + (head if stage.head else 0) + output - received
-
-
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
     """One pipeline rank's memory (every rank of its data- and tensor-parallel group holds the same) and its host
     bytes under offload."""
@@ -90,11 +76,13 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
     in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
     acts = activations_for(scenario, states.autocast)
-    weights = {stage.index: stage_activation_bytes(acts, stage, model.num_layers) for stage in stages}
+    rules = rules_for(scenario)
+    weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
     actions = rank_actions(
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
     )
-    activations, counts = peak_in_flight(actions, weights)
+    in_flight_bytes, counts = peak_in_flight(actions, weights)
+    activations = in_flight_bytes + rules.pipeline_step_activations(scenario, stages)
     boundary = boundary_bytes(scenario)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
@@ -113,7 +101,7 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     in_flight = sum(counts.values())
     moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
     tensor_peak = max(steady, step)
-    overhead = scenario.overheads.context_bytes + int(tensor_peak * scenario.overheads.allocator_headroom)
+    overhead = scenario.overheads.context_bytes
     per_rank = MemoryBreakdown(
         parameters_bytes=states.parameters_bytes,
         gradients_bytes=states.gradients_bytes,

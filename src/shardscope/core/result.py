@@ -53,7 +53,8 @@ class MemoryBreakdown:
     temporary_bytes: int = 0
     """Short-lived workspace: the loss and logits spike, optimizer step temporaries, autocast copies."""
     overhead_bytes: int = 0
-    """Framework context and allocator headroom (an assumption, predicted only)."""
+    """Framework context (an assumption, predicted only); what the caching allocator holds beyond live tensors is
+    not in it (MemoryEstimate.reserved_peak_bytes)."""
     peak_bytes: int = 0
     """The most bytes live at one moment of the step, overhead included."""
 
@@ -204,9 +205,31 @@ class MemoryEstimate:
     """Under pipeline parallelism, every pipeline rank's memory (`per_rank` is the busiest's); empty otherwise."""
 
     @property
+    def tensor_peak_bytes(self) -> int:
+        """The allocated peak without the context: what `torch.cuda.max_memory_allocated()` reports."""
+        return self.per_rank.peak_bytes - self.per_rank.overhead_bytes
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """What the caching allocator holds at most in the step (`torch.cuda.max_memory_reserved()`; the context is
+        not in it): the allocated tensor peak plus what the allocator holds beyond its stream's allocated peak when
+        core.allocation_stream replays the step's derived allocations (derived when first asked, cached per
+        scenario). Anchored so on this estimate's allocated peak, it is never below it, and a derived stream that
+        misjudges an allocated byte count (offload, the moment-by-moment streams) moves only the allocator's share.
+        With Overheads.allocator_headroom set, the allocated tensor peak x (1 + headroom) instead of the model."""
+        allocated = self.tensor_peak_bytes
+        headroom = self.scenario.overheads.allocator_headroom
+        if headroom is not None:
+            return allocated + int(allocated * headroom)
+        from shardscope.core.allocation_stream import allocator_peaks  # it builds on this module: imported when asked
+
+        stream_allocated, stream_reserved = allocator_peaks(self.scenario)
+        return allocated + max(0, stream_reserved - stream_allocated)
+
+    @property
     def fits(self) -> bool:
-        """The peak fits in the GPU's memory."""
-        return self.per_rank.peak_bytes <= self.scenario.cluster.gpu.memory_bytes
+        """The reserved peak plus the framework context fits in the GPU's memory."""
+        return self.reserved_peak_bytes + self.per_rank.overhead_bytes <= self.scenario.cluster.gpu.memory_bytes
 
     def to_json(self) -> dict[str, Any]:
         """One entry of `strategies` in `shardscope.estimate/v1` (and the first fields of a plan in `plan/v1`)."""
@@ -222,7 +245,7 @@ class MemoryEstimate:
             "sequence_parallel": scenario.strategy.uses_sequence_parallel,
             "offload": scenario.strategy.offload,
             "parameters": count_parameters(scenario.model),
-            "per_rank": self.per_rank.to_json(),
+            "per_rank": {**self.per_rank.to_json(), "reserved_peak_bytes": self.reserved_peak_bytes},
             "host_bytes": self.host_bytes_per_node,
             "fits": self.fits,
             "peak_moment": self.peak_moment,

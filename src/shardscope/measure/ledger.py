@@ -68,7 +68,7 @@ def group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(torch.distributed.get_process_group_ranks(group))
 
 
-AXIS_GROUPS: dict[str, LedgerGroup] = {"tp": "tp", "cp": "cp"}
+AXIS_GROUPS: dict[str, LedgerGroup] = {"tp": "tp", "cp": "cp", "pp": "pp"}
 """Ledger group of a DeviceMesh axis by its name; every other axis (dp, replicate, shard) is data parallel."""
 
 
@@ -102,6 +102,9 @@ class CollectiveLedger(TorchDispatchMode):
         self.on_call = on_call
         self.axes: dict[tuple[int, ...], LedgerGroup] = {}
         """Ledger group by the ranks of each axis of this rank's mesh (`name_axes`)."""
+        self.message_phases: dict[int, str] = {}
+        """The phase of a send or recv by the id of the tensor it moves, where the phase of the call is not the
+        message's: torch's pipeline schedules batch one forward's send with another backward's receive."""
 
     def name_axes(self, mesh: Any) -> None:
         """Learn the ranks of each axis of a DeviceMesh (this rank's row of it), so its calls get the axis's group."""
@@ -124,13 +127,18 @@ class CollectiveLedger(TorchDispatchMode):
         entry = collective_entry(func, args)
         if entry is not None:
             op, group, payload = entry
+            if op in ("send", "recv") and self.message_phases:
+                phase = next((self.message_phases.get(id(t), phase) for t in tensors_in(args[0])), phase)
             ranks = group_ranks(group)
+            axis = self.axes.get(ranks, "dp")
+            # a pipeline's message goes between two neighbouring stages, whichever group torch's schedule names
+            size = 2 if axis == "pp" and op in ("send", "recv") else len(ranks)
             self.rows.append(
                 CollectiveRow(
                     phase=phase,
                     op=op,
-                    group=self.axes.get(ranks, "dp"),
-                    group_size=len(ranks),
+                    group=axis,
+                    group_size=size,
                     payload_bytes=payload,
                     count=1,
                 )

@@ -10,14 +10,16 @@ happens, every rank is killed and reaped before this returns. A taken rendezvous
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from shardscope.procs.hang import RankReport, blame
@@ -59,6 +61,25 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+@contextlib.contextmanager
+def ctrl_c_between_polls() -> Iterator[Callable[[], bool]]:
+    """While ranks run, Ctrl-C (SIGINT) only marks that it came; the supervision loop asks and raises
+    KeyboardInterrupt between polls, and leaving the block raises it if the loop never asked. Raised wherever the
+    signal lands, it could land inside Popen.poll between taking and releasing Popen's wait lock, and the reaping that
+    follows (Popen.wait) would wait for that lock forever. Outside the main thread, signals are left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def kill_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -144,12 +165,16 @@ def supervise(
     run_dir: Path,
     timeout_s: float,
     progress: Callable[[str], None] | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Wait until every rank exits 0; RunError naming the first rank that failed, or the stuck one at the deadline.
-    progress, if given, gets rank 0's stage whenever it changes."""
+    """Wait until every rank exits 0; RunError naming the first rank that failed, or the stuck one at the deadline;
+    KeyboardInterrupt as soon as interrupted() says Ctrl-C came. progress, if given, gets rank 0's stage whenever
+    it changes."""
     deadline = time.monotonic() + timeout_s
     shown = ""
     while True:
+        if interrupted():
+            raise KeyboardInterrupt
         codes = [process.poll() for process in processes]
         if any(code not in (None, 0) for code in codes):  # the first to fail is the cause; peers then fail on the
             time.sleep(POLL_S)  # broken connection, so let their reports land before choosing
@@ -184,14 +209,15 @@ def run_ranks(
         attempt_dir = run_dir / f"attempt{attempt}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
         processes: list[subprocess.Popen[bytes]] = []
-        try:
-            _spawn(processes, module, args(attempt_dir), world_size, attempt_dir, free_port())
-            supervise(processes, attempt_dir, timeout_s, progress)
-        except RunError as error:
-            if "address already in use" in str(error).lower() and attempt + 1 < PORT_ATTEMPTS:
-                continue
-            raise
-        finally:
-            kill_all(processes)
+        with ctrl_c_between_polls() as interrupted:
+            try:
+                _spawn(processes, module, args(attempt_dir), world_size, attempt_dir, free_port())
+                supervise(processes, attempt_dir, timeout_s, progress, interrupted)
+            except RunError as error:
+                if "address already in use" in str(error).lower() and attempt + 1 < PORT_ATTEMPTS:
+                    continue
+                raise
+            finally:
+                kill_all(processes)
         return attempt_dir
     raise RunError("no free rendezvous port after retries")

@@ -40,7 +40,7 @@ def _table(header: list[str], rows: list[tuple[list[str], str]]) -> str:
 
 
 def _comparison(data: ReportData) -> str:
-    header = ["strategy", "params", "grads", "optimizer", "activations", "buffers", "temp", "peak", "fits"]
+    header = ["strategy", "params", "grads", "optimizer", "activations", "buffers", "temp", "peak", "reserved", "fits"]
     header += ["step s", "exposed comm s", "GB sent/rank", "tokens/s", "MFU"]
     rows = []
     for index, row in enumerate(data.rows):
@@ -48,7 +48,8 @@ def _comparison(data: ReportData) -> str:
         cells = [row.label + (" (chosen)" if index == data.chosen else "")]
         cells += [_gib(per_rank.category_bytes(name)) for name in ("parameters", "gradients", "optimizer_state")]
         cells += [_gib(per_rank.activations_bytes), _gib(per_rank.buffers_bytes), _gib(per_rank.temporary_bytes)]
-        cells += [_gib(per_rank.peak_bytes), "yes" if row.fits else "NO"]
+        reserved = row.memory.reserved_peak_bytes + per_rank.overhead_bytes  # with the context, as the peak
+        cells += [_gib(per_rank.peak_bytes), _gib(reserved), "yes" if row.fits else "NO"]
         timing = row.timing
         if timing is None:
             cells += ["-"] * 5

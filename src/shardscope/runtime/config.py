@@ -72,22 +72,51 @@ def teaching_refusal(scenario: Scenario) -> str:
 
 def _torch_refusal(scenario: Scenario) -> str:
     if scenario.strategy.pp > 1:
-        return "pipelines run on torch.distributed.pipelining later; --engine paper runs the teaching pipeline"
+        return torch_pipeline_refusal(scenario)
     why = torch_model_parallel_refusal(scenario)
     return f"{why}; --engine paper runs it (the teaching implementation)" if why else ""
 
 
-def expert_parallel_refusal(config: RunConfig) -> str:
-    """Why a run cannot split experts ('' when it can): the teaching expert parallelism
-    (runtime/teaching/expert_sharded.py) runs inside zero3 / fsdp on the paper engine, without tp, cp or pp."""
-    strategy = config.strategy
-    if strategy.engine != "paper":
-        return f"ep {strategy.ep} runs on engine paper only (the teaching implementation), not {strategy.engine}"
+def torch_pipeline_refusal(scenario: Scenario) -> str:
+    """Why torch's pipelining cannot run a scenario ('' when it can): runtime/torch_pipeline.py shards the stages
+    with fully_shard (zero2, zero3/fsdp, hsdp), without tp or cp, and cuts llama-style models without experts (a
+    tie of the embeddings across the first and last stages, and gpt2's learned positions, are not built)."""
+    strategy, model = scenario.strategy, scenario.model
+    if strategy.tp > 1 or strategy.cp > 1:
+        return f"pp {strategy.pp} runs without tp and cp (tp {strategy.tp}, cp {strategy.cp} given)"
+    if strategy.stage < 2:
+        return (
+            f"pp {strategy.pp} runs inside fully_shard only (zero2, zero3, fsdp, hsdp), not {strategy.name}; "
+            "--engine paper runs the teaching pipeline inside ddp"
+        )
+    if model.family != "llama":
+        return f"pp {strategy.pp} cuts llama-style models only, not {model.name} (a {model.family} model)"
+    if model.tie_embeddings:
+        return f"pp {strategy.pp} needs a model without tied embeddings ({model.name} ties them)"
+    return ""
+
+
+def teaching_expert_refusal(scenario: Scenario) -> str:
+    """Why the teaching strategies cannot split experts ('' when they can): the teaching expert parallelism
+    (runtime/teaching/expert_sharded.py) runs inside zero3 / fsdp, without tp, cp or pp."""
+    strategy = scenario.strategy
     if strategy.stage != 3 or strategy.preset.groups_replicate:
         return f"ep {strategy.ep} runs inside zero3 or fsdp only, not {strategy.name} (the others come later)"
-    if config.parallelism.splits_model:
+    if strategy.tp > 1 or strategy.cp > 1 or strategy.pp > 1:
         return f"ep {strategy.ep} runs without tp, cp and pp (tp {strategy.tp}, cp {strategy.cp}, pp {strategy.pp})"
     return ""
+
+
+def _torch_expert_refusal(scenario: Scenario) -> str:
+    ep = scenario.strategy.ep
+    return f"ep {ep} runs on engine paper only (the teaching implementation), not {scenario.strategy.engine}"
+
+
+EXPERT_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
+    "paper": teaching_expert_refusal,
+    "pytorch": _torch_expert_refusal,
+}
+"""Why an engine cannot split a MoE model's experts ('' when it can)."""
 
 
 MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
@@ -154,7 +183,7 @@ class RunConfig:
         mesh = self.parallelism
         if self.strategy.ep > 1:
             self.scenario()  # the model has experts and ep divides them
-            refusal = expert_parallel_refusal(self)
+            refusal = EXPERT_PARALLEL_REFUSALS[self.strategy.engine](self.scenario())
             if refusal:
                 raise SpecError(f"RunConfig.strategy with engine {self.strategy.engine}: {refusal}")
         if mesh.splits_model:

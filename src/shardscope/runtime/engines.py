@@ -129,17 +129,21 @@ class TorchFSDP2(Trainer):
         return self._fsdp_buffers()
 
     def _fsdp_buffers(self) -> list[torch.Tensor]:
-        """The unsharded all-gather outputs FSDP2 resizes in place (private: torch 2.6 to 2.13 FSDPParam)."""
-        found: list[torch.Tensor] = []
-        for unit in model_units(self.module):
-            state = unit.module._get_fsdp_state()  # type: ignore[operator]
-            for group in getattr(state, "_fsdp_param_groups", []) or []:
-                for fsdp_param in group.fsdp_params:
-                    found.extend(getattr(fsdp_param, "all_gather_outputs", []))
-        return found
+        return fsdp_buffers(self.module)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: param.full_tensor() for name, param in self.module.named_parameters()}  # type: ignore[operator]
+
+
+def fsdp_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded all-gather outputs FSDP2 resizes in place (private: torch 2.6 to 2.13 FSDPParam)."""
+    found: list[torch.Tensor] = []
+    for unit in model_units(module):
+        state = unit.module._get_fsdp_state()  # type: ignore[operator]
+        for group in getattr(state, "_fsdp_param_groups", []) or []:
+            for fsdp_param in group.fsdp_params:
+                found.extend(getattr(fsdp_param, "all_gather_outputs", []))
+    return found
 
 
 class TorchTensorParallel(TorchFSDP2):

@@ -33,8 +33,11 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     if config.strategy.pp > 1:
         from shardscope.reference_models import TransformerLM
         from shardscope.runtime.teaching.pipeline import PipelineTeaching
+        from shardscope.runtime.torch_pipeline import TorchPipeline
 
         assert isinstance(module, TransformerLM)
+        if config.strategy.engine == "pytorch":
+            return TorchPipeline(module, config.scenario())
         return PipelineTeaching(module, config.scenario())
     if config.strategy.ep > 1:
         from shardscope.reference_models import TransformerLM
@@ -194,6 +197,7 @@ def train_and_measure(
     if mesh is not None:
         ledger.name_axes(mesh)
     ledger.axes.update(getattr(trainer, "ledger_axes", {}))  # a teaching pipeline's pairs of neighbouring ranks
+    ledger.message_phases = getattr(trainer, "message_phases", {})  # torch's pipeline batches sends and receives
     step_times: list[float] = []
     memory: dict[str, Any] = {}
     measured_time = 0.0

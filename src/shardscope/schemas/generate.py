@@ -60,7 +60,11 @@ ESTIMATE_ENTRY: dict[str, Schema] = {
     "sequence_parallel": BOOLEAN,
     "offload": enum(OFFLOADS),
     "parameters": COUNT,
-    "per_rank": ref("per_rank"),
+    "per_rank": closed(
+        {**DEFS["per_rank"]["properties"], "reserved_peak_bytes": BYTES},
+        description="The busiest rank's bytes by category and its peak, and what the caching allocator reserves at "
+        "most (without the context; `fits` is judged on it plus overhead_bytes).",
+    ),
     "host_bytes": BYTES,
     "fits": BOOLEAN,
     "peak_moment": STRING,

@@ -107,6 +107,10 @@ def run_trace(request: TraceRequest, progress: Progress = lambda _text: None) ->
     """
     started = time.monotonic()
     require_torch()
+    if request.scenario.strategy.pp > 1:
+        from shardscope.trace.pipeline import run_pipeline_trace
+
+        return run_pipeline_trace(request, progress)
     refuse_model_parallel(request)
     init_fake_process_group(request.world_size)
     depth = model_depth(request)

@@ -76,3 +76,21 @@ def request_from_json(text: str) -> TraceRequest:
         overheads=_build(Overheads, raw["overheads"]),
     )
     return TraceRequest(scenario=scenario, **data)
+
+
+def pipeline_refusal(request: TraceRequest) -> str:
+    """Why this pipeline cannot be replayed, in one line, or '' when it can."""
+    strategy = request.scenario.strategy
+    if request.factory or request.config_path:
+        source = "--module" if request.factory else "--config"
+        return f"--pp {strategy.pp} with {source}: the trace cuts shardscope's reference modules only (--model)"
+    if strategy.tp > 1 or strategy.cp > 1:
+        return f"--pp {strategy.pp} with --tp or --cp is not replayed yet; use `shardscope estimate`"
+    if strategy.preset.zero_stage in (0, 1):
+        return (
+            f"--pp {strategy.pp} with --strategy {strategy.name}: the pipeline trace shards stages with fully_shard "
+            "(fsdp, zero2, zero3, hsdp); use one of those or `shardscope estimate`"
+        )
+    if request.scenario.model.family == "moe":
+        return f"--pp {strategy.pp} with model {request.scenario.model.name}: experts are not replayed in a pipeline"
+    return ""

@@ -64,6 +64,52 @@ class FlopCount:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StageTrace:
+    """One pipeline rank of a pipeline trace: its stages, and what its first GPU held and sent."""
+
+    pipeline_rank: int
+    """Its place in the pipeline, 0 to pp - 1."""
+    stages: tuple[str, ...]
+    """What each of its stages holds, e.g. 'embed+layers 0-2' (core.pipeline's split)."""
+    layers: int
+    """Transformer layers it holds."""
+    per_rank: MemoryBreakdown
+    """Its bytes by category (each category's largest size in the steady-state step) and its peak."""
+    peak_moment: str
+    """Stage, phase and micro-batch of the peak, e.g. 'forward: stage 0 forward 1'."""
+    ledger: tuple[CollectiveRow, ...]
+    """Its collectives and point-to-point messages in the steady-state step."""
+    reserved_peak_bytes: int | None
+    """The CUDA caching allocator's reserved peak for its step, replayed."""
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of `per_stage`."""
+        per_rank: dict[str, Any] = dict(self.per_rank.to_json())
+        per_rank["ledger"] = [row.to_json() for row in self.ledger]
+        per_rank["reserved_peak_bytes"] = self.reserved_peak_bytes
+        return {
+            "pipeline_rank": self.pipeline_rank,
+            "stages": list(self.stages),
+            "layers": self.layers,
+            "per_rank": per_rank,
+            "peak_moment": self.peak_moment,
+        }
+
+
+def _stage_from_json(data: dict[str, Any]) -> StageTrace:
+    per_rank = data["per_rank"]
+    return StageTrace(
+        pipeline_rank=data["pipeline_rank"],
+        stages=tuple(data["stages"]),
+        layers=data["layers"],
+        per_rank=_breakdown(per_rank),
+        peak_moment=data["peak_moment"],
+        ledger=tuple(CollectiveRow(**row) for row in per_rank["ledger"]),
+        reserved_peak_bytes=per_rank["reserved_peak_bytes"],
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TraceResult:
     """Rank 0 of a training step replayed on fake tensors over a fake process group."""
 
@@ -97,6 +143,8 @@ class TraceResult:
     """What PyTorch's CUDA caching allocator would hold at most in the measured step (max_memory_reserved): the
     trace's allocations and frees, from the first step on, replayed through shardscope.core.allocator (default
     settings, one stream). None when not computed: an extrapolated trace (its notes say why)."""
+    per_stage: tuple[StageTrace, ...] = ()
+    """Under a pipeline, every pipeline rank first to last (the fields above are the busiest one's)."""
 
     def to_json(self, scenario: Scenario) -> dict[str, Any]:
         """The `shardscope.trace/v1` document of the trace of `scenario`."""
@@ -119,13 +167,12 @@ class TraceResult:
             "notes": list(self.notes),
             "traced_blocks": list(self.traced_blocks),
             "elapsed_s": round(self.elapsed_s, 3),
+            **({"per_stage": [entry.to_json() for entry in self.per_stage]} if self.per_stage else {}),
         }
 
 
-def result_from_json(data: dict[str, Any]) -> TraceResult:
-    """Read back a `shardscope.trace/v1` document (the worker subprocess sends one)."""
-    per_rank = dict(data["per_rank"])
-    breakdown = MemoryBreakdown(
+def _breakdown(per_rank: dict[str, Any]) -> MemoryBreakdown:
+    return MemoryBreakdown(
         **{
             key: per_rank[key]
             for key in (
@@ -140,6 +187,12 @@ def result_from_json(data: dict[str, Any]) -> TraceResult:
             )
         }
     )
+
+
+def result_from_json(data: dict[str, Any]) -> TraceResult:
+    """Read back a `shardscope.trace/v1` document (the worker subprocess sends one)."""
+    per_rank = dict(data["per_rank"])
+    breakdown = _breakdown(per_rank)
     flops = {key: value for key, value in per_rank["flops"].items() if key != "total_flops"}
     return TraceResult(
         world_size=data["world_size"],
@@ -156,4 +209,5 @@ def result_from_json(data: dict[str, Any]) -> TraceResult:
         traced_blocks=tuple(data.get("traced_blocks", ())),
         elapsed_s=data["elapsed_s"],
         reserved_peak_bytes=per_rank.get("reserved_peak_bytes"),
+        per_stage=tuple(_stage_from_json(entry) for entry in data.get("per_stage", ())),
     )

@@ -23,6 +23,7 @@ from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.model_states import ModelStates, dtype_bytes
+from shardscope.core.pipeline import PipelineStage
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
@@ -151,6 +152,14 @@ class EngineRules(Protocol):
         """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight)."""
         ...
 
+    def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
+        """One micro-batch's activations of one pipeline stage, held while that micro-batch is in flight on it."""
+        ...
+
+    def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
+        """Activations a pipeline rank holding `stages` keeps for the whole step, whatever is in flight."""
+        ...
+
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
@@ -186,6 +195,24 @@ class RulesDefaults:
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
         """Every collective blocks."""
         return False
+
+    def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
+        """As the teaching pipeline (runtime/teaching/pipeline.py) saves them: the stage's blocks' share of every
+        block's and the tables they all read (each stage with blocks makes its own), plus the embeddings' part (token
+        ids and what the embeddings keep) on the first stage and the head's on the last. A stage that sends its
+        output on keeps it (its backward starts there); a stage that receives its input saves the receive buffer
+        (counted as a buffer) where one process would save its first block's input (or the final norm's)."""
+        blocks = acts.stored_blocks_bytes * stage.layers // scenario.model.num_layers
+        shared = acts.shared_bytes if stage.layers else 0
+        head = acts.head_bytes
+        embedding = acts.saved_bytes - acts.stored_blocks_bytes - acts.shared_bytes - head
+        output = 0 if stage.head else acts.hidden_bytes
+        received = 0 if stage.embedding else acts.hidden_bytes
+        return blocks + shared + (embedding if stage.embedding else 0) + (head if stage.head else 0) + output - received
+
+    def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
+        """The teaching pipeline takes each micro-batch's inputs as it runs it: nothing is held for the step."""
+        return 0
 
 
 def activations_for(scenario: Scenario, autocast: bool, regathers_in_backward: bool = False) -> ActivationEstimate:

@@ -10,6 +10,7 @@ it); ZeroRedundancyOptimizer gives whole tensors to ranks.
 from __future__ import annotations
 
 from shardscope.choices import EngineName
+from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.comm_events import (
     DDP_FIRST_BUCKET_BYTES,
     CommEvent,
@@ -36,6 +37,8 @@ from shardscope.core.model_states import (
     step_tensor_bytes,
 )
 from shardscope.core.params import head_numel, rank_facts, rank_layout
+from shardscope.core.pipeline import PipelineStage
+from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
 from shardscope.presets.hardware import HardwareProfile
@@ -171,6 +174,32 @@ class PyTorchRules(RulesDefaults):
         """DDP's Reducer all-reduces its buckets with async_op=True from backward (zero1's too); FSDP2's own
         overlap is part of its per-unit term. Tensor parallelism's reductions are DTensor's, not the Reducer's."""
         return runs_on_ddp(scenario) and event.trigger == "after_backward" and event.group == "world"
+
+    def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
+        """As torch's PipelineStage holds them (tests/trace/test_pipeline_trace.py replays it): the stage's blocks'
+        share of every block's saved tensors; the tensors every block shares (RoPE's tables) and the loss's total
+        weight, which each stage with blocks makes for itself; the head's on the last stage. The stage also caches
+        its output until that micro-batch's backward (`fwd_cache` in torch/distributed/pipelining/stage.py, torch
+        2.13): the hidden states, or the logits on the last stage. A stage after the first saves its input as its
+        first block's, but that input is the receive buffer, counted in buffers. Token ids and targets are held for
+        the whole step (`pipeline_step_activations`)."""
+        ids = _token_ids_bytes(scenario)
+        blocks = acts.stored_blocks_bytes * stage.layers // scenario.model.num_layers
+        shared = acts.saved_bytes - acts.stored_blocks_bytes - acts.head_bytes - 2 * ids if stage.layers else 0
+        output = acts.logits_bytes if stage.head else acts.hidden_bytes
+        received = 0 if stage.embedding else acts.hidden_bytes
+        return blocks + shared + output - received + (acts.head_bytes if stage.head else 0)
+
+    def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
+        """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once
+        and splits them into views, so they are held for the whole step."""
+        held = sum(stage.embedding for stage in stages) + sum(stage.head for stage in stages)
+        return held * _token_ids_bytes(scenario) * scenario.training.grad_accum_steps
+
+
+def _token_ids_bytes(scenario: Scenario) -> int:
+    """One micro-batch's token ids (or targets) on one rank: int64 per token of the rank's share."""
+    return scenario.training.tokens_per_micro_batch // rank_share(scenario).cp * INDEX_BYTES
 
 
 _STATES_CACHE: dict[tuple[object, ...], ModelStates] = {}
