@@ -1,7 +1,8 @@
 """Speed of the planner: a full plan for llama-3-70b on H100s over up to 1024 GPUs (issue 7: under 2 s), and
 llama-3.1-405b at 8192 tokens over up to 8192 GPUs (issue 19: its 16M-token batch is 2048 sequences, so data
 parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor or context parallelism, under 2 s),
-and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s).
+and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s), and the two
+405B questions again searching pipelines too (`--pp 1,2,4,8,16`, 1F1B and interleaved 1F1B: issue 20).
 
 Each figure is the median of fresh processes, so every cache starts cold, as it does for a user's command:
 - plan(): the search alone, imports excluded;
@@ -36,6 +37,8 @@ QUESTIONS = {
     ],
     "405b-16k": [*WIDE_405B, "--max-gpus", "16384"],
     "405b-cost": [*WIDE_405B, "--max-gpus", "16384", "--price-per-gpu-hour", "2.5"],
+    "405b-pp": [*WIDE_405B, "--max-gpus", "8192", "--pp", "1,2,4,8,16"],
+    "405b-16k-pp": [*WIDE_405B, "--max-gpus", "16384", "--pp", "1,2,4,8,16"],
 }
 
 IN_PROCESS = """
@@ -110,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     with open("/proc/loadavg") as file:
         print(f"load average at start: {file.read().split()[0]}")
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
-    widths = {"question": -10, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
+    widths = {"question": -11, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
     worst = 0.0
     for name, question in ((name, QUESTIONS[name]) for name in asked):
         search, command, counts = measure(question, runs)
         worst = max(worst, command)
         print(
-            f"{name:<10} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
+            f"{name:<11} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
             f"{counts['fitting']:5.0f} {counts['simulated']:10.0f}  fastest: {counts['best']}"
         )
     print(f"\nestimate_time of a 70B plan (976 GPUs, 2 micro-batches): {per_call_s() * 1e3:.2f} ms per call (median)")

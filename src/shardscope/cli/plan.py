@@ -221,10 +221,11 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
             lines += [f"fewest GPUs: {result.fewest_gpus} x {request.gpu.name}", ""]
         lines += [render_table(*_plan_table(result, units)), "", "memory per GPU against the budget, and step time:"]
         slowest = max(entry.timing.step_time_s for entry in result.plans)
+        width = max(16, *(len(entry.label) for entry in result.plans))
         for index, entry in enumerate(result.plans, 1):
             peak = entry.memory.per_rank.peak_bytes
             lines.append(
-                f"{index:>3} {entry.label:<16} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
+                f"{index:>3} {entry.label:<{width}} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
                 f"  {bar(entry.timing.step_time_s, slowest, 24)} {entry.timing.step_time_s:.3f} s"
             )
         reasons = [(index, entry.mesh_reason) for index, entry in enumerate(result.plans, 1) if entry.mesh_reason]
