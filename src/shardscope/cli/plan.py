@@ -225,7 +225,8 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
         for index, entry in enumerate(result.plans, 1):
             peak = entry.memory.per_rank.peak_bytes
             lines.append(
-                f"{index:>3} {entry.label:<{width}} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
+                f"{index:>3} {entry.label:<{width}} {bar(peak, request.budget_bytes, 24)} "
+                f"{peak / request.budget_bytes:4.0%}"
                 f"  {bar(entry.timing.step_time_s, slowest, 24)} {entry.timing.step_time_s:.3f} s"
             )
         reasons = [(index, entry.mesh_reason) for index, entry in enumerate(result.plans, 1) if entry.mesh_reason]
