@@ -9,6 +9,11 @@
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
 2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
    stopping for each plan whose bound cannot beat the plans kept.
+3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
+   possible ranking value: every micro-batch that fits competes (a smaller one runs more micro-batches, so a smaller
+   bubble), a setting whose busiest stage's model states exceed the budget is dropped before any memory estimate, and
+   a point whose lower bound (`planner.pipeline.pipeline_bound_s`) cannot enter the top plans nor beat its family's
+   best is never estimated. Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
 """
 
 from __future__ import annotations
@@ -18,11 +23,10 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from shardscope.core.memory import estimate_memory
-from shardscope.core.pipeline_time import stage_times
 from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
-from shardscope.planner.pipeline import busiest_states_bytes, pipeline_bound_s, pipeline_timing
+from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
 from shardscope.planner.space import (
@@ -39,138 +43,11 @@ from shardscope.planner.space import (
 )
 from shardscope.planner.timing import (
     PlanTiming,
-    communication_floor,
-    micro_batch_compute_s,
-    plan_timing,
-    tensor_parallel_floor_s,
 )
-from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
 
 Progress = Callable[[str, int, int], None]
 SECONDS_PER_HOUR = 3600.0
-
-
-class _Evaluator:
-    """Memory, time and bounds of scenarios, each computed once."""
-
-    def __init__(self, request: PlanRequest) -> None:
-        self.request = request
-        self.hardware = request.hardware or default_profile(request.gpu)
-        self._memory: dict[Scenario, MemoryEstimate] = {}
-        self._timing: dict[Scenario, PlanTiming] = {}
-        self._tight: dict[Scenario, float] = {}
-        self._micro_batch_compute: dict[tuple[int, str, int, int, bool], float] = {}
-        self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
-        self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
-        self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
-        self._pipeline_bound: dict[tuple[int, int, int, int, str, int, int, int, str, int], float] = {}
-        self._stage_times: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
-
-    def memory(self, scenario: Scenario) -> MemoryEstimate:
-        found = self._memory.get(scenario)
-        if found is None:
-            found = self._memory[scenario] = estimate_memory(scenario)
-        return found
-
-    def new_memory(self, scenario: Scenario) -> MemoryEstimate:
-        """The memory of a point of the search: each is asked once (every point differs in GPU count, degrees,
-        setting or micro-batch), so the cache is written without the lookup (its key hashes a whole scenario)."""
-        found = self._memory[scenario] = estimate_memory(scenario)
-        return found
-
-    def timing(self, scenario: Scenario) -> PlanTiming:
-        found = self._timing.get(scenario)
-        if found is None:
-            pipelined = scenario.strategy.pp > 1
-            found = (pipeline_timing if pipelined else plan_timing)(scenario, self.hardware)
-            self._timing[scenario] = found
-        return found
-
-    def pipeline_bound_s(self, scenario: Scenario) -> float:
-        """`planner.pipeline.pipeline_bound_s`, kept per pipeline shape: it reads the stages' compute and the
-        messages between them, the same for every data-parallel family, shard group and offload."""
-        training, strategy = scenario.training, scenario.strategy
-        key = (
-            scenario.cluster.world_size,
-            strategy.tp,
-            strategy.cp,
-            strategy.pp,
-            strategy.pp_schedule,
-            strategy.virtual_stages,
-            strategy.ep,
-            training.micro_batch_size,
-            training.checkpointing,
-            training.grad_accum_steps,
-        )
-        found = self._pipeline_bound.get(key)
-        if found is None:
-            # the stages' compute is that of one micro-batch, whatever the GPU count and micro-batch count
-            stage_key = (*key[1:-1], False)
-            stage_s = self._stage_times.get(stage_key)
-            if stage_s is None:
-                stage_s = self._stage_times[stage_key] = stage_times(scenario, self.hardware)
-            found = self._pipeline_bound[key] = pipeline_bound_s(scenario, self.hardware, stage_s)
-        return found
-
-    def lower_bound_s(self, scenario: Scenario) -> float:
-        if scenario.strategy.pp > 1:
-            return self.pipeline_bound_s(scenario)
-        training, strategy = scenario.training, scenario.strategy
-        # what the compute stream does: the batch shape, the recompute, and each rank's share of the model
-        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
-        key = (training.micro_batch_size, training.grad_accum_steps, *shape)
-        found = self._bound.get(key)
-        if found is None:
-            floor = self._tp_floor.get(shape)
-            if floor is None:
-                floor = self._tp_floor[shape] = tensor_parallel_floor_s(scenario, self.hardware)
-            found = self._bound[key] = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
-        return found
-
-    def compute_bound_s(self, scenario: Scenario) -> float:
-        """compute_lower_bound_s, one micro-batch priced once for every micro-batch count."""
-        training, strategy = scenario.training, scenario.strategy
-        key = (
-            training.micro_batch_size,
-            training.checkpointing,
-            strategy.tp,
-            strategy.cp,
-            strategy.uses_sequence_parallel,
-        )
-        found = self._micro_batch_compute.get(key)
-        if found is None:
-            found = self._micro_batch_compute[key] = micro_batch_compute_s(scenario, self.hardware)
-        return found * training.grad_accum_steps
-
-    def tight_bound_s(self, scenario: Scenario) -> float:
-        """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
-        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
-        asks again."""
-        if scenario.strategy.pp > 1:
-            return self.pipeline_bound_s(scenario)
-        found = self._tight.get(scenario)
-        if found is None:
-            found = self._tight[scenario] = self._tight_bound_s(scenario)
-        return found
-
-    def _tight_bound_s(self, scenario: Scenario) -> float:
-        training, strategy = scenario.training, scenario.strategy
-        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
-        key = (*shape, training.micro_batch_size)
-        floor = self._tp_floor_at.get(key)
-        if floor is None:
-            floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
-        chain = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
-        return communication_floor(scenario, self.hardware).bound_s(chain)
-
-    @property
-    def memory_evaluations(self) -> int:
-        return len(self._memory)
-
-    @property
-    def time_evaluations(self) -> int:
-        return len(self._timing)
 
 
 def _fits(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> bool:
@@ -203,7 +80,7 @@ class _Search:
     def __init__(self, request: PlanRequest, progress: Progress | None) -> None:
         self.request = request
         self.progress = progress
-        self.evaluator = _Evaluator(request)
+        self.evaluator = Evaluator(request)
         self.candidates = 0
         self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
         self.budget_bytes = request.budget_bytes
