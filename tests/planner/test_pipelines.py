@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jsonschema
 import pytest
 
 from shardscope.core.memory import estimate_memory
 from shardscope.core.timeline import estimate_time
 from shardscope.planner import PlanRequest, plan
 from shardscope.planner.pipeline import busiest_states_bytes, pipeline_bound_s
+from shardscope.planner.result import PLAN_SCHEMA
 from shardscope.planner.space import (
     Variant,
     batch_shapes,
@@ -23,6 +25,7 @@ from shardscope.planner.space import (
 )
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
+from shardscope.schemas import load_schema
 from shardscope.specs import SpecError, TrainingSpec
 
 
@@ -80,7 +83,9 @@ def test_a_pipeline_wins_where_the_states_do_not_fit_without_one(ddp_pipeline_re
 
 def test_pipeline_plans_are_estimate_time_and_estimate_memory(ddp_pipeline_request: PlanRequest) -> None:
     hardware = default_profile(ddp_pipeline_request.gpu)
-    for entry in plan(ddp_pipeline_request).plans:
+    result = plan(ddp_pipeline_request)
+    jsonschema.validate(result.to_json(), load_schema(PLAN_SCHEMA))  # per_stage is part of a plan's document
+    for entry in result.plans:
         full = estimate_time(entry.scenario, hardware)
         assert entry.timing.step_time_s == full.step_time_s  # the same simulation, to the last bit
         assert entry.timing.wire_bytes_per_rank == full.wire_bytes_per_rank
