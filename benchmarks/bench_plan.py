@@ -1,7 +1,8 @@
 """Speed of the planner: a full plan for llama-3-70b on H100s over up to 1024 GPUs (issue 7: under 2 s), and
 llama-3.1-405b at 8192 tokens over up to 8192 GPUs (issue 19: its 16M-token batch is 2048 sequences, so data
 parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor or context parallelism, under 2 s),
-and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s).
+and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s), and the two
+405B questions again searching pipelines too (`--pp 1,2,4,8,16`, 1F1B and interleaved 1F1B: issue 20).
 
 Each figure is the median of fresh processes, so every cache starts cold, as it does for a user's command:
 - plan(): the search alone, imports excluded;
@@ -36,6 +37,8 @@ QUESTIONS = {
     ],
     "405b-16k": [*WIDE_405B, "--max-gpus", "16384"],
     "405b-cost": [*WIDE_405B, "--max-gpus", "16384", "--price-per-gpu-hour", "2.5"],
+    "405b-pp": [*WIDE_405B, "--max-gpus", "8192", "--pp", "1,2,4,8,16"],
+    "405b-16k-pp": [*WIDE_405B, "--max-gpus", "16384", "--pp", "1,2,4,8,16"],
 }
 
 IN_PROCESS = """
@@ -80,6 +83,31 @@ for _ in range(20):
 print(json.dumps({"seconds": statistics.median(times[len(cases):])}))
 """
 
+# One pipeline plan the 405B questions estimate: zero1 + TP 8 + PP 16 (1F1B, 16 micro-batches) on 16384 H100s.
+PIPELINE_CALL = """
+import json, statistics, time
+from shardscope.core.memory import estimate_memory
+from shardscope.core.timeline import estimate_time
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+case = Scenario(
+    model=model_preset("llama-3.1-405b"),
+    cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=16384, gpus_per_node=8),
+    training=TrainingSpec(micro_batch_size=1, sequence_length=8192, grad_accum_steps=16, precision="bf16-mixed",
+                          checkpointing="full"),
+    strategy=Strategy(name="zero1", tp=8, pp=16),
+)
+memory, step = [], []
+for _ in range(5):
+    start = time.perf_counter()
+    estimate_memory(case)
+    memory.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    estimate_time(case)
+    step.append(time.perf_counter() - start)
+print(json.dumps({"memory": statistics.median(memory), "time": statistics.median(step)}))
+"""
+
 
 def measure(question: list[str], runs: int) -> tuple[float, float, dict[str, float]]:
     """(median seconds of plan(), median seconds of the whole CLI command, the search's counts)."""
@@ -110,17 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     with open("/proc/loadavg") as file:
         print(f"load average at start: {file.read().split()[0]}")
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
-    widths = {"question": -10, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
+    widths = {"question": -11, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
     worst = 0.0
     for name, question in ((name, QUESTIONS[name]) for name in asked):
         search, command, counts = measure(question, runs)
         worst = max(worst, command)
         print(
-            f"{name:<10} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
+            f"{name:<11} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
             f"{counts['fitting']:5.0f} {counts['simulated']:10.0f}  fastest: {counts['best']}"
         )
     print(f"\nestimate_time of a 70B plan (976 GPUs, 2 micro-batches): {per_call_s() * 1e3:.2f} ms per call (median)")
+    out = subprocess.run([sys.executable, "-c", PIPELINE_CALL], capture_output=True, text=True, check=True)
+    pipeline = json.loads(out.stdout)
+    print(
+        f"a 405B pipeline plan (zero1+tp8+pp16, 1f1b, 16 micro-batches, 16384 GPUs), median of 5 calls: "
+        f"estimate_memory {pipeline['memory'] * 1e3:.1f} ms, estimate_time {pipeline['time'] * 1e3:.1f} ms"
+    )
     verdict = "meets" if worst < GOAL_S else "MISSES"
     print(f"slowest whole command {worst:.2f} s: {verdict} the {GOAL_S:.0f} s goal")
     with open("/proc/loadavg") as file:

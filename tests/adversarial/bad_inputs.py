@@ -243,9 +243,11 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--model", "tiny-llama", "--grad-accum", "2"], "except a pipeline's"),
     (["timeline", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--trace", "{dir}"], "cannot write trace"),
     (
-        ["report", "--model", "llama-3-8b", "--pp", "2", "--grad-accum", "2", "--global-batch-tokens", "1M"],
-        "--pp 2: the planner does not search pipelines yet",
+        ["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp", "1,2", "--pp-virtual-stages", "1"],
+        "interleaved-1f1b needs at least 2 stages per pipeline rank",
     ),
+    (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp", "2,x"], "--pp '2,x' must be"),
+    (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp-schedule", "2f2b"], "'2f2b' is not known"),
     # expert parallelism: validated; predicted by estimate, run by the paper engine inside zero3/fsdp, refused by the
     # commands that do not take it yet
     (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
@@ -253,6 +255,7 @@ CASES: list[tuple[list[str], str]] = [
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
     (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "trace comes later"),
     (["timeline", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "timeline comes later"),
+    (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--ep", "1,2"], "llama-3-8b has none"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--strategy", "zero2"], "not zero2"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--engine", "pytorch"], "engine paper only"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--strategy", "ddp"], "ep 2 must divide"),

@@ -16,7 +16,8 @@ from shardscope.core.params import param_layout
 from shardscope.core.sharding import WholeTensorShards, whole_tensor_shards
 from shardscope.mesh import data_parallel_mesh
 from shardscope.planner import PlanRequest
-from shardscope.planner.search import _Evaluator, _over_by, _overshoot, _Search
+from shardscope.planner.evaluator import Evaluator
+from shardscope.planner.search import _over_by, _overshoot, _Search
 from shardscope.planner.space import batch_shapes
 from shardscope.planner.timing import compute_lower_bound_s, micro_batch_compute_s
 from shardscope.presets import model_preset
@@ -73,7 +74,7 @@ def test_evaluator_bounds_equal_the_direct_ones(small_request: PlanRequest) -> N
     for memory in fitting:
         scenario = memory.scenario
         assert evaluator.compute_bound_s(scenario) == compute_lower_bound_s(scenario, evaluator.hardware)
-        fresh = _Evaluator(request)
+        fresh = Evaluator(request)
         assert evaluator.tight_bound_s(scenario) == fresh._tight_bound_s(scenario)
     steps = {memory.scenario.training.grad_accum_steps: memory.scenario for memory in fitting}
     one, many = steps[min(steps)], steps[max(steps)]

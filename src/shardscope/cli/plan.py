@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from shardscope.choices import OFFLOADS, Word, parse_choice
+from shardscope.choices import OFFLOADS, PIPELINE_SCHEDULES, Word, parse_choice
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
     add_gpu_arguments,
@@ -37,6 +37,9 @@ EXAMPLES = """examples:
   shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M \\
       --price-per-gpu-hour 2.5 --max-gpus 512 --json
   shardscope plan --model llama-3-8b --gpu a100-40gb --seq-len 8192 --min-gpus
+  shardscope plan --model llama-3.1-405b --gpu h100-80gb --seq-len 8192 --global-batch-tokens 16M \
+      --max-gpus 1024 --pp 1,4,8,16
+  shardscope plan --model mixtral-8x7b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M --ep 1,2,4,8
 
 exit status: 0 when the search ran, also when nothing fits (that is an answer: the families that do not fit are
 listed with what breaks the budget and by how much); 2 on bad input.
@@ -70,6 +73,14 @@ def _degrees(text: str, option: str) -> tuple[int, ...]:
     return tuple(sorted({int(word) for word in words}))
 
 
+def _virtual_stages(text: str) -> tuple[int, ...]:
+    """--pp-virtual-stages: a comma list of whole numbers of at least 2."""
+    values = _degrees(text, "--pp-virtual-stages")
+    if min(values) < 2:
+        raise CliError(f"--pp-virtual-stages {text!r}: interleaved-1f1b needs at least 2 stages per pipeline rank")
+    return values
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The planning question and the space to search (shared with `report --plan`)."""
     add_model_arguments(parser)
@@ -97,6 +108,29 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default="1",
         help="context parallel degrees to search, a comma list, e.g. 1,2,4,8 for long sequences (default 1; those "
         "not splitting the sequence into 2 x cp chunks are skipped)",
+    )
+    parser.add_argument(
+        "--pp",
+        default="1",
+        help="pipeline parallel degrees to search, a comma list, e.g. 1,2,4,8,16 (default 1: no pipeline; those with "
+        "more stages than the model has layers are skipped; a pipeline runs at least pp micro-batches a step)",
+    )
+    parser.add_argument(
+        "--pp-schedule",
+        default="1f1b,interleaved-1f1b",
+        help=f"pipeline schedules to search where pp > 1: {', '.join(PIPELINE_SCHEDULES)}, or all (default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--pp-virtual-stages",
+        default="2",
+        help="stages per pipeline rank to search under interleaved-1f1b, a comma list of at least 2 (default 2)",
+    )
+    parser.add_argument(
+        "--ep",
+        default="1",
+        help="expert parallel degrees to search on a mixture-of-experts model, a comma list, e.g. 1,2,4,8 (default 1; "
+        "those not dividing the experts or the data-parallel shard x cp are skipped)",
     )
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
@@ -132,6 +166,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         raise CliError("--global-batch-tokens is needed to rank plans (e.g. 4M); only --min-gpus works without it")
     model = model_from_args(args)
     training = step_from_args(args, model)
+    expert_parallel = _degrees(args.ep, "--ep")
+    if expert_parallel != (1,) and model.family != "moe":
+        raise CliError(f"--ep {args.ep}: expert parallelism splits mixture-of-experts layers; {model.name} has none")
     return PlanRequest(
         model=model,
         gpu=gpu,
@@ -149,6 +186,10 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         max_micro_batch=args.max_micro_batch,
         tensor_parallel=_degrees(args.tp, "--tp"),
         context_parallel=_degrees(args.cp, "--cp"),
+        pipeline_parallel=_degrees(args.pp, "--pp"),
+        pipeline_schedules=_choices(args.pp_schedule, PIPELINE_SCHEDULES, "--pp-schedule"),
+        virtual_stages=_virtual_stages(args.pp_virtual_stages),
+        expert_parallel=expert_parallel,
         overheads=overheads_from_args(args),
         rank_by=rank_by,
         price_per_gpu_hour=price,
@@ -181,10 +222,12 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
             lines += [f"fewest GPUs: {result.fewest_gpus} x {request.gpu.name}", ""]
         lines += [render_table(*_plan_table(result, units)), "", "memory per GPU against the budget, and step time:"]
         slowest = max(entry.timing.step_time_s for entry in result.plans)
+        width = max(16, *(len(entry.label) for entry in result.plans))
         for index, entry in enumerate(result.plans, 1):
             peak = entry.memory.per_rank.peak_bytes
             lines.append(
-                f"{index:>3} {entry.label:<16} {bar(peak, request.budget_bytes, 24)} {peak / request.budget_bytes:4.0%}"
+                f"{index:>3} {entry.label:<{width}} {bar(peak, request.budget_bytes, 24)} "
+                f"{peak / request.budget_bytes:4.0%}"
                 f"  {bar(entry.timing.step_time_s, slowest, 24)} {entry.timing.step_time_s:.3f} s"
             )
         reasons = [(index, entry.mesh_reason) for index, entry in enumerate(result.plans, 1) if entry.mesh_reason]

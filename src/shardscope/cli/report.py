@@ -21,6 +21,7 @@ from shardscope.cli.scenario_args import (
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.planner import PlanRequest, plan
 from shardscope.specs import Strategy
+from shardscope.strategy import DEFAULT_VIRTUAL_STAGES
 from shardscope.units import parse_count
 
 EXAMPLES = """examples:
@@ -83,11 +84,6 @@ def run(args: argparse.Namespace) -> int:
             f"--price-per-gpu-hour {args.price_per_gpu_hour} ranks plans by cost; give --global-batch-tokens to plan"
         )
     if args.global_batch_tokens:
-        if args.pp > 1:
-            raise CliError(
-                f"--pp {args.pp}: the planner does not search pipelines yet; drop --global-batch-tokens to report "
-                "this pipeline's strategies"
-            )
         if args.params:
             raise CliError("--params gives only a parameter count; planning needs the model's shape")
         gpu = gpu_from_args(args)
@@ -102,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
             global_batch_tokens=parse_count(args.global_batch_tokens),
             gpus_per_node=args.gpus_per_node,
             max_gpus=args.gpus,
+            pipeline_parallel=(args.pp,),  # --pp N plans pipelines of N stages (the schedule --pp-schedule's)
+            pipeline_schedules=(args.pp_schedule,),
+            virtual_stages=(args.pp_virtual_stages or DEFAULT_VIRTUAL_STAGES,),
             overheads=overheads_from_args(args),
             rank_by="cost" if price is not None else "step-time",
             price_per_gpu_hour=price,

@@ -1,5 +1,6 @@
-"""The planner: which strategy, offload, micro-batch, accumulation, checkpointing and GPU count fit a model on a GPU
-type at a sequence length, which is fastest (or cheapest), and what each plan runs into next.
+"""The planner: which strategy, offload, micro-batch, accumulation, checkpointing, GPU count and tensor, context,
+pipeline and expert parallel degrees fit a model on a GPU type at a sequence length, which is fastest (or cheapest),
+and what each plan runs into next.
 
 torch-free and fast: memory from `core.memory`, time from `core.timeline`, thousands of candidates in about a second.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shardscope.choices import OFFLOADS, Checkpointing, Offload, StrategyName
+from shardscope.choices import OFFLOADS, PIPELINE_SCHEDULES, Checkpointing, Offload, PipelineSchedule, StrategyName
 from shardscope.mesh import comparable_strategies
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import (
@@ -24,6 +24,9 @@ RANKINGS = ("step-time", "tokens-per-s", "cost")
 CHECKPOINTING_ORDER: tuple[Checkpointing, ...] = ("none", "selective", "full")
 """The checkpointing modes the planner searches, cheapest in time first ('op' and 'every:N' are not searched)."""
 OFFLOAD_ORDER: tuple[Offload, ...] = ("none", "optimizer", "optimizer+params")
+PIPELINE_SCHEDULE_ORDER: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved-1f1b")
+"""Schedules searched unless asked otherwise; GPipe is left out: it has 1F1B's bubble and holds every micro-batch's
+activations, so under the time model it is never faster and never smaller."""
 
 
 def _require_subset(name: str, values: tuple[str, ...], allowed: tuple[str, ...]) -> None:
@@ -85,6 +88,18 @@ class PlanRequest:
     context_parallel: tuple[int, ...] = (1,)
     """Context parallel degrees to search; those not splitting the sequence into 2 x cp chunks are skipped. Only cp 1
     unless asked: context parallelism is for long sequences, and each degree multiplies the space searched."""
+    pipeline_parallel: tuple[int, ...] = (1,)
+    """Pipeline parallel degrees to search; those with more stages than the model has layers are skipped, and a
+    pipeline needs at least pp micro-batches per step (the gradient accumulation steps). Only pp 1 unless asked:
+    a pipeline's memory and schedule cost milliseconds each to estimate (the whole-layer estimates microseconds), so
+    every degree adds seconds to a search (docs/benchmarks.md)."""
+    pipeline_schedules: tuple[PipelineSchedule, ...] = PIPELINE_SCHEDULE_ORDER
+    """Pipeline schedules to search (read where pp > 1)."""
+    virtual_stages: tuple[int, ...] = (2,)
+    """Stages per pipeline rank that interleaved-1f1b is searched with (at least 2; torchtitan's default is 2)."""
+    expert_parallel: tuple[int, ...] = (1,)
+    """Expert parallel degrees to search on a mixture-of-experts model (ignored for others); those not dividing the
+    experts or the data-parallel shard x cp are skipped."""
 
     def __post_init__(self) -> None:
         owner = "PlanRequest"
@@ -109,10 +124,13 @@ class PlanRequest:
             raise SpecError(f"{owner}.headroom={self.headroom} must be at least 0 and below 1")
         if self.host_memory_bytes < 0:
             raise SpecError(f"{owner}.host_memory_bytes={self.host_memory_bytes} must be zero or more")
-        for name in ("tensor_parallel", "context_parallel"):
+        for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel", "virtual_stages"):
             degrees = getattr(self, name)
-            if not degrees or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 1024 for d in degrees):
-                raise SpecError(f"{owner}.{name}={degrees!r} must be whole numbers between 1 and 1024")
+            low = 2 if name == "virtual_stages" else 1
+            bad = [d for d in degrees if isinstance(d, bool) or not isinstance(d, int) or not low <= d <= 1024]
+            if not degrees or bad:
+                raise SpecError(f"{owner}.{name}={degrees!r} must be whole numbers between {low} and 1024")
+        _require_subset("pipeline_schedules", self.pipeline_schedules, PIPELINE_SCHEDULES)
         _require_subset("families", self.families, FAMILIES)
         _require_subset("offloads", self.offloads, OFFLOADS)
         _require_subset("checkpointing", self.checkpointing, CHECKPOINTING_ORDER)

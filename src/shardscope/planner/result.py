@@ -31,7 +31,7 @@ class Plan:
     cost_per_million_tokens: float | None
     """price_per_gpu_hour x gpus x hours per million tokens; None without a price."""
     mesh_reason: str = ""
-    """Why the plan splits the model with tensor or context parallelism ('' when it does not)."""
+    """Why the plan splits the model with tensor, context, pipeline or expert parallelism ('' when it does not)."""
 
     @property
     def scenario(self) -> Scenario:
@@ -71,7 +71,7 @@ class Plan:
             checkpointing=training.checkpointing,
             global_batch_tokens=self.global_batch_tokens,
             communication={
-                "ledger": [row.to_json() for row in collective_ledger(scenario)],
+                "ledger": [row.to_json() for row in timing.ledger or collective_ledger(scenario)],
                 "wire_bytes_per_rank": timing.wire_bytes_per_rank,
                 "time_s": timing.comm_time_s,
                 "exposed_time_s": timing.exposed_comm_s,

@@ -9,6 +9,11 @@
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
 2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
    stopping for each plan whose bound cannot beat the plans kept.
+3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
+   possible ranking value: every micro-batch that fits competes (a smaller one runs more micro-batches, so a smaller
+   bubble), a setting whose busiest stage's model states exceed the budget is dropped before any memory estimate, and
+   a point whose lower bound (`planner.pipeline.pipeline_bound_s`) cannot enter the top plans nor beat its family's
+   best is never estimated. Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
 """
 
 from __future__ import annotations
@@ -18,121 +23,31 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
+from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
 from shardscope.planner.space import (
     BatchShape,
+    Variant,
     batch_shapes,
     checkpointing_options,
     family_of,
     make_scenario,
     micro_batches,
     offloads_for,
+    pipeline_schedules,
     variants,
 )
 from shardscope.planner.timing import (
     PlanTiming,
-    communication_floor,
-    micro_batch_compute_s,
-    plan_timing,
-    tensor_parallel_floor_s,
 )
-from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
 
 Progress = Callable[[str, int, int], None]
 SECONDS_PER_HOUR = 3600.0
-
-
-class _Evaluator:
-    """Memory, time and bounds of scenarios, each computed once."""
-
-    def __init__(self, request: PlanRequest) -> None:
-        self.request = request
-        self.hardware = request.hardware or default_profile(request.gpu)
-        self._memory: dict[Scenario, MemoryEstimate] = {}
-        self._timing: dict[Scenario, PlanTiming] = {}
-        self._tight: dict[Scenario, float] = {}
-        self._micro_batch_compute: dict[tuple[int, str, int, int, bool], float] = {}
-        self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
-        self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
-        self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
-
-    def memory(self, scenario: Scenario) -> MemoryEstimate:
-        found = self._memory.get(scenario)
-        if found is None:
-            found = self._memory[scenario] = estimate_memory(scenario)
-        return found
-
-    def new_memory(self, scenario: Scenario) -> MemoryEstimate:
-        """The memory of a point of the search: each is asked once (every point differs in GPU count, degrees,
-        setting or micro-batch), so the cache is written without the lookup (its key hashes a whole scenario)."""
-        found = self._memory[scenario] = estimate_memory(scenario)
-        return found
-
-    def timing(self, scenario: Scenario) -> PlanTiming:
-        found = self._timing.get(scenario)
-        if found is None:
-            found = self._timing[scenario] = plan_timing(scenario, self.hardware)
-        return found
-
-    def lower_bound_s(self, scenario: Scenario) -> float:
-        training, strategy = scenario.training, scenario.strategy
-        # what the compute stream does: the batch shape, the recompute, and each rank's share of the model
-        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
-        key = (training.micro_batch_size, training.grad_accum_steps, *shape)
-        found = self._bound.get(key)
-        if found is None:
-            floor = self._tp_floor.get(shape)
-            if floor is None:
-                floor = self._tp_floor[shape] = tensor_parallel_floor_s(scenario, self.hardware)
-            found = self._bound[key] = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
-        return found
-
-    def compute_bound_s(self, scenario: Scenario) -> float:
-        """compute_lower_bound_s, one micro-batch priced once for every micro-batch count."""
-        training, strategy = scenario.training, scenario.strategy
-        key = (
-            training.micro_batch_size,
-            training.checkpointing,
-            strategy.tp,
-            strategy.cp,
-            strategy.uses_sequence_parallel,
-        )
-        found = self._micro_batch_compute.get(key)
-        if found is None:
-            found = self._micro_batch_compute[key] = micro_batch_compute_s(scenario, self.hardware)
-        return found * training.grad_accum_steps
-
-    def tight_bound_s(self, scenario: Scenario) -> float:
-        """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
-        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
-        asks again."""
-        found = self._tight.get(scenario)
-        if found is None:
-            found = self._tight[scenario] = self._tight_bound_s(scenario)
-        return found
-
-    def _tight_bound_s(self, scenario: Scenario) -> float:
-        training, strategy = scenario.training, scenario.strategy
-        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
-        key = (*shape, training.micro_batch_size)
-        floor = self._tp_floor_at.get(key)
-        if floor is None:
-            floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
-        chain = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
-        return communication_floor(scenario, self.hardware).bound_s(chain)
-
-    @property
-    def memory_evaluations(self) -> int:
-        return len(self._memory)
-
-    @property
-    def time_evaluations(self) -> int:
-        return len(self._timing)
 
 
 def _fits(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> bool:
@@ -165,10 +80,33 @@ class _Search:
     def __init__(self, request: PlanRequest, progress: Progress | None) -> None:
         self.request = request
         self.progress = progress
-        self.evaluator = _Evaluator(request)
+        self.evaluator = Evaluator(request)
         self.candidates = 0
         self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
         self.budget_bytes = request.budget_bytes
+        self.limits: dict[str, float] = {}
+        """Per family, the ranking value a pipeline must beat to enter the top plans or be its family's best (set
+        from the plans without a pipeline, `_Search.set_limits`); a family missing has no limit."""
+
+    def set_limits(self, ranked: list[tuple[float, MemoryEstimate, PlanTiming]]) -> None:
+        """The limits that ranking `ranked` leaves: a pipeline whose lower bound reaches both the top plans' last
+        value and its family's best would be skipped by `rank` (whose values only fall as it keeps more plans), so
+        its memory need not be estimated."""
+        top = self.request.top
+        top_value = ranked[top - 1][0] if len(ranked) >= top else math.inf
+        best: dict[str, float] = {}
+        for value, memory, _ in ranked:
+            best.setdefault(family_of(memory.scenario), value)
+        self.limits = {family: max(top_value, best.get(family, math.inf)) for family in self.request.families}
+
+    @property
+    def splitting(self) -> str:
+        """The ways of splitting the model the request searches, as the reasons name them."""
+        request = self.request
+        ways = ["tensor", "context"]
+        ways += ["pipeline"] if request.pipeline_parallel != (1,) else []
+        ways += ["expert"] if request.expert_parallel != (1,) and request.model.family == "moe" else []
+        return ", ".join(ways[:-1]) + f" or {ways[-1]} parallelism"
 
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
@@ -177,12 +115,15 @@ class _Search:
             self.closest[family] = (over, memory)
 
     def fitting(self, shape: BatchShape) -> list[MemoryEstimate]:
-        """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating."""
+        """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating; for a
+        pipeline every fitting micro-batch (a smaller one runs more micro-batches, so a smaller bubble)."""
         request, found = self.request, []
         sizes = micro_batches(request, shape.sequences_per_rank)
-        for variant in variants(request, shape.gpus, shape.tp, shape.cp):
+        for variant in variants(request, shape.gpus, shape.tp, shape.cp, shape.pp):
+            pipelined = variant.pp > 1
             fitted: list[tuple[int, int, int]] = []
             for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
+                states_checked = False
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
                     floor = max(
                         (mb for o, c, mb in fitted if o == offload_rank and c <= checkpoint_rank),
@@ -195,18 +136,50 @@ class _Search:
                         whole = size == shape.sequences_per_rank
                         if size <= floor or (failed and not whole):
                             continue  # dominated, or larger than a micro-batch that already does not fit
-                        grad_accum = max(1, shape.sequences_per_rank // size)
+                        grad_accum = _grad_accum(request, shape, size)
+                        if not variant.allows(grad_accum):
+                            continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
+                        if pipelined and self.metric(
+                            scenario, self.evaluator.lower_bound_s(scenario)
+                        ) >= self.limits.get(variant.family, math.inf):
+                            continue  # cannot enter the top plans nor beat its family's best
+                        if pipelined and not states_checked:
+                            states_checked = True
+                            if busiest_states_bytes(scenario) > self.budget_bytes:
+                                break  # no micro-batch or checkpointing fits the model states
                         memory = self.evaluator.new_memory(scenario)
-                        if _fits(memory, request, self.budget_bytes):
-                            best = memory
-                        else:
+                        if not _fits(memory, request, self.budget_bytes):
                             failed = True
                             self._note_miss(memory)
-                    if best is not None:
-                        fitted.append((offload_rank, checkpoint_rank, best.scenario.training.micro_batch_size))
-                        found.append(best)
+                        elif pipelined:  # every size that fits competes
+                            fitted.append((offload_rank, checkpoint_rank, size))
+                            found.append(memory)
+                        else:
+                            best = memory
+                    else:
+                        if best is not None:
+                            fitted.append((offload_rank, checkpoint_rank, best.scenario.training.micro_batch_size))
+                            found.append(best)
+                        continue
+                    break  # the states do not fit: neither does any checkpointing of this offload
         return found
+
+    def optimistic(self, shape: BatchShape) -> float:
+        """The least ranking value any plan of a pipeline shape can have: its lower bound at the cheapest
+        checkpointing, the best schedule and micro-batch (the bound is the same for every family and offload)."""
+        request, best = self.request, math.inf
+        checkpointing = checkpointing_options(request)[0]
+        for schedule, virtual in pipeline_schedules(request, shape.pp):
+            variant = Variant(
+                family="ddp", tp=shape.tp, cp=shape.cp, pp=shape.pp, pp_schedule=schedule, pp_virtual_stages=virtual
+            )
+            for size in micro_batches(request, shape.sequences_per_rank):
+                grad_accum = _grad_accum(request, shape, size)
+                if variant.allows(grad_accum):
+                    scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
+                    best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
+        return best
 
     def metric(self, scenario: Scenario, step_time_s: float) -> float:
         """The ranking value, smaller is better."""
@@ -276,7 +249,7 @@ class _Search:
             scenario = memory.scenario
             degrees = _degrees_text(scenario)
             if not unsplit:
-                reasons[scenario] = f"{degrees}: without tensor or context parallelism nothing fits in the space"
+                reasons[scenario] = f"{degrees}: without {self.splitting} nothing fits in the space"
                 continue
             _, other, other_timing = unsplit[0]
             gpus = other.scenario.cluster.world_size
@@ -291,8 +264,17 @@ class _Search:
         return reasons
 
 
+def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
+    """Micro-batches per step of micro-batch `size`: the rank's sequences in micro-batches, or, without a target
+    batch, one (a pipeline's pp)."""
+    if request.global_batch_tokens is None:
+        return shape.pp
+    return max(1, shape.sequences_per_rank // size)
+
+
 def _model_parallel(scenario: Scenario) -> int:
-    return scenario.strategy.tp * scenario.strategy.cp
+    strategy = scenario.strategy
+    return strategy.tp * strategy.cp * strategy.pp * strategy.ep
 
 
 def _degrees_text(scenario: Scenario) -> str:
@@ -303,7 +285,55 @@ def _degrees_text(scenario: Scenario) -> str:
         parts.append(f"TP {strategy.tp}" + (" inside the node" if strategy.tp <= per_node else " across nodes"))
     if strategy.cp > 1:
         parts.append(f"CP {strategy.cp}")
+    if strategy.pp > 1:
+        virtual = f", {strategy.virtual_stages} stages a rank" if strategy.virtual_stages > 1 else ""
+        parts.append(f"PP {strategy.pp} ({strategy.pp_schedule}{virtual})")
+    if strategy.ep > 1:
+        parts.append(f"EP {strategy.ep}")
     return " x ".join(parts)
+
+
+def _fewest_gpus(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
+    """What fits at the smallest GPU count that fits anything."""
+    fitting: list[MemoryEstimate] = []
+    for done, shape in enumerate(shapes):
+        fitting += search.fitting(shape)
+        if search.progress is not None:
+            search.progress("memory", done + 1, len(shapes))
+        if fitting:
+            break
+    return fitting
+
+
+def _fitting_with_pipelines(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
+    """What fits: every shape without a pipeline, then the pipeline shapes in the order of their least possible
+    ranking value, each estimated only where a plan of it can still enter the top plans or beat its family's best
+    (the plans ranked so far set those limits, `_Search.set_limits`, and they only fall as more are ranked, so
+    `rank` over everything fitting skips whatever this skips: the answer is the whole space's)."""
+    flat = [shape for shape in shapes if shape.pp == 1]
+    fitting: list[MemoryEstimate] = []
+    for done, shape in enumerate(flat):
+        fitting += search.fitting(shape)
+        if search.progress is not None:
+            search.progress("memory", done + 1, len(flat))
+    piped = sorted(
+        ((search.optimistic(shape), index, shape) for index, shape in enumerate(shapes) if shape.pp > 1),
+    )
+    if not piped:
+        return fitting
+    ranked = search.rank(fitting)
+    search.set_limits(ranked)
+    for done, (least, _, shape) in enumerate(piped):
+        if least >= max(search.limits.values()):
+            break  # neither this shape nor any later one has a plan that can matter
+        found = search.fitting(shape)
+        if found:
+            fitting += found
+            ranked = search.rank([memory for _, memory, _ in ranked] + found)
+            search.set_limits(ranked)
+        if search.progress is not None:
+            search.progress("pipelines", done + 1, len(piped))
+    return fitting
 
 
 @contextmanager
@@ -330,13 +360,7 @@ def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
 def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     search = _Search(request, progress)
     shapes = batch_shapes(request)
-    fitting: list[MemoryEstimate] = []
-    for done, shape in enumerate(shapes):
-        fitting += search.fitting(shape)
-        if progress is not None:
-            progress("memory", done + 1, len(shapes))
-        if request.min_gpus and fitting:
-            break
+    fitting = _fewest_gpus(search, shapes) if request.min_gpus else _fitting_with_pipelines(search, shapes)
     ranked = search.rank(fitting)
     best: dict[str, tuple[float, MemoryEstimate, PlanTiming]] = {}
     for item in ranked:

@@ -1,12 +1,12 @@
-"""The search space: GPU counts and the tensor and context parallel degrees that split them, how each reaches the
-global batch, and the strategies each allows."""
+"""The search space: GPU counts and the tensor, context and pipeline parallel degrees that split them, how each
+reaches the global batch, and the strategies (with their pipeline schedules and expert parallel degrees) each allows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from shardscope.choices import Checkpointing, Offload, StrategyName
+from shardscope.choices import Checkpointing, Offload, PipelineSchedule, StrategyName
 from shardscope.mesh import DATA_PARALLEL_PRESETS
 from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
 from shardscope.specs import ClusterSpec, GpuSpec, Scenario, Strategy, TrainingSpec
@@ -26,6 +26,13 @@ class BatchShape:
     """Tensor parallel degree."""
     cp: int = 1
     """Context parallel degree."""
+    pp: int = 1
+    """Pipeline parallel degree."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that each train their own sequences: the world divided by tp x cp x pp."""
+        return self.gpus // (self.tp * self.cp * self.pp)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +47,29 @@ class Variant:
     """Tensor parallel degree."""
     cp: int = 1
     """Context parallel degree."""
+    pp: int = 1
+    """Pipeline parallel degree."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """The pipeline's schedule (read only when pp > 1)."""
+    pp_virtual_stages: int = 0
+    """interleaved-1f1b: stages per pipeline rank (0 for the other schedules)."""
+    ep: int = 1
+    """Expert parallel degree (mixture-of-experts models)."""
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per pipeline rank."""
+        return self.pp_virtual_stages or 1
+
+    def allows(self, grad_accum: int) -> bool:
+        """Whether the pipeline runs `grad_accum` micro-batches: at least one per stage of a pipeline rank (fewer
+        leaves most of the step a bubble, and torch's Schedule1F1B refuses them), and under interleaved-1f1b a
+        multiple of its max(1, m // pp) rounds (torch's ScheduleInterleaved1F1B, `strategy.require_pipeline_shape`)."""
+        if self.pp == 1:
+            return True
+        if grad_accum < self.pp:
+            return False
+        return self.pp_schedule != "interleaved-1f1b" or grad_accum % max(1, grad_accum // self.pp) == 0
 
 
 def model_parallel_degrees(request: PlanRequest) -> tuple[tuple[int, int], ...]:
@@ -71,58 +101,109 @@ def batch_shapes(request: PlanRequest) -> tuple[BatchShape, ...]:
 
     Ranking plans keeps, for each number of sequences per rank, the GPU count closest to the target (more GPUs at the
     same work per rank change only the batch, not the step time); --min-gpus keeps every count.
+    A pipeline needs at least pp sequences per rank (a micro-batch per stage); without a target batch it runs pp
+    micro-batches of one sequence.
     """
     seq, target = request.sequence_length, request.global_batch_tokens
-    closest: dict[tuple[int, int, int], tuple[float, BatchShape]] = {}
+    closest: dict[tuple[int, int, int, int], tuple[float, BatchShape]] = {}
     shapes = []
     for gpus in gpu_counts(request):
         for tp, cp in model_parallel_degrees(request):
-            if gpus % (tp * cp):
-                continue
-            data_parallel = gpus // (tp * cp)
-            per_rank = 1 if target is None else max(1, round(target / (seq * data_parallel)))
-            tokens = data_parallel * per_rank * seq
-            error = 0.0 if target is None else abs(tokens - target) / target
-            if error > request.batch_tolerance:
-                continue
-            shape = BatchShape(gpus=gpus, sequences_per_rank=per_rank, global_batch_tokens=tokens, tp=tp, cp=cp)
-            shapes.append(shape)
-            key = (per_rank, tp, cp)
-            if key not in closest or error < closest[key][0]:
-                closest[key] = (error, shape)
+            for pp in pipeline_degrees(request):
+                if gpus % (tp * cp * pp):
+                    continue
+                data_parallel = gpus // (tp * cp * pp)
+                per_rank = pp if target is None else max(1, round(target / (seq * data_parallel)))
+                tokens = data_parallel * per_rank * seq
+                error = 0.0 if target is None else abs(tokens - target) / target
+                if error > request.batch_tolerance or per_rank < pp:
+                    continue
+                shape = BatchShape(
+                    gpus=gpus, sequences_per_rank=per_rank, global_batch_tokens=tokens, tp=tp, cp=cp, pp=pp
+                )
+                shapes.append(shape)
+                key = (per_rank, tp, cp, pp)
+                if key not in closest or error < closest[key][0]:
+                    closest[key] = (error, shape)
     if request.min_gpus or target is None:
         return tuple(shapes)
-    return tuple(sorted((shape for _, shape in closest.values()), key=lambda shape: (shape.gpus, shape.tp, shape.cp)))
+    return tuple(
+        sorted((shape for _, shape in closest.values()), key=lambda shape: (shape.gpus, shape.tp, shape.cp, shape.pp))
+    )
+
+
+def pipeline_degrees(request: PlanRequest) -> tuple[int, ...]:
+    """The pipeline degrees the request searches that the model's layers fill: pp (x virtual stages, for
+    interleaved-1f1b) stages of at least one layer each. Smallest first."""
+    layers = request.model.num_layers
+    return tuple(pp for pp in request.pipeline_parallel if pp == 1 or pp <= layers)
 
 
 def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, ...]:
     """Micro-batch sizes that divide the rank's sequences exactly, up to the largest allowed, smallest first."""
-    if request.global_batch_tokens is None:
+    if request.global_batch_tokens is None:  # one micro-batch per rank (pp of them in a pipeline)
         return tuple(size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size <= request.max_micro_batch)
     limit = min(request.max_micro_batch, sequences_per_rank)
     return tuple(size for size in range(1, limit + 1) if sequences_per_rank % size == 0)
 
 
-def variants(request: PlanRequest, gpus: int, tp: int = 1, cp: int = 1) -> tuple[Variant, ...]:
-    """Strategy settings at a GPU count split tp x cp; hsdp with every shard group that divides the data-parallel
-    ranks and whose GPUs (group x tp x cp) stay node-aligned."""
-    data_parallel = gpus // (tp * cp)
+def variants(request: PlanRequest, gpus: int, tp: int = 1, cp: int = 1, pp: int = 1) -> tuple[Variant, ...]:
+    """Strategy settings at a GPU count split tp x cp x pp; hsdp with every shard group that divides the
+    data-parallel ranks and whose GPUs (group x tp x cp) stay node-aligned; a pipeline with every schedule (and
+    virtual stage count) asked for; expert parallelism with every degree asked for that divides the experts and the
+    GPUs it borrows (the data-parallel shard x cp)."""
+    data_parallel = gpus // (tp * cp * pp)
     if data_parallel == 1:  # nothing to shard: the first family that replicates, as all are the same on one rank
         replicating = [family for family in request.families if not DATA_PARALLEL_PRESETS[family].shards]
-        return (Variant(family=(replicating or list(request.families))[0], tp=tp, cp=cp),)
-    found = [
-        Variant(family=family, tp=tp, cp=cp)
-        for family in request.families
-        if not DATA_PARALLEL_PRESETS[family].groups_replicate
-    ]
-    per_node = request.gpus_per_node
-    for family in (family for family in request.families if DATA_PARALLEL_PRESETS[family].groups_replicate):
-        for group in range(2, data_parallel):
-            span = group * tp * cp
-            aligned = per_node % span == 0 if span < per_node else span % per_node == 0
-            if data_parallel % group == 0 and aligned:
-                found.append(Variant(family=family, shard_group=group, tp=tp, cp=cp))
+        found = [Variant(family=(replicating or list(request.families))[0], tp=tp, cp=cp)]
+    else:
+        found = [
+            Variant(family=family, tp=tp, cp=cp)
+            for family in request.families
+            if not DATA_PARALLEL_PRESETS[family].groups_replicate
+        ]
+        per_node = request.gpus_per_node
+        for family in (family for family in request.families if DATA_PARALLEL_PRESETS[family].groups_replicate):
+            for group in range(2, data_parallel):
+                span = group * tp * cp
+                aligned = per_node % span == 0 if span < per_node else span % per_node == 0
+                if data_parallel % group == 0 and aligned:
+                    found.append(Variant(family=family, shard_group=group, tp=tp, cp=cp))
+    return tuple(
+        replace(variant, pp=pp, pp_schedule=schedule, pp_virtual_stages=virtual, ep=ep)
+        for variant in found
+        for schedule, virtual in pipeline_schedules(request, pp)
+        for ep in expert_degrees(request, variant, data_parallel)
+    )
+
+
+def pipeline_schedules(request: PlanRequest, pp: int) -> tuple[tuple[PipelineSchedule, int], ...]:
+    """(schedule, virtual stages) of a pipeline of pp ranks: every schedule asked for, interleaved-1f1b with every
+    virtual stage count whose pp x V stages the model's layers fill; ('1f1b', 0) without a pipeline."""
+    if pp == 1:
+        return (("1f1b", 0),)
+    found: list[tuple[PipelineSchedule, int]] = []
+    for schedule in request.pipeline_schedules:
+        if schedule != "interleaved-1f1b":
+            found.append((schedule, 0))
+            continue
+        found += [(schedule, v) for v in request.virtual_stages if pp * v <= request.model.num_layers]
     return tuple(found)
+
+
+def expert_degrees(request: PlanRequest, variant: Variant, data_parallel: int) -> tuple[int, ...]:
+    """Expert parallel degrees of a variant: 1, and for a mixture-of-experts model each degree asked for that
+    divides its experts and the GPUs ep borrows (dp_shard x cp: the shard group of hsdp, every data-parallel rank of
+    a sharding family, none of ddp's)."""
+    model = request.model
+    if model.family != "moe":
+        return (1,)
+    preset = DATA_PARALLEL_PRESETS[variant.family]
+    shard = variant.shard_group if preset.groups_replicate else data_parallel if preset.shards else 1
+    borrowed = shard * variant.cp
+    return tuple(
+        ep for ep in request.expert_parallel if ep == 1 or (model.num_experts % ep == 0 and borrowed % ep == 0)
+    )
 
 
 def offloads_for(request: PlanRequest, family: StrategyName) -> tuple[Offload, ...]:
@@ -170,7 +251,16 @@ def _training(base: TrainingSpec, micro_batch: int, grad_accum: int, checkpointi
 @lru_cache(maxsize=4096)
 def _strategy(base: Strategy, variant: Variant, offload: Offload) -> Strategy:
     return replace(
-        base, name=variant.family, shard_group=variant.shard_group, offload=offload, tp=variant.tp, cp=variant.cp
+        base,
+        name=variant.family,
+        shard_group=variant.shard_group,
+        offload=offload,
+        tp=variant.tp,
+        cp=variant.cp,
+        pp=variant.pp,
+        pp_schedule=variant.pp_schedule,
+        pp_virtual_stages=variant.pp_virtual_stages,
+        ep=variant.ep,
     )
 
 

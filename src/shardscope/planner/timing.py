@@ -21,6 +21,7 @@ from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import model_parallel_events
 from shardscope.core.network import event_cost, network_model
+from shardscope.core.result import CollectiveRow
 from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -50,6 +51,9 @@ class PlanTiming:
     """Model FLOPs utilisation (PaLM, Appendix B)."""
     simulated_micro_batches: int
     """Micro-batches the simulation ran; fewer than the plan's means the rest were extended linearly."""
+    ledger: tuple[CollectiveRow, ...] | None = None
+    """A pipeline's collectives and messages, of the pipeline rank that finishes last (as `estimate --time` shows
+    it); None otherwise (`core.comm.collective_ledger` of the scenario)."""
 
 
 def _with_micro_batches(scenario: Scenario, count: int) -> Scenario:

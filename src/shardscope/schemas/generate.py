@@ -93,10 +93,9 @@ SOURCE = closed(
 )
 
 
-def estimate_schema() -> Schema:
-    """`estimate --json`: one model, cluster and training setup, an entry per strategy (with `--time`, its time)."""
-    time = {"communication": closed(COMMUNICATION), **STEP, "simulated_micro_batches": COUNT, "hardware": STRING}
-    stage = closed(
+def pipeline_stage() -> Schema:
+    """One entry of `per_stage`, in an estimate's strategy and in a plan."""
+    return closed(
         {
             "pipeline_rank": COUNT,
             "stages": STRINGS,
@@ -107,7 +106,12 @@ def estimate_schema() -> Schema:
         },
         description="One pipeline rank's memory (StageMemory.to_json).",
     )
-    optional = {**time, "per_stage": array(stage)}
+
+
+def estimate_schema() -> Schema:
+    """`estimate --json`: one model, cluster and training setup, an entry per strategy (with `--time`, its time)."""
+    time = {"communication": closed(COMMUNICATION), **STEP, "simulated_micro_batches": COUNT, "hardware": STRING}
+    optional = {**time, "per_stage": array(pipeline_stage())}
     entry = closed(
         {**ESTIMATE_ENTRY, **optional}, optional=optional, description="One strategy (MemoryEstimate.to_json)."
     )
@@ -145,8 +149,11 @@ def plan_schema() -> Schema:
             "mesh_reason": STRING,
             "failure_mode": ref("failure_mode"),
             "risks": array(ref("failure_mode")),
+            "per_stage": array(pipeline_stage()),
         },
-        description="One plan (Plan.to_json): an estimate's fields, its time and the plan's own.",
+        optional=("per_stage",),
+        description="One plan (Plan.to_json): an estimate's fields, its time and the plan's own; a pipeline's carries "
+        "per_stage.",
     )
     request = {
         "sequence_length": DEGREE,

@@ -1,0 +1,141 @@
+"""Memory, time and lower bounds of the planner's scenarios, each computed once and kept: the search asks the same
+bounds of many points (every family, shard group and offload of a shape share their compute)."""
+
+from __future__ import annotations
+
+from shardscope.core.memory import estimate_memory
+from shardscope.core.pipeline_time import stage_times
+from shardscope.core.result import MemoryEstimate
+from shardscope.planner.pipeline import pipeline_bound_s, pipeline_timing
+from shardscope.planner.request import PlanRequest
+from shardscope.planner.timing import (
+    PlanTiming,
+    communication_floor,
+    micro_batch_compute_s,
+    plan_timing,
+    tensor_parallel_floor_s,
+)
+from shardscope.presets.hardware import default_profile
+from shardscope.specs import Scenario
+
+
+class Evaluator:
+    """Memory, time and bounds of scenarios, each computed once."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self.hardware = request.hardware or default_profile(request.gpu)
+        self._memory: dict[Scenario, MemoryEstimate] = {}
+        self._timing: dict[Scenario, PlanTiming] = {}
+        self._tight: dict[Scenario, float] = {}
+        self._micro_batch_compute: dict[tuple[int, str, int, int, bool], float] = {}
+        self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
+        self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
+        self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
+        self._pipeline_bound: dict[tuple[int, int, int, int, str, int, int, int, str, int], float] = {}
+        self._stage_times: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+
+    def memory(self, scenario: Scenario) -> MemoryEstimate:
+        found = self._memory.get(scenario)
+        if found is None:
+            found = self._memory[scenario] = estimate_memory(scenario)
+        return found
+
+    def new_memory(self, scenario: Scenario) -> MemoryEstimate:
+        """The memory of a point of the search: each is asked once (every point differs in GPU count, degrees,
+        setting or micro-batch), so the cache is written without the lookup (its key hashes a whole scenario)."""
+        found = self._memory[scenario] = estimate_memory(scenario)
+        return found
+
+    def timing(self, scenario: Scenario) -> PlanTiming:
+        found = self._timing.get(scenario)
+        if found is None:
+            pipelined = scenario.strategy.pp > 1
+            found = (pipeline_timing if pipelined else plan_timing)(scenario, self.hardware)
+            self._timing[scenario] = found
+        return found
+
+    def pipeline_bound_s(self, scenario: Scenario) -> float:
+        """`planner.pipeline.pipeline_bound_s`, kept per pipeline shape: it reads the stages' compute and the
+        messages between them, the same for every data-parallel family, shard group and offload."""
+        training, strategy = scenario.training, scenario.strategy
+        key = (
+            scenario.cluster.world_size,
+            strategy.tp,
+            strategy.cp,
+            strategy.pp,
+            strategy.pp_schedule,
+            strategy.virtual_stages,
+            strategy.ep,
+            training.micro_batch_size,
+            training.checkpointing,
+            training.grad_accum_steps,
+        )
+        found = self._pipeline_bound.get(key)
+        if found is None:
+            # the stages' compute is that of one micro-batch, whatever the GPU count and micro-batch count
+            stage_key = (*key[1:-1], False)
+            stage_s = self._stage_times.get(stage_key)
+            if stage_s is None:
+                stage_s = self._stage_times[stage_key] = stage_times(scenario, self.hardware)
+            found = self._pipeline_bound[key] = pipeline_bound_s(scenario, self.hardware, stage_s)
+        return found
+
+    def lower_bound_s(self, scenario: Scenario) -> float:
+        if scenario.strategy.pp > 1:
+            return self.pipeline_bound_s(scenario)
+        training, strategy = scenario.training, scenario.strategy
+        # what the compute stream does: the batch shape, the recompute, and each rank's share of the model
+        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
+        key = (training.micro_batch_size, training.grad_accum_steps, *shape)
+        found = self._bound.get(key)
+        if found is None:
+            floor = self._tp_floor.get(shape)
+            if floor is None:
+                floor = self._tp_floor[shape] = tensor_parallel_floor_s(scenario, self.hardware)
+            found = self._bound[key] = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
+        return found
+
+    def compute_bound_s(self, scenario: Scenario) -> float:
+        """compute_lower_bound_s, one micro-batch priced once for every micro-batch count."""
+        training, strategy = scenario.training, scenario.strategy
+        key = (
+            training.micro_batch_size,
+            training.checkpointing,
+            strategy.tp,
+            strategy.cp,
+            strategy.uses_sequence_parallel,
+        )
+        found = self._micro_batch_compute.get(key)
+        if found is None:
+            found = self._micro_batch_compute[key] = micro_batch_compute_s(scenario, self.hardware)
+        return found * training.grad_accum_steps
+
+    def tight_bound_s(self, scenario: Scenario) -> float:
+        """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
+        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
+        asks again."""
+        if scenario.strategy.pp > 1:
+            return self.pipeline_bound_s(scenario)
+        found = self._tight.get(scenario)
+        if found is None:
+            found = self._tight[scenario] = self._tight_bound_s(scenario)
+        return found
+
+    def _tight_bound_s(self, scenario: Scenario) -> float:
+        training, strategy = scenario.training, scenario.strategy
+        shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
+        key = (*shape, training.micro_batch_size)
+        floor = self._tp_floor_at.get(key)
+        if floor is None:
+            floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
+        chain = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
+        return communication_floor(scenario, self.hardware).bound_s(chain)
+
+    @property
+    def memory_evaluations(self) -> int:
+        return len(self._memory)
+
+    @property
+    def time_evaluations(self) -> int:
+        return len(self._timing)

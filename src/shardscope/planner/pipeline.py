@@ -1,0 +1,71 @@
+"""Pipelines in the planner: their step time is the schedule's (`core.pipeline_time`), never the shortcut of
+`planner.timing` (a pipeline's step is not one rank's compute plus its collectives: it has a bubble, and each
+pipeline rank holds its own layers), a lower bound under that step, and the model states of the busiest stage, which
+no micro-batch or checkpointing setting reduces.
+"""
+
+from __future__ import annotations
+
+from shardscope.core.engines import rules_for
+from shardscope.core.network import collective_cost, network_model
+from shardscope.core.pipeline import rank_stages
+from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
+from shardscope.core.pipeline_time import send_placement, stage_times
+from shardscope.core.timeline import estimate_time
+from shardscope.planner.timing import ROUNDING_MARGIN, PlanTiming
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+
+def pipeline_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
+    """The step of a pipeline plan as `estimate --time` gives it: the schedule simulated action by action on every
+    pipeline rank (`core.pipeline_time.estimate_pipeline_time`)."""
+    estimate = estimate_time(scenario, hardware)
+    return PlanTiming(
+        step_time_s=estimate.step_time_s,
+        compute_time_s=estimate.compute_time_s,
+        comm_time_s=estimate.comm_time_s,
+        exposed_comm_s=estimate.exposed_comm_s,
+        host_copy_s=estimate.host_copy_s,
+        wire_bytes_per_rank=estimate.wire_bytes_per_rank,
+        tokens_per_s=estimate.tokens_per_s,
+        mfu=estimate.mfu,
+        simulated_micro_batches=estimate.simulated_micro_batches,
+        ledger=estimate.ledger,
+    )
+
+
+def pipeline_bound_s(
+    scenario: Scenario, hardware: HardwareProfile, stage_s: tuple[list[float], list[float]] | None = None
+) -> float:
+    """A lower bound under a pipeline's step, whatever its schedule: each pipeline rank r runs every micro-batch's
+    forward and backward of its stages (m x their sum), and cannot start before the first micro-batch has passed the
+    stages in front of it (the forwards of stages 0 to r - 1 and a message after each), nor end before its last
+    backward has gone back through them. (Rank r's first action is a forward of its first stage, r, since every
+    later stage of the rank needs that one's output; its last is a backward of stage r, since every other stage of the
+    rank sends it its gradient.) For equal stages with free messages the bound of the last rank is 1F1B's makespan
+    (m + p - 1)(F + B). The data-parallel collectives and the optimizer step after the last backward only add.
+    `stage_s`: the scenario's `core.pipeline_time.stage_times`, when the caller has them."""
+    strategy, m = scenario.strategy, scenario.training.grad_accum_steps
+    forward_s, backward_s = stage_s or stage_times(scenario, hardware)
+    send_s = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(hardware)).time_s
+    best = 0.0
+    for rank in range(strategy.pp):
+        before = sum(forward_s[stage] + backward_s[stage] for stage in range(rank)) + 2 * rank * send_s
+        busy = sum(forward_s[stage.index] + backward_s[stage.index] for stage in rank_stages(scenario, rank))
+        best = max(best, before + m * busy)
+    return best * (1.0 - ROUNDING_MARGIN)
+
+
+def busiest_states_bytes(scenario: Scenario) -> int:
+    """The parameters, gradients and optimizer state one GPU of the busiest pipeline rank keeps on the GPU for the
+    whole step (its engine's rules for the layers it holds, as `core.pipeline_memory` counts them): no peak of the
+    pipeline is below it, whatever the micro-batch and checkpointing, so a pipeline whose states exceed the budget is
+    dropped before its memory is estimated."""
+    rules = rules_for(scenario)
+    held = 0
+    proxies = {rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(scenario.strategy.pp)}
+    for proxy in proxies:
+        states = rules.rank_memory(proxy, 0).states
+        held = max(held, states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes)
+    return held
