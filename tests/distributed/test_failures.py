@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
     ("fault", "message"),
     [
         ("raise:1", r"rank 1 failed: RuntimeError: injected fault on rank 1"),
-        ("exit:0", r"rank 0 failed: exited with code 3"),
+        pytest.param("exit:0", r"rank 0 failed: exited with code 3", marks=pytest.mark.long),
         ("hang:1", r"within 15s: rank 1 hung at 'step 1/2"),
     ],
 )

@@ -67,7 +67,7 @@ def _exhaustive_best(request: PlanRequest) -> float:
     return best
 
 
-@pytest.mark.slow
+@pytest.mark.long  # tests/planner/test_pipelines.py checks the pruned search against an exhaustive one by default
 def test_pruning_finds_the_exhaustive_best(small_request: PlanRequest) -> None:
     result = plan(small_request)
     assert result.stats.time_evaluations < result.stats.fitting

@@ -26,9 +26,9 @@ CASES = [
     ("tiny-llama", "fp32", "sdpa", "op"),
     ("tiny-llama", "fp32", "sdpa", "every:2"),
     ("tiny-gpt2", "fp32", "sdpa", "op"),
-    ("tiny-gpt2", "fp32", "sdpa", "every:2"),
+    pytest.param("tiny-gpt2", "fp32", "sdpa", "every:2", marks=pytest.mark.long),
     ("tiny-llama", "fp32", "eager", "op"),
-    ("tiny-llama", "fp32", "eager", "every:2"),
+    pytest.param("tiny-llama", "fp32", "eager", "every:2", marks=pytest.mark.long),
     ("tiny-llama", "bf16-mixed", "sdpa", "op"),
     ("tiny-llama", "fp32", "sdpa", "full"),  # the convention the new modes share
 ]
@@ -78,7 +78,7 @@ def test_modes_order_as_expected() -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("checkpointing", ["op", "every:2"])
+@pytest.mark.parametrize("checkpointing", ["op", pytest.param("every:2", marks=pytest.mark.long)])
 def test_gloo_run_matches_the_trace(checkpointing: str) -> None:
     """tiny-llama zero3 on 2 real gloo ranks (rank 0), fp32, micro-batch 2, seq 32: the run trains under the mode and
     its activations and peak are the trace's to the byte (measured with torch 2.13: op 360,708 B and 1,925,084 B,

@@ -42,7 +42,13 @@ def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_a
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("strategy", "checkpointing"), [("ddp", "none"), ("zero1", "none"), ("ddp", "full"), ("zero1", "full")]
+    ("strategy", "checkpointing"),
+    [
+        ("ddp", "none"),
+        pytest.param("zero1", "none", marks=pytest.mark.long),
+        pytest.param("ddp", "full", marks=pytest.mark.long),
+        ("zero1", "full"),
+    ],
 )
 def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(strategy: str, checkpointing: str) -> None:
     """Activations were 28-44% under the run (the trace used replicate's MixedPrecisionPolicy, the run autocast
@@ -82,7 +88,8 @@ def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(strategy: str, checkp
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("strategy", "precision", "checkpointing"), [("ddp", "fp32", "none"), ("zero1", "bf16-mixed", "full")]
+    ("strategy", "precision", "checkpointing"),
+    [("ddp", "fp32", "none"), pytest.param("zero1", "bf16-mixed", "full", marks=pytest.mark.long)],
 )
 def test_ddp_and_zero1_peak_within_one_percent_of_the_real_run(
     strategy: str, precision: str, checkpointing: str

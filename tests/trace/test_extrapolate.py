@@ -19,7 +19,7 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize(
     ("strategy", "precision", "checkpointing", "world"),
-    [("zero3", "bf16-mixed", "full", 8), ("zero2", "fp32", "none", 2)],
+    [pytest.param("zero3", "bf16-mixed", "full", 8, marks=pytest.mark.long), ("zero2", "fp32", "none", 2)],
 )
 def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
     strategy: str, precision: str, checkpointing: str, world: int

@@ -17,7 +17,13 @@ torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import TraceError, run_in_subprocess  # noqa: E402
 
-CASES = [(2, "1f1b"), (2, "gpipe"), (4, "1f1b"), (4, "gpipe")]
+# pp 2 under 1F1B and pp 2 x dp 2 under GPipe by default; the other two under -m long
+CASES = [
+    (2, "1f1b"),
+    pytest.param(2, "gpipe", marks=pytest.mark.long),
+    pytest.param(4, "1f1b", marks=pytest.mark.long),
+    (4, "gpipe"),
+]
 
 
 def _scenario(world_size: int, schedule: str, strategy: str = "fsdp") -> Scenario:
