@@ -16,7 +16,9 @@ PUBLISHED = [name for name in model_preset_names() if not name.startswith("tiny-
 
 
 def test_every_published_preset_has_a_config_file() -> None:
-    assert sorted(p.stem for p in HF_CONFIGS.glob("*.json")) == sorted(PUBLISHED)
+    # the folder also holds variants the hf trace tests use (no dropout, no sliding window) and a model type outside
+    # the core's families
+    assert set(PUBLISHED) <= {p.stem for p in HF_CONFIGS.glob("*.json")}
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
