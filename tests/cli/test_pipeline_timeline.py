@@ -137,7 +137,8 @@ def test_the_bubble_of_equal_stages_is_the_formula(schedule: str, pp: int, virtu
             strategy=strategy,
         ),
         actions=tuple(tuple(actions) for actions in timeline),
-        tails=(),
+        proxies=(),
+        after=(),
         send=CollectiveCost(wire_bytes=0, inter_node_bytes=0, time_s=0.0),
     )
     assert step.bubble_fraction == pytest.approx((pp - 1) / (virtual * micro_batches + pp - 1))

@@ -63,11 +63,24 @@ def model_parallel_events(
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return []
-    events: list[CommEvent] = []
-    for micro_batch in range(scenario.training.grad_accum_steps):
-        events += _tensor_parallel(scenario, micro_batch, weight_bytes, regathers_in_backward)
-        events += _context_parallel(scenario, micro_batch)
-        events += expert_parallel_events(scenario, micro_batch)
+    first = _tensor_parallel(scenario, 0, weight_bytes, regathers_in_backward)
+    first += _context_parallel(scenario, 0)
+    first += expert_parallel_events(scenario, 0)
+    # Every micro-batch makes the first one's calls, only its number differs: copied, not built again (a 405B
+    # pipeline rank's step has thousands of calls, and the planner simulates hundreds of steps).
+    events = list(first)
+    for micro_batch in range(1, scenario.training.grad_accum_steps):
+        events += [
+            CommEvent(
+                row=call.row,
+                group=call.group,
+                micro_batch=micro_batch,
+                stage=call.stage,
+                trigger=call.trigger,
+                label=call.label,
+            )
+            for call in first
+        ]
     return events
 
 

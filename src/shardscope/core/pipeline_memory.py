@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import activations_for
@@ -38,6 +39,7 @@ def boundary_bytes(scenario: Scenario) -> int:
     return tokens * scenario.model.hidden_size * activation_bytes_per_element(training)
 
 
+@lru_cache(maxsize=4096)  # the planner asks every pipeline rank's of thousands of scenarios, several times each
 def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: bool = True) -> Scenario:
     """The scenario without a pipeline whose model is what one pipeline rank holds (`layers` blocks, the
     embeddings and the head where `embedding` and `head` say, core.params.StageModel), on the GPUs of one pipeline

@@ -16,6 +16,7 @@ order them (torch 2.13, torch/distributed/pipelining/schedules.py), and what tha
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 from typing import NamedTuple
 
 from shardscope.choices import PipelineSchedule
@@ -34,6 +35,13 @@ class Action(NamedTuple):
 
 def rank_actions(schedule: PipelineSchedule, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
     """The actions pipeline rank `rank` runs, in its order."""
+    return list(_rank_actions(schedule, pp, virtual, micro_batches, rank))
+
+
+@lru_cache(maxsize=1024)
+def _rank_actions(schedule: PipelineSchedule, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
+    """`rank_actions`, kept: the planner asks every pipeline rank's order of thousands of scenarios that share a few
+    shapes (callers get a copy)."""
     if schedule == "gpipe":
         return [Action(rank, False, i) for i in range(micro_batches)] + [
             Action(rank, True, i) for i in range(micro_batches)

@@ -24,7 +24,13 @@ from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
 from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
 from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.core.timeline import TimeEstimate, estimate_time
+from shardscope.core.timeline import (
+    StepRuns,
+    TimeEstimate,
+    estimate_from_runs,
+    exposed_and_optimizer_s,
+    step_runs,
+)
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -90,17 +96,18 @@ class PipelineStep:
     """The question."""
     actions: tuple[tuple[tuple[Action, float, float], ...], ...]
     """Per pipeline rank, its forwards and backwards as (action, start_s, end_s), in the order it runs them."""
-    tails: tuple[TimeEstimate, ...]
-    """Per pipeline rank, the time model's step of the model it holds (`rank_proxy`), whose exposed communication
-    and optimizer step follow the rank's last backward."""
+    proxies: tuple[Scenario, ...]
+    """Per pipeline rank, the scenario without a pipeline of the model it holds (`rank_proxy`)."""
+    after: tuple[tuple[float, float], ...]
+    """Per pipeline rank, the exposed communication and optimizer seconds of the time model's step of its proxy,
+    which follow the rank's last backward."""
     send: CollectiveCost
     """One message between neighbouring stages (one micro-batch's hidden states or their gradient)."""
 
     def after_s(self, rank: int) -> tuple[float, float]:
         """Exposed data-parallel communication and optimizer seconds of pipeline rank `rank` after its last
         backward."""
-        tail = self.tails[rank]
-        return tail.exposed_comm_s, sum(duration for _, _, kind, _, duration, _ in tail.schedule if kind == "optimizer")
+        return self.after[rank]
 
     def end_s(self, rank: int) -> float:
         """When pipeline rank `rank` has finished its step."""
@@ -140,6 +147,12 @@ class PipelineStep:
 
 def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
     """Simulate a pipeline scenario's schedule on every pipeline rank and price what each does after it."""
+    return _pipeline_step(scenario, profile)[0]
+
+
+def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, dict[Scenario, StepRuns]]:
+    """`pipeline_step`, and the runs of each distinct proxy (ranks that hold the same share them), from which
+    `estimate_pipeline_time` measures the shown rank's whole step without running it again."""
     strategy = scenario.strategy
     forward_s, backward_s = stage_times(scenario, profile)
     send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(profile))
@@ -152,25 +165,30 @@ def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
         backward_s,
         send.time_s,
     )
-    tails: dict[Scenario, TimeEstimate] = {}  # ranks that hold the same share their proxy's time
-    for rank in range(strategy.pp):
-        proxy = rank_proxy(scenario, rank_stages(scenario, rank))
-        if proxy not in tails:
-            tails[proxy] = estimate_time(proxy, profile)
-    return PipelineStep(
+    proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
+    runs: dict[Scenario, StepRuns] = {}
+    after: dict[Scenario, tuple[float, float]] = {}
+    for proxy in proxies:
+        if proxy not in runs:
+            runs[proxy] = step_runs(proxy, profile)
+            after[proxy] = exposed_and_optimizer_s(proxy, runs[proxy])
+    step = PipelineStep(
         scenario=scenario,
         actions=tuple(tuple(actions) for actions in timeline),
-        tails=tuple(tails[rank_proxy(scenario, rank_stages(scenario, rank))] for rank in range(strategy.pp)),
+        proxies=proxies,
+        after=tuple(after[proxy] for proxy in proxies),
         send=send,
     )
+    return step, runs
 
 
 def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Step time of a pipeline scenario, shown for the pipeline rank that finishes last."""
     strategy, m = scenario.strategy, scenario.training.grad_accum_steps
-    step_of_ranks = pipeline_step(scenario, profile)
+    step_of_ranks, runs = _pipeline_step(scenario, profile)
     shown = step_of_ranks.shown_rank
-    step, tail = step_of_ranks.step_time_s, step_of_ranks.tails[shown]
+    proxy = step_of_ranks.proxies[shown]
+    step, tail = step_of_ranks.step_time_s, estimate_from_runs(proxy, profile, runs[proxy])
     optimizer = step_of_ranks.after_s(shown)[1]
     send = step_of_ranks.send
     actions = step_of_ranks.actions[shown]

@@ -207,7 +207,11 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Run the step's tasks through the streams and measure what comes out."""
-    run = _run(scenario, profile)
+    return _measured(scenario, profile, _run(scenario, profile))
+
+
+def _measured(scenario: Scenario, profile: HardwareProfile, run: _Run) -> TimeEstimate:
+    """`simulate`'s answer from its run."""
     tasks, starts = run.tasks, run.starts
     step, compute_busy, comm, wire = _totals(run)
     schedule = [
@@ -274,15 +278,39 @@ def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -
         from shardscope.core.pipeline_time import estimate_pipeline_time
 
         return estimate_pipeline_time(scenario, profile)
-    steps = scenario.training.grad_accum_steps
-    if steps <= EXACT_MICRO_BATCHES:
-        return simulate(scenario, profile)
-    before = simulate(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile)
-    last = simulate(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile)
-    more = steps - EXACT_MICRO_BATCHES
+    return estimate_from_runs(scenario, profile, step_runs(scenario, profile))
+
+
+class StepRuns(NamedTuple):
+    """The runs `estimate_time` measures a step without a pipeline from: the whole step (`last`, `before` None), or
+    EXACT_MICRO_BATCHES - 1 and EXACT_MICRO_BATCHES micro-batches of a longer one."""
+
+    before: _Run | None
+    last: _Run
+
+
+def step_runs(scenario: Scenario, profile: HardwareProfile) -> StepRuns:
+    """Run the step (a step without a pipeline) as `estimate_time` does, before measuring it."""
+    if scenario.training.grad_accum_steps <= EXACT_MICRO_BATCHES:
+        return StepRuns(None, _run(scenario, profile))
+    before = _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile)
+    return StepRuns(before, _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile))
+
+
+def _extend(scenario: Scenario, earlier: float, later: float) -> float:
+    """A total of EXACT_MICRO_BATCHES micro-batches extended to the step's by the difference the last one made."""
+    return later + (scenario.training.grad_accum_steps - EXACT_MICRO_BATCHES) * (later - earlier)
+
+
+def estimate_from_runs(scenario: Scenario, profile: HardwareProfile, runs: StepRuns) -> TimeEstimate:
+    """`estimate_time`'s answer from `step_runs`."""
+    if runs.before is None:
+        return _measured(scenario, profile, runs.last)
+    before = _measured(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile, runs.before)
+    last = _measured(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile, runs.last)
 
     def extend(earlier: float, later: float) -> float:
-        return later + more * (later - earlier)
+        return _extend(scenario, earlier, later)
 
     step, compute = extend(before.step_time_s, last.step_time_s), extend(before.compute_time_s, last.compute_time_s)
     return dataclasses.replace(
@@ -298,6 +326,18 @@ def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -
     )
 
 
+def exposed_and_optimizer_s(scenario: Scenario, runs: StepRuns) -> tuple[float, float]:
+    """`estimate_from_runs(...)`'s exposed_comm_s and its optimizer step's duration, equal to the last bit
+    (tests/core/test_pipeline_speed.py), without its ledger and schedule: what a pipeline rank does after its last
+    backward (`core.pipeline_time`), asked of every pipeline rank."""
+    step, compute, _, _ = _totals(runs.last)
+    if runs.before is not None:
+        earlier_step, earlier_compute, _, _ = _totals(runs.before)
+        step, compute = _extend(scenario, earlier_step, step), _extend(scenario, earlier_compute, compute)
+    optimizer = runs.last.tasks[runs.last.computes - 1]  # the last compute task (build_compute_tasks)
+    return max(0.0, step - compute), optimizer.duration_s
+
+
 # compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers
 # found them.
 __all__ = [
@@ -305,11 +345,15 @@ __all__ = [
     "STREAMS",
     "STREAM_OF_GROUP",
     "Span",
+    "StepRuns",
     "StepTotals",
     "TimeEstimate",
     "compute_model",
+    "estimate_from_runs",
     "estimate_time",
+    "exposed_and_optimizer_s",
     "network_model",
     "simulate",
+    "step_runs",
     "step_totals",
 ]

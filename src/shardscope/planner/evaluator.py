@@ -6,7 +6,7 @@ from __future__ import annotations
 from shardscope.core.memory import estimate_memory
 from shardscope.core.pipeline_time import stage_times
 from shardscope.core.result import MemoryEstimate
-from shardscope.planner.pipeline import pipeline_bound_s, pipeline_timing
+from shardscope.planner.pipeline import pipeline_bound_s, pipeline_timing, tail_floor_s
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import (
     PlanTiming,
@@ -115,12 +115,34 @@ class Evaluator:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
         asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
         asks again."""
-        if scenario.strategy.pp > 1:
-            return self.pipeline_bound_s(scenario)
         found = self._tight.get(scenario)
         if found is None:
-            found = self._tight[scenario] = self._tight_bound_s(scenario)
+            pipelined = scenario.strategy.pp > 1
+            found = self._pipeline_tight_bound_s(scenario) if pipelined else self._tight_bound_s(scenario)
+            self._tight[scenario] = found
         return found
+
+    def _pipeline_tight_bound_s(self, scenario: Scenario) -> float:
+        """`pipeline_bound_s` with the floor under each pipeline rank's exposed communication after its last
+        backward (`planner.pipeline.tail_floor_s`): it depends on the data-parallel degrees too, so it is asked only
+        of a plan about to be simulated."""
+        after_s = tail_floor_s(scenario, self.hardware)
+        if not any(after_s):
+            return self.pipeline_bound_s(scenario)
+        strategy = scenario.strategy
+        stage_key = (
+            strategy.tp,
+            strategy.cp,
+            strategy.pp,
+            strategy.pp_schedule,
+            strategy.virtual_stages,
+            strategy.ep,
+            scenario.training.micro_batch_size,
+            scenario.training.checkpointing,
+            False,
+        )
+        self.pipeline_bound_s(scenario)  # the stage times, kept per pipeline shape
+        return pipeline_bound_s(scenario, self.hardware, self._stage_times[stage_key], after_s)
 
     def _tight_bound_s(self, scenario: Scenario) -> float:
         training, strategy = scenario.training, scenario.strategy

@@ -6,13 +6,15 @@ no micro-batch or checkpointing setting reduces.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from shardscope.core.engines import rules_for
 from shardscope.core.network import collective_cost, network_model
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
 from shardscope.core.pipeline_time import send_placement, stage_times
-from shardscope.core.timeline import estimate_time
-from shardscope.planner.timing import ROUNDING_MARGIN, PlanTiming
+from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
+from shardscope.planner.timing import ROUNDING_MARGIN, PlanTiming, tensor_parallel_floor_s
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -36,7 +38,10 @@ def pipeline_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming
 
 
 def pipeline_bound_s(
-    scenario: Scenario, hardware: HardwareProfile, stage_s: tuple[list[float], list[float]] | None = None
+    scenario: Scenario,
+    hardware: HardwareProfile,
+    stage_s: tuple[list[float], list[float]] | None = None,
+    after_s: Sequence[float] = (),
 ) -> float:
     """A lower bound under a pipeline's step, whatever its schedule: each pipeline rank r runs every micro-batch's
     forward and backward of its stages (m x their sum), and cannot start before the first micro-batch has passed the
@@ -45,7 +50,8 @@ def pipeline_bound_s(
     later stage of the rank needs that one's output; its last is a backward of stage r, since every other stage of the
     rank sends it its gradient.) For equal stages with free messages the bound of the last rank is 1F1B's makespan
     (m + p - 1)(F + B). The data-parallel collectives and the optimizer step after the last backward only add.
-    `stage_s`: the scenario's `core.pipeline_time.stage_times`, when the caller has them."""
+    `stage_s`: the scenario's `core.pipeline_time.stage_times`, when the caller has them; `after_s`: per pipeline
+    rank, a floor under what it does after its last backward (`tail_floor_s`), none by default."""
     strategy, m = scenario.strategy, scenario.training.grad_accum_steps
     forward_s, backward_s = stage_s or stage_times(scenario, hardware)
     send_s = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(hardware)).time_s
@@ -53,8 +59,27 @@ def pipeline_bound_s(
     for rank in range(strategy.pp):
         before = sum(forward_s[stage] + backward_s[stage] for stage in range(rank)) + 2 * rank * send_s
         busy = sum(forward_s[stage.index] + backward_s[stage.index] for stage in rank_stages(scenario, rank))
-        best = max(best, before + m * busy)
+        best = max(best, before + m * busy + (after_s[rank] if after_s else 0.0))
     return best * (1.0 - ROUNDING_MARGIN)
+
+
+def tail_floor_s(scenario: Scenario, hardware: HardwareProfile) -> list[float]:
+    """Per pipeline rank, a floor under the exposed communication of its proxy's step, which follows its last
+    backward (`core.pipeline_time`): the tensor-parallel calls inside every micro-batch's stages. The time model runs
+    each between the compute task before its stage and the stage, which waits for it (`core.timeline_tasks`), so
+    the compute stream idles at least their time: m x `tensor_parallel_floor_s` at the scenario's micro-batch size.
+    Zero for a step longer than EXACT_MICRO_BATCHES micro-batches, whose exposed time is extended from two shorter
+    runs, which this sum does not bound."""
+    strategy, m = scenario.strategy, scenario.training.grad_accum_steps
+    if strategy.tp == 1 or m > EXACT_MICRO_BATCHES:
+        return [0.0] * strategy.pp
+    floors: dict[Scenario, float] = {}  # ranks that hold the same share their proxy's floor
+    size = scenario.training.micro_batch_size
+    proxies = [rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp)]
+    for proxy in proxies:
+        if proxy not in floors:
+            floors[proxy] = m * tensor_parallel_floor_s(proxy, hardware, size)
+    return [floors[proxy] for proxy in proxies]
 
 
 def busiest_states_bytes(scenario: Scenario) -> int:

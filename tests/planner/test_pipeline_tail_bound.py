@@ -1,0 +1,59 @@
+"""The planner's tight bound of a tensor-parallel pipeline counts each pipeline rank's tensor-parallel calls after its
+last backward: it stays under the step `estimate --time` gives, it is tighter than the bound without them, and it
+adds nothing to a step extended from a shorter run."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardscope.core.pipeline_time import pipeline_step
+from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
+from shardscope.planner import PlanRequest
+from shardscope.planner.evaluator import Evaluator
+from shardscope.planner.pipeline import pipeline_bound_s, tail_floor_s
+from shardscope.planner.space import Variant, make_scenario
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.presets.hardware import default_profile
+from shardscope.specs import TrainingSpec
+
+REQUEST = PlanRequest(
+    model=model_preset("llama-3-70b"),
+    gpu=gpu_preset("h100-80gb"),
+    training=TrainingSpec(sequence_length=4096),
+    global_batch_tokens=512 * 4096,
+    max_gpus=256,
+    pipeline_parallel=(1, 4),
+)
+
+
+@pytest.mark.parametrize(
+    ("family", "schedule", "virtual", "checkpointing", "size", "accum"),
+    [
+        ("zero1", "1f1b", 0, "full", 1, 8),
+        ("ddp", "interleaved-1f1b", 2, "selective", 2, 8),
+        ("zero3", "gpipe", 0, "none", 1, 16),
+    ],
+)
+def test_the_tail_floor_is_under_each_ranks_exposed_time_and_the_step(
+    family: str, schedule: str, virtual: int, checkpointing: str, size: int, accum: int
+) -> None:
+    hardware = default_profile(REQUEST.gpu)
+    variant = Variant(family=family, tp=8, pp=4, pp_schedule=schedule, pp_virtual_stages=virtual)  # type: ignore[arg-type]
+    scenario = make_scenario(REQUEST, 256, variant, "none", checkpointing, size, accum)  # type: ignore[arg-type]
+    step = pipeline_step(scenario, hardware)
+    floors = tail_floor_s(scenario, hardware)
+    for rank, floor in enumerate(floors):
+        assert 0 < floor <= step.after_s(rank)[0]
+    loose = pipeline_bound_s(scenario, hardware)
+    tight = Evaluator(REQUEST).tight_bound_s(scenario)
+    assert tight == pipeline_bound_s(scenario, hardware, after_s=floors)
+    assert loose < tight <= estimate_time(scenario, hardware).step_time_s
+    assert tight > loose + 0.9 * min(floors)  # each rank's bound grew by its floor
+
+
+def test_a_step_extended_from_a_shorter_run_gets_no_tail_floor() -> None:
+    hardware = default_profile(REQUEST.gpu)
+    scenario = make_scenario(REQUEST, 128, Variant(family="zero1", tp=8, pp=4), "none", "full", 1, 32)
+    assert scenario.training.grad_accum_steps > EXACT_MICRO_BATCHES
+    assert tail_floor_s(scenario, hardware) == [0.0] * 4
+    assert Evaluator(REQUEST).tight_bound_s(scenario) == pipeline_bound_s(scenario, hardware)
