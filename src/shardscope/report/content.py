@@ -14,6 +14,7 @@ from shardscope.core.result import CollectiveRow, MemoryEstimate
 from shardscope.core.timeline import TimeEstimate, estimate_time
 from shardscope.mesh import comparable_strategies
 from shardscope.planner import PlanResult, PlanTiming, plan_timing
+from shardscope.planner.pipeline import pipeline_timing
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.report.observations import assumptions, observations
 from shardscope.specs import Scenario, SpecError
@@ -71,28 +72,11 @@ def _row(scenario: Scenario, hardware: HardwareProfile | None) -> Row:
     memory = estimate_memory(scenario)
     if hardware is None or not scenario.model.has_shape:
         return Row(label=scenario.strategy.label, memory=memory, timing=None, ledger=())
-    if scenario.strategy.pp > 1:
-        estimate = estimate_time(scenario, hardware)
-        return Row(label=scenario.strategy.label, memory=memory, timing=_timing(estimate), ledger=estimate.ledger)
+    if scenario.strategy.pp > 1:  # simulated whole: a pipeline schedule refuses the planner's shorter steps
+        timing = pipeline_timing(scenario, hardware)
+        return Row(label=scenario.strategy.label, memory=memory, timing=timing, ledger=timing.ledger or ())
     timing = plan_timing(scenario, hardware)
     return Row(label=scenario.strategy.label, memory=memory, timing=timing, ledger=collective_ledger(scenario))
-
-
-def _timing(estimate: TimeEstimate) -> PlanTiming:
-    """A pipeline's step simulated whole (core.pipeline_time) as a row's timing: the planner's extension from one
-    and two micro-batches needs steps of fewer micro-batches than stages, which a pipeline schedule refuses. Its
-    ledger is the pipeline rank's that finishes last."""
-    return PlanTiming(
-        step_time_s=estimate.step_time_s,
-        compute_time_s=estimate.compute_time_s,
-        comm_time_s=estimate.comm_time_s,
-        exposed_comm_s=estimate.exposed_comm_s,
-        host_copy_s=estimate.host_copy_s,
-        wire_bytes_per_rank=estimate.wire_bytes_per_rank,
-        tokens_per_s=estimate.tokens_per_s,
-        mfu=estimate.mfu,
-        simulated_micro_batches=estimate.simulated_micro_batches,
-    )
 
 
 def _siblings(scenario: Scenario) -> list[Scenario]:
