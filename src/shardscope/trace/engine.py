@@ -21,7 +21,6 @@ from torch import nn
 from shardscope.choices import checkpoint_every
 from shardscope.core.allocator import replay
 from shardscope.core.memory_snapshot import memory_snapshot
-from shardscope.core.result import MemoryBreakdown
 from shardscope.measure.storage import storage_bytes
 from shardscope.specs import Scenario
 from shardscope.trace.compat import (
@@ -210,17 +209,8 @@ def _trace_depth(
             optimizer.zero_grad(set_to_none=True)
             recorder.label(params, "parameters")
         recorder.recording = False
-        maxima = recorder.max_by_category
         peak = recorder.peak
-        per_rank = MemoryBreakdown(
-            parameters_bytes=maxima["parameters"],
-            gradients_bytes=maxima["gradients"],
-            optimizer_state_bytes=maxima["optimizer_state"],
-            activations_bytes=recorder.saved_activations,
-            buffers_bytes=maxima["buffers"],
-            temporary_bytes=maxima["temporary"],
-            peak_bytes=peak.total_bytes,
-        )
+        per_rank = recorder.breakdown()
         root_name = type(traced.root).__name__
         flops_by_module: dict[str, int] = {}
         for counter in counters.values():

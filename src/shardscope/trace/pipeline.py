@@ -33,7 +33,6 @@ from torch import nn
 
 from shardscope.core.allocator import replay
 from shardscope.core.pipeline import PipelineStage, rank_stages
-from shardscope.core.result import MemoryBreakdown
 from shardscope.reference_models import TransformerLM, build_model, lm_loss
 from shardscope.specs import Scenario
 from shardscope.trace.compat import (
@@ -297,16 +296,8 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
             optimizer.zero_grad(set_to_none=True)
             recorder.label(params, "parameters")
         recorder.recording = False
-        maxima, peak = recorder.max_by_category, recorder.peak
-    per_rank = MemoryBreakdown(
-        parameters_bytes=maxima["parameters"],
-        gradients_bytes=maxima["gradients"],
-        optimizer_state_bytes=maxima["optimizer_state"],
-        activations_bytes=recorder.saved_activations,
-        buffers_bytes=maxima["buffers"],
-        temporary_bytes=maxima["temporary"],
-        peak_bytes=peak.total_bytes,
-    )
+        peak = recorder.peak
+    per_rank = recorder.breakdown()
     rows = recorder.collectives.merged()
     moment = f"{peak.phase}: {peak.where}"
     device_bytes = scenario.cluster.gpu.memory_bytes - scenario.overheads.context_bytes

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from shardscope.core.allocator import FREE, Event
-from shardscope.core.result import CollectiveRow
+from shardscope.core.result import CollectiveRow, MemoryBreakdown
 from shardscope.measure.ledger import CollectiveLedger
 from shardscope.measure.storage import holds_dtensor, local_tensor
 from shardscope.measure.tracker import Life, StorageTracker
@@ -195,6 +195,19 @@ class StepRecorder(StorageTracker, TorchDispatchMode):
         """Each category's largest size in the window."""
         moments = self.moments.values()
         return {category: max(moment.maxima[category] for moment in moments) for category in TRACKED}
+
+    def breakdown(self) -> MemoryBreakdown:
+        """The window's per-rank memory: each category's largest size, the saved activations and the peak."""
+        maxima = self.max_by_category
+        return MemoryBreakdown(
+            parameters_bytes=maxima["parameters"],
+            gradients_bytes=maxima["gradients"],
+            optimizer_state_bytes=maxima["optimizer_state"],
+            activations_bytes=self.saved_activations,
+            buffers_bytes=maxima["buffers"],
+            temporary_bytes=maxima["temporary"],
+            peak_bytes=self.peak.total_bytes,
+        )
 
     # --- storage bookkeeping -------------------------------------------------------------------------------
     def _snapshot(self) -> None:
