@@ -180,6 +180,20 @@ CASES: list[tuple[list[str], str]] = [
     (["trace", "--model", "tiny-llama", "--implementation", "hf", "--pp", "2", "--grad-accum", "2"], "--pp 2 with"),
     (["trace", "--config", "{list.json}"], "list.json holds a list"),
     (["trace", "--config", "{no_type.json}"], "field 'model_type' is None"),
+    (
+        [
+            "trace",
+            "--model",
+            "tiny-llama",
+            "--implementation",
+            "hf",
+            "--attention",
+            "eager",
+            "--attn-implementation",
+            "sdpa",
+        ],
+        "--attention eager and --attn-implementation sdpa disagree",
+    ),
     *(  # flash-attn is a CUDA build; where it is installed the worker tries it
         [(["trace", "--model", "tiny-llama", "--implementation", "hf", *FLASH], "needs the flash-attn package")]
         if importlib.util.find_spec("flash_attn") is None

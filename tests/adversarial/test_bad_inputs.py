@@ -6,6 +6,7 @@ Each command line runs in-process through `shardscope.cli.main`, so the whole ca
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -20,12 +21,20 @@ NEEDS_TORCH = ("run", "calibrate")  # their commands import torch before they re
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The catalogue's bad files by name, and 'dir': the folder holding them."""
+    _warm_font_cache()
     folder = tmp_path_factory.mktemp("bad-inputs")
     paths = {"dir": str(folder)}
     for name, text in FILES.items():
         (folder / name).write_text(text, encoding="utf-8")
         paths[name] = str(folder / name)
     return paths
+
+
+def _warm_font_cache() -> None:
+    """matplotlib scans the system fonts with `fc-list` the first time a chart is drawn on a fresh machine: a library's
+    one-time cache, not a process the bad input started, so it is built before Popen is forbidden."""
+    with contextlib.suppress(ImportError):  # matplotlib is optional: without it the report refuses first
+        import matplotlib.font_manager  # noqa: F401  (importing it builds the font cache)
 
 
 def _no_process(*args: object, **kwargs: object) -> None:

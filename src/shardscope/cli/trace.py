@@ -70,6 +70,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_cluster_arguments(parser)
     add_training_arguments(parser)
+    parser.set_defaults(attention=None)  # unset, so --attn-implementation can tell a conflicting --attention
     add_strategy_arguments(parser, many=False)
     parser.add_argument(
         "--time-limit",
@@ -151,6 +152,7 @@ def _scenario(args: argparse.Namespace) -> Scenario:
             f"--offload {args.offload} is not traced (fake tensors have no host/device split); use "
             "`shardscope estimate`"
         )
+    _resolve_attention(args)
     traced_only = _traced_only_model(args)
     if args.module:
         args.params = "1"  # the factory's module is the model; the spec only carries the name
@@ -164,10 +166,22 @@ def _scenario(args: argparse.Namespace) -> Scenario:
     if args.module:
         model = ModelSpec(name=args.module, family="count", declared_parameters=1, source="--module factory")
         scenario = dataclasses.replace(scenario, model=model)
-    if args.attn_implementation:  # what the scenario is counted with: eager materialises scores, the rest fuse
-        attention: Attention = "eager" if args.attn_implementation == "eager" else "sdpa"
-        scenario = dataclasses.replace(scenario, training=dataclasses.replace(scenario.training, attention=attention))
     return scenario
+
+
+def _resolve_attention(args: argparse.Namespace) -> None:
+    """--attention as the scenario counts it: --attn-implementation's (eager materialises the scores, the other
+    kernels fuse them) when that is given, and a --attention that says otherwise is refused; sdpa when neither is."""
+    if not args.attn_implementation:
+        args.attention = args.attention or "sdpa"
+        return
+    counted: Attention = "eager" if args.attn_implementation == "eager" else "sdpa"
+    if args.attention not in (None, counted):
+        raise CliError(
+            f"--attention {args.attention} and --attn-implementation {args.attn_implementation} disagree: "
+            f"{args.attn_implementation} is counted as --attention {counted}; give one of them"
+        )
+    args.attention = counted
 
 
 def render(result: Any, units: str) -> str:
