@@ -1,17 +1,22 @@
-"""Expert parallelism inside fully sharded data parallelism (zero3, FSDP), as torchtitan composes them.
+"""Expert parallelism inside the teaching data-parallel strategies (ddp, zero1, zero2, zero3 / FSDP, hsdp), as
+torchtitan composes it with FSDP.
 
 The world's D ranks are cut into expert groups of `ep` consecutive ranks (expert_parallel.py): each MoE layer
 sends its tokens to the experts over its group with all-to-alls. Every dense weight (root, attention, norms, router) is
-sharded over all D ranks, as FSDP alone would; the rank's num_experts / ep experts of each layer are a unit of their
-own, sharded over the D / ep ranks that hold the same experts (one per expert group): torchtitan's ParallelDims
-fully_shard()s the experts over dp_shard_mod_ep (pytorch/torchtitan, torchtitan/distributed/parallel_dims.py,
-`_build_mesh_with_ep`, at commit 73bb964d8f66f585d977b40fe3de88301cdd03cd). So a block is two units: its dense
-weights, gathered before the block runs, and its experts, gathered before its MoE layer runs; each is reduce-scattered
-over its own group when its gradients are complete, and every gradient is divided by D (an expert's already sums its
-expert group's tokens).
+treated by the strategy over all D ranks, as it would be alone; the rank's num_experts / ep experts of each layer are a
+unit of their own, treated by the same strategy over the D / ep ranks that hold the same experts (one per expert
+group): torchtitan's ParallelDims fully_shard()s the experts over dp_shard_mod_ep (pytorch/torchtitan,
+torchtitan/distributed/parallel_dims.py, `_build_mesh_with_ep`, at commit 73bb964d8f66f585d977b40fe3de88301cdd03cd).
+So a block is two units: its dense weights, then its experts (gathered, under zero3, before its MoE layer runs); the
+experts' gradients are all-reduced (ddp) or reduce-scattered (zero1/2/3) over their own ranks, and every gradient is
+divided by D (an expert's already sums its expert group's tokens). Under hsdp the experts are sharded over the ranks
+of the rank's shard group that hold them (torchtitan's dp_shard_mod_ep inside dp_shard), then averaged across the
+replica groups as every unit is.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,9 +24,11 @@ import torch.distributed as dist
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.expert_parallel import ExpertParallelMoE, expert_groups, whole_experts
 from shardscope.runtime.teaching.flat import Unit, model_units
-from shardscope.runtime.teaching.fsdp import FullyShardedTeaching
 from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
+
+DataParallel = Callable[[list[Unit], list[dist.ProcessGroup | None]], Trainer]
+"""A teaching data-parallel strategy made from the units it keeps and each unit's own group (None: the strategy's)."""
 
 
 def expert_units(module: TransformerLM) -> list[Unit]:
@@ -42,18 +49,28 @@ def expert_units(module: TransformerLM) -> list[Unit]:
     return units
 
 
-class ShardedExpertParallel(Trainer):
-    """A mixture-of-experts model trained with expert parallelism inside zero3 / FSDP, from collectives."""
+class ExpertDataParallel(Trainer):
+    """A mixture-of-experts model trained with expert parallelism inside a teaching data-parallel strategy, which
+    `data_parallel` makes; `shard_group` is the strategy's shard group (hsdp's; 0: the world)."""
 
-    def __init__(self, module: TransformerLM, training: TrainingSpec, *, ep: int) -> None:
+    def __init__(
+        self,
+        module: TransformerLM,
+        training: TrainingSpec,
+        data_parallel: DataParallel,
+        *,
+        ep: int,
+        shard_group: int = 0,
+    ) -> None:
         self.module, self.world_size = module, dist.get_world_size()
-        self.expert_group, expert_data_group = expert_groups(ep)
+        self.expert_group, expert_data_group = expert_groups(ep, shard_group)
         broadcast_module(module)  # every rank starts from rank 0's weights and keeps its experts of them
         for block in module.layers:
             block.moe = ExpertParallelMoE(block.moe, self.expert_group)  # type: ignore[union-attr]
         units = expert_units(module)
-        groups = [expert_data_group if unit.name.endswith(".experts") else None for unit in units]
-        self.data = FullyShardedTeaching(module, training, units=units, unit_groups=groups)
+        self.data = data_parallel(
+            units, [expert_data_group if unit.name.endswith(".experts") else None for unit in units]
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         self.data.backward(loss)
