@@ -10,9 +10,9 @@ experts received, which routing decides: per rank under ep 2, summed over each e
 expert per rank makes the rows a rank receives uneven (tiny-moe: rank 0 keeps 3,013,016 B of activations against
 2,427,400 predicted for even routing). The all-to-alls: per rank as many calls as predicted, the counts exchange
 byte for byte; the token payloads (the forward combine and the backward dispatch send back what the rank received)
-are checked summed over each expert group, which sends back as many rows as it was sent. One short case runs by
-default; ep 4 (one expert per rank, the experts' data-parallel groups of one rank) under `pytest -m long`. Each
-launch has a hard deadline (RunConfig.timeout_s).
+are checked summed over each expert group, which sends back as many rows as it was sent. Two short cases run by
+default (fsdp and zero2, ep 2); the other strategies and ep 4 (one expert per rank, the experts' data-parallel groups
+of one rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
 """
 
 from __future__ import annotations
@@ -92,7 +92,35 @@ def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction() -> 
     assert experts == [{**experts[0], "payload_bytes": 49_152 * 8, "count": 2}]
 
 
+def test_ep2_inside_zero2_on_4_ranks_matches_one_process_and_the_prediction() -> None:
+    # tiny-moe ep 2 in zero2 over 4 ranks: whole parameters in flat buffers, each block's 2 experts (49,152) one of
+    # their own: 32,832 + 2 x (12,672 + 49,152) = 156,480 float64 parameters (1,251,840 B); gradient shards as fsdp's
+    # parameter shards above (63,696); each block's experts reduce-scattered and, after the step, all-gathered over
+    # the 2 ranks holding them
+    ranks = run_and_compare("zero2", ep=2)
+    assert ranks[0]["memory"]["parameters_bytes"] == 156_480 * 8
+    assert ranks[0]["memory"]["gradients_bytes"] == 63_696 * 8
+    experts = [row for row in ranks[0]["ledger"] if row["group_size"] == 2 and row["op"] != "all_to_all"]
+    assert sorted((row["op"], row["payload_bytes"], row["count"]) for row in experts) == [
+        ("all_gather", 49_152 * 8, 2),
+        ("reduce_scatter", 49_152 * 8, 2),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize(("strategy", "shard_group"), [("zero1", 0), ("hsdp", 2)])
+def test_ep2_inside_the_other_strategies(strategy: str, shard_group: int) -> None:
+    run_and_compare(strategy, ep=2, shard_group=shard_group)
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_ep4_one_expert_per_rank() -> None:
     run_and_compare("fsdp", ep=4, per_rank=False)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_ep4_inside_zero2() -> None:
+    run_and_compare("zero2", ep=4, per_rank=False)
