@@ -265,7 +265,7 @@ CASES: list[tuple[list[str], str]] = [
     # expert parallelism: validated; predicted by estimate, run by the paper engine inside the data-parallel
     # strategies (without tp, cp or pp), refused by the commands that do not take it yet
     (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
-    (["estimate", "--model", "mixtral-8x7b", "--strategy", "ddp", "--ep", "2"], "ep 2 must divide dp_shard 1 x cp 1"),
+    (["estimate", "--model", "mixtral-8x7b", "--strategy", "hsdp", "--shard-group", "1", "--ep", "2"], "shard group 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
     (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "trace comes later"),
     (["timeline", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "timeline comes later"),
@@ -275,7 +275,10 @@ CASES: list[tuple[list[str], str]] = [
         "without tp, cp and pp (tp 1, cp 2",
     ),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--engine", "pytorch"], "engine paper only"),
-    (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--strategy", "ddp"], "ep 2 must divide"),
+    (
+        ["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "4", "--strategy", "hsdp", "--shard-group", "2"],
+        "ep 4 must divide dp_shard 2",
+    ),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "3"], "ep 3 must divide dp_shard 4"),
     (["run", "--model", "tiny-llama", "--world-size", "4", "--ep", "2"], "'tiny-llama' is a 'llama' model"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--tp", "2"], "without tp, cp and pp"),

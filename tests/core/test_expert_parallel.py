@@ -129,10 +129,10 @@ def test_estimate_takes_ep_and_its_document_is_valid(capsys: pytest.CaptureFixtu
     strategy = document["strategies"][0]
     assert strategy["parallelism"]["ep"] == 8
     assert strategy["per_rank"]["parameters_bytes"] == 14_485_561_344
-    # without --strategy the comparison holds the stages that shard (ep borrows their GPUs; ddp has none)
+    # without --strategy the comparison holds every stage (ddp lends its replicas to ep, the others their shards)
     assert main(["estimate", "--model", "mixtral-8x7b", "--ep", "8", "--json"]) == 0
     compared = [entry["strategy"] for entry in json.loads(capsys.readouterr().out)["strategies"]]
-    assert compared == ["zero1", "zero2", "zero3"]  # the ep degree is in each entry's parallelism object
+    assert compared == ["ddp", "zero1", "zero2", "zero3"]  # the ep degree is in each entry's parallelism object
 
 
 def test_offloaded_shards_are_those_without_ep() -> None:

@@ -109,7 +109,7 @@ def test_ep2_inside_zero2_on_4_ranks_matches_one_process_and_the_prediction() ->
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize(("strategy", "shard_group"), [("zero1", 0), ("hsdp", 2)])
+@pytest.mark.parametrize(("strategy", "shard_group"), [("ddp", 0), ("zero1", 0), ("hsdp", 2)])
 def test_ep2_inside_the_other_strategies(strategy: str, shard_group: int) -> None:
     run_and_compare(strategy, ep=2, shard_group=shard_group)
 
@@ -122,5 +122,6 @@ def test_ep4_one_expert_per_rank() -> None:
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_ep4_inside_zero2() -> None:
-    run_and_compare("zero2", ep=4, per_rank=False)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_ep4_inside(strategy: str) -> None:
+    run_and_compare(strategy, ep=4, per_rank=False)
