@@ -24,7 +24,7 @@ import torch.distributed as dist
 from shardscope.reference_models import TransformerLM
 from shardscope.runtime.teaching.expert_parallel import ExpertParallelMoE, expert_groups, whole_experts
 from shardscope.runtime.teaching.flat import Unit, model_units
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import SplitInsideDataParallel, Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 DataParallel = Callable[[list[Unit], list[dist.ProcessGroup | None]], Trainer]
@@ -49,7 +49,7 @@ def expert_units(module: TransformerLM) -> list[Unit]:
     return units
 
 
-class ExpertDataParallel(Trainer):
+class ExpertDataParallel(SplitInsideDataParallel):
     """A mixture-of-experts model trained with expert parallelism inside a teaching data-parallel strategy, which
     `data_parallel` makes; `shard_group` is the strategy's shard group (hsdp's; 0: the world)."""
 
@@ -71,18 +71,6 @@ class ExpertDataParallel(Trainer):
         self.data = data_parallel(
             units, [expert_data_group if unit.name.endswith(".experts") else None for unit in units]
         )
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.data.backward(loss)
-
-    def step(self) -> None:
-        self.data.step()
-
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        return self.data.held()
-
-    def resizable_buffers(self) -> list[torch.Tensor]:
-        return self.data.resizable_buffers()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return whole_experts(self.data.full_parameters(), self.expert_group)

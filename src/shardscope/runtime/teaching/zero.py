@@ -48,6 +48,11 @@ class _ShardedOptimizerBase(Trainer):
         self.optimizer = ShardOptimizer(
             [self._mine(index, flat) for index, flat in enumerate(self.flat_params)], training
         )
+        self._keep_gradients()
+
+    def _keep_gradients(self) -> None:
+        """Allocate what the stage keeps of the gradients, and hook where it reduces them."""
+        raise NotImplementedError
 
     def _mine(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of unit `index`'s whole flat buffer `flat`."""
@@ -71,16 +76,7 @@ class Zero1(_ShardedOptimizerBase):
     """Stage 1: full gradients in flat buffers; after backward each is reduce-scattered and the rank keeps its
     averaged shard in place."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        training: TrainingSpec,
-        group: dist.ProcessGroup | None = None,
-        *,
-        units: list[Unit] | None = None,
-        unit_groups: list[dist.ProcessGroup | None] | None = None,
-    ) -> None:
-        super().__init__(module, training, group, units=units, unit_groups=unit_groups)
+    def _keep_gradients(self) -> None:
         with measured_as("gradients"):
             self.flat_grads = [torch.zeros_like(flat) for flat in self.flat_params]
         for layout, grads in zip(self.layouts, self.flat_grads, strict=True):
@@ -114,16 +110,7 @@ class Zero2(_ShardedOptimizerBase):
     """Stage 2: when a unit's last gradient lands, flatten its gradients, reduce-scatter them into the rank's
     persistent gradient shard, and drop the full gradients."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        training: TrainingSpec,
-        group: dist.ProcessGroup | None = None,
-        *,
-        units: list[Unit] | None = None,
-        unit_groups: list[dist.ProcessGroup | None] | None = None,
-    ) -> None:
-        super().__init__(module, training, group, units=units, unit_groups=unit_groups)
+    def _keep_gradients(self) -> None:
         with measured_as("gradients"):
             self.grad_shards = [
                 torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
