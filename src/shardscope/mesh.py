@@ -3,7 +3,8 @@ names as presets over the data-parallel degrees.
 
 A job of W GPUs is a mesh `pp x dp_replicate x dp_shard x cp x tp` (outermost first; tp innermost, inside a node)
 whose product is W. Expert parallelism does not add GPUs: as in torchtitan, its `ep` ranks are borrowed from
-`dp_shard x cp`, so ep must divide that product. DDP, ZeRO-1/2/3, FSDP and HSDP differ only in how the
+`dp_shard x cp`, so ep must divide that product; under DDP, which shards nothing, from `dp_replicate x cp`
+(`Parallelism.expert_lenders`). DDP, ZeRO-1/2/3, FSDP and HSDP differ only in how the
 data-parallel GPUs are split (replicate or shard, and over which degree) and in what the shard degree shards (the ZeRO
 stage): see `DATA_PARALLEL_PRESETS`.
 """
@@ -68,18 +69,27 @@ class Parallelism:
     pp: int = 1
     """Pipeline parallel: GPUs that each hold a stage of consecutive layers."""
     ep: int = 1
-    """Expert parallel: GPUs that split a mixture-of-experts layer's experts, borrowed from dp_shard x cp."""
+    """Expert parallel: GPUs that split a mixture-of-experts layer's experts, borrowed from `expert_lenders`."""
 
     def __post_init__(self) -> None:
         for name in (*MESH_DIMS, "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEGREE:
                 raise MeshError(f"parallelism {name}={value!r} must be a whole number between 1 and {MAX_DEGREE}")
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.expert_lenders % self.ep:
+            lender = "dp_shard" if self.dp_shard > 1 else "dp_replicate"
             raise MeshError(
-                f"ep {self.ep} must divide dp_shard {self.dp_shard} x cp {self.cp} = {self.dp_shard * self.cp} "
+                f"ep {self.ep} must divide {lender} {getattr(self, lender)} x cp {self.cp} = {self.expert_lenders} "
                 f"(expert parallelism borrows those GPUs)"
             )
+
+    @property
+    def expert_lenders(self) -> int:
+        """The GPUs expert parallelism borrows its ep ranks from: dp_shard x cp, as torchtitan's ParallelDims; where
+        no GPU shards (dp_shard 1: DDP), dp_replicate x cp, as DeepSpeed-MoE carves its expert-parallel groups out of
+        the data-parallel ranks whatever the ZeRO stage (microsoft/DeepSpeed, deepspeed/utils/groups.py,
+        `_create_expert_and_data_parallel`)."""
+        return (self.dp_shard if self.dp_shard > 1 else self.dp_replicate) * self.cp
 
     @property
     def world_size(self) -> int:
@@ -113,16 +123,13 @@ class Parallelism:
         return {name: getattr(self, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
 
 
-def comparable_strategies(grouped: bool, sharded: bool = False) -> tuple[StrategyName, ...]:
+def comparable_strategies(grouped: bool) -> tuple[StrategyName, ...]:
     """One strategy per preset (fsdp is zero3), for a side-by-side comparison; the presets that split the GPUs into
-    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes); only the presets
-    that shard (not ddp) when `sharded` (expert parallelism borrows the sharding GPUs)."""
+    replicating groups (hsdp) only when `grouped` (a shard group is given, or the job spans nodes)."""
     return tuple(
         name
         for name, preset in DATA_PARALLEL_PRESETS.items()
-        if canonical_strategy(name) == name
-        and (grouped or not preset.groups_replicate)
-        and (preset.shards or not sharded)
+        if canonical_strategy(name) == name and (grouped or not preset.groups_replicate)
     )
 
 
@@ -150,8 +157,8 @@ def data_parallel_mesh(
     replica: the world is divided by pp x cp x tp first, and the strategy splits the rest; hsdp splits it into
     groups of `shard_group`. pp is outermost, as torchtitan's ParallelDims unflattens its world mesh into
     ("pp", "dp_replicate", "dp_shard", "cp", "tp") (torchtitan/distributed/parallel_dims.py at commit
-    b5bcd76c66d0acb1a08b176d9639425bc55e0b2a); `ep` borrows its GPUs from dp_shard x cp. MeshError when the degrees
-    do not multiply to the world size or ep does not divide dp_shard x cp."""
+    b5bcd76c66d0acb1a08b176d9639425bc55e0b2a); `ep` borrows its GPUs from dp_shard x cp (ddp: dp_replicate x cp).
+    MeshError when the degrees do not multiply to the world size or ep does not divide the GPUs it borrows."""
     split = pp * cp * tp
     if world_size % split:
         named = f"pp {pp} x cp {cp} x tp {tp}" if pp > 1 else f"cp {cp} x tp {tp}"

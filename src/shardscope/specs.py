@@ -26,7 +26,7 @@ from shardscope.choices import (
     require_choice,
     require_int,
 )
-from shardscope.mesh import Parallelism, data_parallel_mesh
+from shardscope.mesh import MeshError, Parallelism, data_parallel_mesh
 from shardscope.strategy import Strategy, require_expert_shape, require_pipeline_shape
 
 __all__ = [
@@ -300,6 +300,11 @@ class Scenario:
             require_pipeline_shape(self.model, self.training.grad_accum_steps, strategy)
         if strategy.ep > 1:
             require_expert_shape(self.model, strategy)
+            if self.shard_degree % strategy.ep:  # hsdp: its expert groups lie inside its shard groups
+                raise MeshError(
+                    f"ep {strategy.ep} must divide hsdp's shard group {strategy.shard_group} x cp {strategy.cp} = "
+                    f"{self.shard_degree}"
+                )
 
     @property
     def state_ranks(self) -> int:

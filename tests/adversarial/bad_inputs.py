@@ -262,17 +262,23 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp", "2,x"], "--pp '2,x' must be"),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp-schedule", "2f2b"], "'2f2b' is not known"),
-    # expert parallelism: validated; predicted by estimate, run by the paper engine inside zero3/fsdp, refused by the
-    # commands that do not take it yet
+    # expert parallelism: validated; predicted by estimate, run by the paper engine inside the data-parallel
+    # strategies (without tp, cp or pp), refused by the commands that do not take it yet
     (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
-    (["estimate", "--model", "mixtral-8x7b", "--strategy", "ddp", "--ep", "2"], "ep 2 must divide dp_shard 1 x cp 1"),
+    (["estimate", "--model", "mixtral-8x7b", "--strategy", "hsdp", "--shard-group", "1", "--ep", "2"], "shard group 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
     (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "trace comes later"),
     (["timeline", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "timeline comes later"),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--ep", "1,2"], "llama-3-8b has none"),
-    (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--strategy", "zero2"], "not zero2"),
+    (
+        ["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--cp", "2"],
+        "without tp, cp and pp (tp 1, cp 2",
+    ),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--engine", "pytorch"], "engine paper only"),
-    (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--strategy", "ddp"], "ep 2 must divide"),
+    (
+        ["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "4", "--strategy", "hsdp", "--shard-group", "2"],
+        "ep 4 must divide dp_shard 2",
+    ),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "3"], "ep 3 must divide dp_shard 4"),
     (["run", "--model", "tiny-llama", "--world-size", "4", "--ep", "2"], "'tiny-llama' is a 'llama' model"),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--tp", "2"], "without tp, cp and pp"),

@@ -129,10 +129,10 @@ def test_estimate_takes_ep_and_its_document_is_valid(capsys: pytest.CaptureFixtu
     strategy = document["strategies"][0]
     assert strategy["parallelism"]["ep"] == 8
     assert strategy["per_rank"]["parameters_bytes"] == 14_485_561_344
-    # without --strategy the comparison holds the stages that shard (ep borrows their GPUs; ddp has none)
+    # without --strategy the comparison holds every stage (ddp lends its replicas to ep, the others their shards)
     assert main(["estimate", "--model", "mixtral-8x7b", "--ep", "8", "--json"]) == 0
     compared = [entry["strategy"] for entry in json.loads(capsys.readouterr().out)["strategies"]]
-    assert compared == ["zero1", "zero2", "zero3"]  # the ep degree is in each entry's parallelism object
+    assert compared == ["ddp", "zero1", "zero2", "zero3"]  # the ep degree is in each entry's parallelism object
 
 
 def test_offloaded_shards_are_those_without_ep() -> None:
@@ -148,9 +148,9 @@ def test_offloaded_shards_are_those_without_ep() -> None:
 
 
 def test_paper_fsdp_makes_each_blocks_experts_a_unit_over_the_ranks_holding_them() -> None:
-    # The teaching run (runtime/teaching/expert_sharded.py) on 8 GPUs, ep 8: the root (262,148,096) and each block's
-    # dense weights (41,984,000) over 8 ranks, each block's one expert (176,160,768) over the 8 / 8 = 1 rank holding
-    # it: 32,768,512 + 32 x (5,248,000 + 176,160,768) = 5,837,849,088 elements, 12 bytes each of optimizer state
+    # The teaching run (runtime/teaching/expert_data_parallel.py) on 8 GPUs, ep 8: the root (262,148,096) and each
+    # block's dense weights (41,984,000) over 8 ranks, each block's one expert (176,160,768) over the 8 / 8 = 1 rank
+    # holding it: 32,768,512 + 32 x (5,248,000 + 176,160,768) = 5,837,849,088 elements, 12 bytes each of optimizer state
     # and one 4-byte Adam step for each of 1 + 2 x 32 flat buffers (exact, not scaled).
     case = scenario("fsdp", 8)
     states = rules_for(case).rank_memory(case, 0).states
@@ -172,3 +172,26 @@ def test_paper_fsdp_makes_each_blocks_experts_a_unit_over_the_ranks_holding_them
     # the pytorch engine keeps one call per block, its experts inside it
     torch_case = scenario("fsdp", 8, engine="pytorch")
     assert {r.group_size for r in collective_ledger(torch_case) if r.group == "dp"} == {8}
+
+
+def test_paper_zero2_makes_each_blocks_experts_a_bucket_over_the_ranks_holding_them() -> None:
+    # The teaching zero2 on 8 GPUs, ep 2: whole parameters, the root (262,148,096) and each block's dense weights
+    # (41,984,000) in flat buffers sharded over 8 ranks, each block's 4 experts (704,643,072) in one sharded over the
+    # 8 / 2 = 4 ranks holding them: 262,148,096 + 32 x (41,984,000 + 704,643,072) = 24,154,214,400 parameters, and
+    # gradient shards of 32,768,512 + 32 x (5,248,000 + 176,160,768) = 5,837,849,088 (as zero3's parameters above).
+    case = scenario("zero2", 2)
+    states = rules_for(case).rank_memory(case, 0).states
+    assert states.parameters_bytes == 2 * 24_154_214_400
+    assert states.gradients_bytes == 2 * 5_837_849_088
+    calls = {
+        (r.phase, r.op, r.group_size, r.payload_bytes): r.count for r in collective_ledger(case) if r.group == "dp"
+    }
+    dense, experts, root = 2 * 41_984_000, 2 * 704_643_072, 2 * 262_148_096
+    assert calls == {
+        ("backward", "reduce_scatter", 8, dense): 32,
+        ("backward", "reduce_scatter", 4, experts): 32,
+        ("backward", "reduce_scatter", 8, root): 1,
+        ("optimizer", "all_gather", 8, dense): 32,
+        ("optimizer", "all_gather", 4, experts): 32,
+        ("optimizer", "all_gather", 8, root): 1,
+    }

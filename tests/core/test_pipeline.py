@@ -168,5 +168,6 @@ def test_expert_parallelism_borrows_shard_gpus_of_moe_models_only() -> None:
         scenario(ep=2)
     with pytest.raises(SpecError, match="must divide mixtral-8x7b's num_experts=8"):
         scenario("mixtral-8x7b", gpus=32, ep=16)
-    with pytest.raises(MeshError, match="ep 2 must divide dp_shard 1 x cp 1 = 1"):
-        scenario("mixtral-8x7b", name="ddp", ep=2)
+    with pytest.raises(MeshError, match="ep 2 must divide hsdp's shard group 1 x cp 1 = 1"):
+        scenario("mixtral-8x7b", name="hsdp", shard_group=1, ep=2)
+    assert scenario("mixtral-8x7b", name="ddp", ep=2).parallelism.dp_replicate == 16  # ddp lends its replicas

@@ -1,14 +1,14 @@
 """The teaching expert parallelism ends where one process ends, and sends what the core predicts.
 
-4 gloo ranks train tiny-moe (4 experts, top-2) with ep 2 inside data parallelism 2 for 3 AdamW steps in float64: the
-experts gathered over each expert group and every dense weight equal the model trained in one process on the whole
-batch (DESIGN.md: parity in float64 within 1e-10); each rank holds the parameters of core.params' layout for one
-expert-parallel rank (2 of the 4 experts); and the last step's all-to-alls (counts, dispatch, combine, and backward's
-two) are those of core.expert_parallel, call for call. Their payload is the send buffer: tokens x top-k x hidden for
-the forward dispatch and the backward combine whatever the routing, byte for byte; the forward combine and the
-backward dispatch send back what the rank received, which routing decides, so those are checked summed over the
-expert group (the rows an expert group receives are the rows it sent). Activations, measured by the run's own
-measured step, are checked summed over each expert group too (within 0.1%, see below).
+4 gloo ranks train tiny-moe (4 experts, top-2) with ep 2 inside the teaching DDP (DataParallelBucket) for 3 AdamW
+steps in float64: the experts gathered over each expert group and every dense weight equal the model trained in one
+process on the whole batch (DESIGN.md: parity in float64 within 1e-10); each rank holds the parameters of
+core.params' layout for one expert-parallel rank (2 of the 4 experts); and the last step's all-to-alls (counts,
+dispatch, combine, and backward's two) are those of core.expert_parallel, call for call. Their payload is the send
+buffer: tokens x top-k x hidden for the forward dispatch and the backward combine whatever the routing, byte for
+byte; the forward combine and the backward dispatch send back what the rank received, which routing decides, so those
+are checked summed over the expert group (the rows an expert group receives are the rows it sent). Activations,
+measured by the run's own measured step, are checked summed over each expert group too (within 0.1%, see below).
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ TRAINING = TrainingSpec(micro_batch_size=MICRO_BATCH, sequence_length=SEQUENCE, 
 
 
 def expert_parallel_rank(rank: int, world: int, port: int, options: dict[str, Any]) -> dict[str, Any]:
-    """Train with ExpertParallelTeaching and in one process; this rank's differences, parameters and all-to-alls."""
+    """Train with expert parallelism inside the teaching DDP and in one process; this rank's differences, parameters
+    and all-to-alls."""
     import torch.distributed as dist
 
     from shardscope.measure.ledger import CollectiveLedger
     from shardscope.reference_models import build_model, lm_loss, sample_batch
     from shardscope.runtime.lesson_impl import init_process_group
     from shardscope.runtime.steps import _measured_step
-    from shardscope.runtime.teaching.expert_parallel import ExpertParallelTeaching
+    from shardscope.runtime.teaching.ddp import DataParallelBucket
+    from shardscope.runtime.teaching.expert_data_parallel import ExpertDataParallel
     from shardscope.runtime.trainer import make_optimizer
 
     init_process_group(rank, world, port=port, timeout=60)
@@ -56,7 +58,12 @@ def expert_parallel_rank(rank: int, world: int, port: int, options: dict[str, An
         single_losses.append(float(loss))
     # ranks start from different weights (seed 0 is rank 0's), so a missing broadcast shows up
     model = build_model(spec, TRAINING, dtype=torch.float64, seed=rank)
-    trainer = ExpertParallelTeaching(model, TRAINING, ep=options["ep"])
+    trainer = ExpertDataParallel(
+        model,
+        TRAINING,
+        lambda units, groups: DataParallelBucket(model, TRAINING, units=units, unit_groups=groups),
+        ep=options["ep"],
+    )
     mine = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
     losses, ledger, measured, kept = [], CollectiveLedger(), {}, []
     forward = trainer.loss
@@ -83,8 +90,8 @@ def expert_parallel_rank(rank: int, world: int, port: int, options: dict[str, An
         "max_abs_diff": max(float((whole[name] - p).abs().max()) for name, p in single.named_parameters()),
         "loss_diff": max(abs(a - b) for a, b in zip(losses, single_losses, strict=True)),
         "activations_bytes": measured["activations_bytes"],
-        "parameters_bytes": sum(flat.numel() * flat.element_size() for flat in trainer.flat_params),
-        "gradients_bytes": sum(flat.numel() * flat.element_size() for flat in trainer.flat_grads),
+        "parameters_bytes": sum(flat.numel() * flat.element_size() for flat in trainer.data.flat_params),
+        "gradients_bytes": sum(flat.numel() * flat.element_size() for flat in trainer.data.flat_grads),
         "all_to_all": [[row.phase, row.group_size, row.payload_bytes] for row in ledger.rows if row.op == "all_to_all"],
     }
     dist.barrier()

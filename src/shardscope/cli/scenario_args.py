@@ -219,7 +219,8 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs (default 1; estimated, and run by --engine paper inside zero3 or fsdp)",
+        "data-parallel shard x cp GPUs, or ddp's replicas (default 1; estimated, and run by --engine paper without "
+        "tp, cp or pp)",
     )
     parser.add_argument(
         "--pp",
@@ -323,12 +324,11 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
 
 
 def strategy_names(args: argparse.Namespace, cluster: ClusterSpec) -> list[StrategyName]:
-    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists (the sharding
-    stages only under expert parallelism)."""
+    """The strategies asked for; 'all' expands to the four stages plus hsdp where a shard group exists."""
     text: str = args.strategy
     if text == "all":
         grouped = bool(args.shard_group) or cluster.num_nodes > 1
-        return list(comparable_strategies(grouped, sharded=getattr(args, "ep", 1) > 1))
+        return list(comparable_strategies(grouped))
     words = [word.strip() for word in text.split(",") if word.strip()]
     if not words:
         raise CliError("--strategy is empty; give ddp, zero1, zero2, zero3, fsdp, hsdp, a comma list or all")

@@ -134,12 +134,19 @@ def event(phase: str, op: str, size: int, payload: int, group: CommGroup, at: Pl
 
 
 def gradient_reductions(
-    scenario: Scenario, buckets: Sequence[tuple[int, int]], element: int, all_reduce: bool, after_whole_backward: bool
+    scenario: Scenario,
+    buckets: Sequence[tuple[int, int]],
+    element: int,
+    all_reduce: bool,
+    after_whole_backward: bool,
+    group: CommGroup = "world",
+    ranks: int = 0,
 ) -> list[CommEvent]:
     """Gradient buckets reduced over the world as they fill in backward (or all after the whole backward): an
     all-reduce of each (DDP), or a reduce-scatter of each padded to the world size in elements (ZeRO-1/2). Only the
-    last micro-batch reduces, except under ZeRO-2, which keeps only a gradient shard and so reduces every one."""
-    world, steps = scenario.state_ranks, scenario.training.grad_accum_steps
+    last micro-batch reduces, except under ZeRO-2, which keeps only a gradient shard and so reduces every one.
+    `group` of `ranks` ranks replaces the world (expert parallelism's experts, core.expert_parallel)."""
+    world, steps = ranks or scenario.state_ranks, scenario.training.grad_accum_steps
     reduced = range(steps) if scenario.strategy.stage == 2 else range(steps - 1, steps)
     op = "all_reduce" if all_reduce else "reduce_scatter"
     events = []
@@ -148,14 +155,17 @@ def gradient_reductions(
             padded = flat_shard_numel(size // element, world) * world * element
             at: Place = (micro_batch, 0 if after_whole_backward else stage, "after_backward")
             events.append(
-                event("backward", op, world, size if all_reduce else padded, "world", at, f"{op} bucket {index}")
+                event("backward", op, world, size if all_reduce else padded, group, at, f"{op} bucket {index}")
             )
     return events
 
 
-def step_gathers(scenario: Scenario, pieces: Sequence[tuple[int, str]], element: int) -> list[CommEvent]:
-    """After the optimizer step, each updated piece's shards all-gathered over the world, padded to the world size."""
-    world = scenario.state_ranks
+def step_gathers(
+    scenario: Scenario, pieces: Sequence[tuple[int, str]], element: int, group: CommGroup = "world", ranks: int = 0
+) -> list[CommEvent]:
+    """After the optimizer step, each updated piece's shards all-gathered over the world (or `group` of `ranks`
+    ranks), padded to its size."""
+    world = ranks or scenario.state_ranks
     after_step: Place = (scenario.training.grad_accum_steps - 1, -1, "after_step")
     return [
         event(
@@ -163,7 +173,7 @@ def step_gathers(scenario: Scenario, pieces: Sequence[tuple[int, str]], element:
             "all_gather",
             world,
             flat_shard_numel(numel, world) * world * element,
-            "world",
+            group,
             after_step,
             f"all_gather {name}",
         )

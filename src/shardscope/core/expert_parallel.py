@@ -11,10 +11,12 @@ X / D per rank: the same as without expert parallelism. What ep saves is what th
 16-bit weights and gradients, ZeRO-2's weights) and the experts a unit gathers (FSDP's gathered block). Most engines'
 states are scaled to that from the rank's layout (`expert_parallel_states`), and their data-parallel ledger keeps
 one call per unit whose payload holds the rank's experts (X / ep, right) but is priced on the dense weights' group
-of D ranks: an approximation that overstates the experts' data-parallel time. The paper engine under zero3 is exact
-(`experts_placed_from_stage`), as the teaching run (runtime/teaching/expert_sharded.py) allocates and sends it:
-each block's experts are a flat buffer of their own padded to D / ep ranks (`expert_flat_units`), gathered and
-reduce-scattered over those ranks (`expert_unit_events`).
+of D ranks: an approximation that overstates the experts' data-parallel time. The paper engine is exact under every
+stage (`experts_placed_from_stage`), as the teaching run (runtime/teaching/expert_data_parallel.py) allocates and
+sends it: each block's experts are a flat buffer of their own padded to the D / ep ranks holding them
+(`expert_flat_units`), all-reduced over those ranks (ddp), reduce-scattered and all-gathered after the step
+(zero1, zero2: `expert_bucket_events`), or gathered and reduce-scattered as FSDP's units (zero3, hsdp:
+`expert_unit_events`).
 
 Tokens. Routing is dropless, as Mixtral and torchtitan's default MoE run it: every token goes to its top-k experts,
 no capacity factor, none dropped. Per MoE layer and micro-batch a rank sends each of its tokens k times, so its
@@ -34,7 +36,7 @@ and selective checkpointing recomputes only attention.
 from __future__ import annotations
 
 from shardscope.choices import checkpoints_block
-from shardscope.core.comm_events import CommEvent, Place, event
+from shardscope.core.comm_events import CommEvent, Place, event, gradient_reductions, step_gathers
 from shardscope.core.model_states import ModelStates, dtype_bytes
 from shardscope.core.params import ParamLayout, param_layout
 from shardscope.core.sharding import FlatUnits, ceil_div
@@ -64,11 +66,17 @@ def block_expert_numel(layout: ParamLayout) -> int:
     return sum(t.numel for t in layout.block if ".experts." in t.name)
 
 
-def expert_flat_units(layout: ParamLayout, degree: int, ep: int) -> FlatUnits:
-    """The flat buffers of the teaching expert parallelism inside zero3 (runtime/teaching/expert_sharded.py): the
-    root and each block's dense weights padded to a multiple of the D = `degree` ranks, each block's experts a unit
-    of their own padded to a multiple of the D / ep ranks that hold the same experts. Exact, padding included."""
-    expert_degree = degree // ep
+def expert_shard_degree(scenario: Scenario) -> int:
+    """Ranks that hold the same experts as one rank, one per expert group, in its shard group (hsdp's; else every
+    data-parallel rank): D / ep. The teaching strategies shard (or, ddp, average) each block's experts over them."""
+    return scenario.shard_degree // scenario.strategy.ep
+
+
+def expert_flat_units(layout: ParamLayout, degree: int, expert_degree: int) -> FlatUnits:
+    """The flat buffers of the teaching expert parallelism (runtime/teaching/expert_data_parallel.py): the root and
+    each block's dense weights padded to a multiple of the `degree` ranks they are sharded over, each block's experts
+    a unit of their own padded to a multiple of the `expert_degree` ranks that hold the same experts (both 1 under
+    ddp, which shards nothing). Exact, padding included."""
     experts = block_expert_numel(layout)
     root = ceil_div(layout.root_numel, degree)
     dense = ceil_div(layout.block_numel - experts, degree)
@@ -84,14 +92,31 @@ def expert_flat_units(layout: ParamLayout, degree: int, ep: int) -> FlatUnits:
     )
 
 
+def expert_bucket_events(scenario: Scenario, param_bytes: int, grad_bytes: int) -> list[CommEvent]:
+    """The experts' own calls under the teaching ddp, zero1 and zero2 (`expert_flat_units`): each block's experts a
+    gradient bucket of their own, all-reduced (ddp) or reduce-scattered (zero1 after the whole backward, zero2 as it
+    fills) over the D / ep ranks holding them (the group 'experts'); under zero1 and zero2 their updated shards are
+    then all-gathered over the same ranks after the step."""
+    layout, stage = param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep), scenario.strategy.stage
+    ranks, numel = expert_shard_degree(scenario), block_expert_numel(layout)
+    buckets = [(numel * grad_bytes, block + 1) for block in reversed(range(layout.num_blocks))]
+    events = gradient_reductions(scenario, buckets, grad_bytes, stage == 0, stage == 1, "experts", ranks)
+    if stage == 0:
+        return events
+    pieces = [(numel, f"experts {block}") for block in range(layout.num_blocks)]
+    return events + step_gathers(scenario, pieces, param_bytes, "experts", ranks)
+
+
 def expert_unit_events(scenario: Scenario, param_bytes: int, grad_bytes: int) -> list[CommEvent]:
-    """The experts' own calls under the teaching zero3 (`expert_flat_units`): per micro-batch and block, the rank's
-    experts all-gathered over the D / ep ranks holding them before the MoE layer runs, again before its backward
-    (reshard after forward), and their gradients reduce-scattered over the same ranks when complete (the group
-    'experts': one rank per expert group, strided by ep); under hsdp the shard is then averaged across the replica
-    groups."""
-    layout, ep = param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep), scenario.strategy.ep
-    expert_degree = scenario.shard_degree // ep
+    """The experts' own calls under the teaching zero3 and hsdp (`expert_flat_units`): per micro-batch and block,
+    the rank's experts all-gathered over the D / ep ranks holding them before the MoE layer runs, again before its
+    backward (reshard after forward), and their gradients reduce-scattered over the same ranks when complete (the
+    group 'experts': one rank per expert group, strided by ep); under hsdp the shard is then averaged across the
+    replica groups."""
+    layout, expert_degree = (
+        param_layout(scenario.model, scenario.strategy.tp, scenario.strategy.ep),
+        expert_shard_degree(scenario),
+    )
     numel = ceil_div(block_expert_numel(layout), expert_degree) * expert_degree
     events: list[CommEvent] = []
     for micro_batch in range(scenario.training.grad_accum_steps):

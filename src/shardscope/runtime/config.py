@@ -98,10 +98,8 @@ def torch_pipeline_refusal(scenario: Scenario) -> str:
 
 def teaching_expert_refusal(scenario: Scenario) -> str:
     """Why the teaching strategies cannot split experts ('' when they can): the teaching expert parallelism
-    (runtime/teaching/expert_sharded.py) runs inside zero3 / fsdp, without tp, cp or pp."""
+    (runtime/teaching/expert_data_parallel.py) runs inside every data-parallel strategy, without tp, cp or pp."""
     strategy = scenario.strategy
-    if strategy.stage != 3 or strategy.preset.groups_replicate:
-        return f"ep {strategy.ep} runs inside zero3 or fsdp only, not {strategy.name} (the others come later)"
     if strategy.tp > 1 or strategy.cp > 1 or strategy.pp > 1:
         return f"ep {strategy.ep} runs without tp, cp and pp (tp {strategy.tp}, cp {strategy.cp}, pp {strategy.pp})"
     return ""

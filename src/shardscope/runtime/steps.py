@@ -40,11 +40,7 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
             return TorchPipeline(module, config.scenario())
         return PipelineTeaching(module, config.scenario())
     if config.strategy.ep > 1:
-        from shardscope.reference_models import TransformerLM
-        from shardscope.runtime.teaching.expert_sharded import ShardedExpertParallel
-
-        assert isinstance(module, TransformerLM)
-        return ShardedExpertParallel(module, training, ep=config.strategy.ep)
+        return _expert_parallel_trainer(config, module)
     if config.parallelism.splits_model and config.strategy.engine == "pytorch":
         return TorchTensorParallel(module, config.scenario())
     if config.parallelism.splits_model:
@@ -92,6 +88,34 @@ def _model_parallel_trainer(config: RunConfig, module: torch.nn.Module) -> Train
     }
     return ShardedModelParallel(
         module, training, data_parallel[strategy.canonical_name], tp=tp, cp=cp, sequence_parallel=sequence_parallel
+    )
+
+
+def _expert_parallel_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
+    """Expert parallelism inside a teaching data-parallel strategy: the strategy made over the world (hsdp: its
+    shard and replica groups) from the units ExpertDataParallel cuts, the experts' over their own groups."""
+    from shardscope.reference_models import TransformerLM
+    from shardscope.runtime.teaching.ddp import DataParallelBucket
+    from shardscope.runtime.teaching.expert_data_parallel import DataParallel, ExpertDataParallel
+    from shardscope.runtime.teaching.fsdp import FullyShardedTeaching, hsdp_groups
+    from shardscope.runtime.teaching.zero import Zero1, Zero2
+
+    strategy, training, shard_group = config.strategy, config.training, config.scenario().shard_degree
+    assert isinstance(module, TransformerLM)
+    shard, replica = (None, None)
+    if strategy.preset.groups_replicate:
+        shard, replica = hsdp_groups(shard_group, [list(range(config.world_size))])
+    data_parallel: dict[str, DataParallel] = {
+        "ddp": lambda units, groups: DataParallelBucket(module, training, units=units, unit_groups=groups),
+        "zero1": lambda units, groups: Zero1(module, training, units=units, unit_groups=groups),
+        "zero2": lambda units, groups: Zero2(module, training, units=units, unit_groups=groups),
+        "zero3": lambda units, groups: FullyShardedTeaching(module, training, units=units, unit_groups=groups),
+        "hsdp": lambda units, groups: FullyShardedTeaching(
+            module, training, shard, replica, units=units, unit_groups=groups
+        ),
+    }
+    return ExpertDataParallel(
+        module, training, data_parallel[strategy.canonical_name], ep=strategy.ep, shard_group=shard_group
     )
 
 

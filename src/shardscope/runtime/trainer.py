@@ -101,3 +101,22 @@ class Trainer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, by name (may communicate; called on every rank)."""
         raise NotImplementedError
+
+
+class SplitInsideDataParallel(Trainer):
+    """A trainer that splits the model itself (its tensors, its experts) and leaves the gradients, the step and what
+    is held to the data-parallel strategy `data` it made over the pieces."""
+
+    data: Trainer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.data.backward(loss)
+
+    def step(self) -> None:
+        self.data.step()
+
+    def held(self) -> dict[str, list[torch.Tensor]]:
+        return self.data.held()
+
+    def resizable_buffers(self) -> list[torch.Tensor]:
+        return self.data.resizable_buffers()

@@ -41,7 +41,13 @@ from shardscope.core.engines.base import (
     shared_moments,
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
-from shardscope.core.expert_parallel import block_expert_numel, expert_flat_units, expert_unit_events
+from shardscope.core.expert_parallel import (
+    block_expert_numel,
+    expert_bucket_events,
+    expert_flat_units,
+    expert_shard_degree,
+    expert_unit_events,
+)
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
 from shardscope.core.params import ParamLayout, head_numel, param_layout, rank_facts, rank_layout
 from shardscope.core.rank_share import rank_share, ring_attention_backward_bytes, sizes_of
@@ -61,7 +67,7 @@ class PaperRules(RulesDefaults):
     fused_optimizer = False
     torch_engines = False
     megatron_tensor_parallel = True
-    experts_placed_from_stage = 3  # runtime/teaching/expert_sharded.py: each block's experts a unit of their own
+    experts_placed_from_stage = 0  # runtime/teaching/expert_data_parallel.py: each block's experts a unit of their own
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         """Every rank holds the same; ZeRO-1 adds the reduce-scatters it runs after the whole backward. Tensor
@@ -87,10 +93,13 @@ class PaperRules(RulesDefaults):
         )
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
-        """One flat bucket per unit: the blocks in reverse, then the root."""
+        """One flat bucket per unit reduced over the data-parallel ranks: the blocks in reverse, then the root (under
+        expert parallelism a block's dense weights: its experts are a bucket over their own ranks,
+        core.expert_parallel.expert_bucket_events)."""
         layout = rank_layout(scenario)
         element = self.grad_comm_bytes(scenario)
-        blocks = [(layout.block_numel * element, index + 1) for index in reversed(range(layout.num_blocks))]
+        dense = layout.block_numel - (block_expert_numel(layout) if scenario.strategy.ep > 1 else 0)
+        blocks = [(dense * element, index + 1) for index in reversed(range(layout.num_blocks))]
         return (*blocks, (layout.root_numel * element, 0))
 
     def step_events(self, scenario: Scenario) -> list[CommEvent]:
@@ -100,9 +109,9 @@ class PaperRules(RulesDefaults):
         root gathered from forward into backward."""
         stage, layout = scenario.strategy.stage, rank_layout(scenario)
         grad, param = self.grad_comm_bytes(scenario), self.param_comm_bytes(scenario)
+        experts = block_expert_numel(layout) if scenario.strategy.ep > 1 else 0  # a unit of their own
         if stage == 3:
             degree = scenario.shard_degree
-            experts = block_expert_numel(layout) if scenario.strategy.ep > 1 else 0  # a unit of their own
             gathered = (
                 flat_shard_numel(layout.root_numel, degree) * degree,
                 flat_shard_numel(layout.block_numel - experts, degree) * degree,
@@ -113,10 +122,11 @@ class PaperRules(RulesDefaults):
             return _grid_reductions(scenario, grad)
         buckets = self.gradient_buckets(scenario)
         events = gradient_reductions(scenario, buckets, grad, all_reduce=stage == 0, after_whole_backward=stage == 1)
+        events += expert_bucket_events(scenario, param, grad) if experts else []
         if stage == 0:
             return events
-        pieces = [(layout.root_numel, "root")] + [(layout.block_numel, f"block {i}") for i in range(layout.num_blocks)]
-        return events + step_gathers(scenario, pieces, param)
+        blocks = [(layout.block_numel - experts, f"block {i}") for i in range(layout.num_blocks)]
+        return events + step_gathers(scenario, [(layout.root_numel, "root"), *blocks], param)
 
     def setup_rows(self, scenario: Scenario) -> list[CollectiveRow]:
         """Every parameter tensor broadcast from rank 0 (with tp or cp, under every stage, the whole tensor to the
@@ -161,7 +171,7 @@ class PaperRules(RulesDefaults):
         return (
             scenario.strategy.stage == 0
             and event.trigger == "after_backward"
-            and event.group == "world"
+            and event.group in ("world", "experts")
             and not _in_model_parallel_grid(scenario)
         )
 
@@ -280,11 +290,11 @@ def _states(scenario: Scenario) -> tuple[ModelStates, int]:
 
 def _flat_units(scenario: Scenario, layout: ParamLayout | int) -> FlatUnits:
     """The teaching strategies' flat buffers of one rank: one per unit over the shard degree (none for ddp), each
-    block's experts a unit of their own under expert parallelism in zero3 (core.expert_parallel)."""
+    block's experts a unit of their own under expert parallelism (core.expert_parallel)."""
     stage, ep = scenario.strategy.stage, scenario.strategy.ep
     degree = scenario.shard_degree if stage else 1
     if ep > 1 and stage >= PaperRules.experts_placed_from_stage and isinstance(layout, ParamLayout):
-        return expert_flat_units(layout, degree, ep)
+        return expert_flat_units(layout, degree, expert_shard_degree(scenario) if stage else 1)
     return flat_units(layout, degree)
 
 

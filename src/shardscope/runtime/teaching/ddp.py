@@ -3,7 +3,8 @@
 `DataParallelNaive` all-reduces each gradient the moment autograd finishes it. `DataParallelBucket` keeps the
 gradients of each unit in one flat buffer (the parameters' .grad are views into it, as with DDP's
 gradient_as_bucket_view), and all-reduces a unit's buffer asynchronously as soon as its last gradient lands, so
-communication overlaps the rest of backward.
+communication overlaps the rest of backward. Given `units` and `unit_groups`, a unit is all-reduced over its own group
+(expert parallelism's experts, over the ranks holding them), still divided by the world size.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardscope.measure.storage import measured_as
-from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
+from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, model_units, units_and_groups
 from shardscope.runtime.trainer import Trainer, broadcast_module, make_optimizer, optimizer_state_tensors
 from shardscope.specs import TrainingSpec
 
@@ -50,10 +51,13 @@ class DataParallelNaive(Trainer):
         return dict(self.module.named_parameters())
 
 
-def flat_buffers(module: nn.Module) -> tuple[list[FlatLayout], list[torch.Tensor], list[torch.Tensor]]:
-    """One flat parameter and one flat gradient buffer per unit, the parameters and their .grad views into them:
-    the gradients live from step to step, zeroed after each (DDP's gradient_as_bucket_view)."""
-    layouts = [FlatLayout(unit, shard_degree=1) for unit in model_units(module)]
+def flat_buffers(
+    module: nn.Module, units: list[Unit] | None = None
+) -> tuple[list[FlatLayout], list[torch.Tensor], list[torch.Tensor]]:
+    """One flat parameter and one flat gradient buffer per unit (`model_units` unless given), the parameters and
+    their .grad views into them: the gradients live from step to step, zeroed after each (DDP's
+    gradient_as_bucket_view)."""
+    layouts = [FlatLayout(unit, shard_degree=1) for unit in (model_units(module) if units is None else units)]
     with measured_as("parameters"):
         flat_params = [layout.flatten(layout.unit.params) for layout in layouts]
     with measured_as("gradients"):
@@ -90,9 +94,17 @@ class DataParallelBucket(FlatBufferTrainer):
     """Flat parameter and gradient buffers per unit; a unit's gradients are all-reduced as one async call. The ranks
     must start from the same weights (broadcast them first)."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        training: TrainingSpec,
+        *,
+        units: list[Unit] | None = None,
+        unit_groups: list[dist.ProcessGroup | None] | None = None,
+    ) -> None:
         self.module, self.world_size = module, dist.get_world_size()
-        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
+        units, self.groups = units_and_groups(module, None, units, unit_groups)
+        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module, units)
         self.works: list[dist.Work] = []
         for index, layout in enumerate(self.layouts):
             for param in layout.unit.params:
@@ -103,7 +115,7 @@ class DataParallelBucket(FlatBufferTrainer):
     def _landed(self, index: int) -> None:
         self.pending[index] -= 1
         if self.pending[index] == 0:  # the unit's bucket is complete: start its all-reduce, don't wait
-            work = dist.all_reduce(self.flat_grads[index], async_op=True)
+            work = dist.all_reduce(self.flat_grads[index], group=self.groups[index], async_op=True)
             assert work is not None
             self.works.append(work)
 

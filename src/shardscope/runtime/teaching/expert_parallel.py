@@ -12,10 +12,7 @@ norms stay whole). Its MoE layer, for its own tokens:
 Backward sends the gradients through the same two all-to-alls in reverse (`_AllToAll`, whose conjugate is itself
 with the splits swapped). Routing is dropless: no capacity, no token dropped (core/expert_parallel.py predicts it).
 
-`ExpertParallelTeaching` trains a model so, with every rank's tensors in flat buffers as DataParallelBucket's: after
-backward each dense gradient is averaged over the world, and each expert's over the ranks holding the same experts
-(one per expert group), divided by the world too: the expert's gradient already sums its whole group's tokens
-(torchtitan's fsdp_gradient_divide_factor keeps the divisor the data-parallel size for the same reason).
+expert_data_parallel.py trains a model so inside each teaching data-parallel strategy.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardscope.reference_models import MoE, TransformerLM
-from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
-from shardscope.runtime.teaching.flat import ShardOptimizer
-from shardscope.runtime.trainer import broadcast_module
-from shardscope.specs import TrainingSpec
+from shardscope.reference_models import MoE
 
 
 class _AllToAll(torch.autograd.Function):
@@ -87,48 +80,27 @@ class ExpertParallelMoE(nn.Module):
         return torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted.to(tokens.dtype)).view_as(x)
 
 
-def expert_groups(ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def expert_groups(ep: int, shard_group: int = 0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(this rank's expert group: ep consecutive ranks, the innermost of dp_shard as torchtitan's dp_shard_in_ep;
-    the ranks holding the same experts: one per expert group). Every rank creates every group, in order."""
+    the ranks of its shard group holding the same experts: one per expert group). Shard groups are `shard_group`
+    consecutive ranks (hsdp's; 0: the world). Every rank creates every group, in order."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ep:
-        raise ValueError(f"ep({ep}) must divide the world size({world})")
+    shard = shard_group or world
+    if world % shard or shard % ep:
+        raise ValueError(f"ep({ep}) must divide the shard group({shard}), which must divide the world size({world})")
     mine: dict[str, dist.ProcessGroup] = {}
     for kind, lists in (
         ("experts", [list(range(start, start + ep)) for start in range(0, world, ep)]),
-        ("data", [list(range(index, world, ep)) for index in range(ep)]),
+        (
+            "data",
+            [list(range(first + index, first + shard, ep)) for first in range(0, world, shard) for index in range(ep)],
+        ),
     ):
         for ranks in lists:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[kind] = group
     return mine["experts"], mine["data"]
-
-
-class ExpertParallelTeaching(FlatBufferTrainer):
-    """A mixture-of-experts model trained with expert parallelism inside data parallelism, from collectives."""
-
-    def __init__(self, module: TransformerLM, training: TrainingSpec, *, ep: int) -> None:
-        self.module, self.world_size = module, dist.get_world_size()
-        self.expert_group, self.expert_data_group = expert_groups(ep)
-        broadcast_module(module)  # every rank starts from rank 0's weights and keeps its experts of them
-        for block in module.layers:
-            block.moe = ExpertParallelMoE(block.moe, self.expert_group)  # type: ignore[union-attr]
-        self.layouts, self.flat_params, self.flat_grads = flat_buffers(module)
-        self.optimizer = ShardOptimizer(self.flat_params, training)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        for name, param in self.module.named_parameters():
-            if param.grad is None:
-                continue
-            group = self.expert_data_group if ".experts." in name else None
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(param.grad, group=group)
-            param.grad.div_(self.world_size)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return whole_experts(dict(self.module.named_parameters()), self.expert_group)
 
 
 def whole_experts(params: dict[str, torch.Tensor], expert_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardscope.runtime.trainer import is_mixed, make_optimizer
@@ -45,6 +46,20 @@ def model_units(model: nn.Module) -> list[Unit]:
         names, params = zip(*block.named_parameters(), strict=True)
         units.append(Unit(f"layers.{index}", block, [f"layers.{index}.{n}" for n in names], list(params)))
     return units
+
+
+def units_and_groups(
+    module: nn.Module,
+    group: dist.ProcessGroup | None,
+    units: list[Unit] | None = None,
+    unit_groups: list[dist.ProcessGroup | None] | None = None,
+) -> tuple[list[Unit], list[dist.ProcessGroup | None]]:
+    """The units a strategy keeps (`model_units` unless given) and the group each is averaged or sharded over: its
+    own where `unit_groups` names one (expert parallelism's experts, over the ranks holding the same experts), else
+    the strategy's `group`."""
+    units = model_units(module) if units is None else units
+    own = [None] * len(units) if unit_groups is None else unit_groups
+    return units, [group if unit_group is None else unit_group for unit_group in own]
 
 
 class FlatLayout:

@@ -19,7 +19,7 @@ from torch import nn
 
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
-from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, model_units
+from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, units_and_groups
 from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
@@ -52,8 +52,9 @@ def hsdp_groups(
 class FullyShardedTeaching(Trainer):
     """zero3 over shard_pg (None: the world); hsdp when replica_pg is given, across which the gradient shards are
     averaged. `units` and `unit_groups` replace model_units(module) and shard some units over their own group (expert
-    parallelism's experts over the ranks holding the same experts); gradients are divided by the data-parallel
-    size all the same. The ranks must start from the same weights (broadcast them first)."""
+    parallelism's experts over the ranks of their shard group holding the same experts, each shard then averaged
+    across replica_pg as the others); gradients are divided by the data-parallel size all the same. The ranks must
+    start from the same weights (broadcast them first)."""
 
     def __init__(
         self,
@@ -68,8 +69,7 @@ class FullyShardedTeaching(Trainer):
         self.module, self.shard_pg, self.replica_pg = module, shard_pg, replica_pg
         degree = dist.get_world_size(shard_pg)
         self.world_size = degree * (1 if replica_pg is None else dist.get_world_size(replica_pg))
-        units = model_units(module) if units is None else units
-        self.groups = [shard_pg] * len(units) if unit_groups is None else unit_groups
+        units, self.groups = units_and_groups(module, shard_pg, units, unit_groups)
         self.layouts = [
             FlatLayout(unit, shard_degree=dist.get_world_size(group))
             for unit, group in zip(units, self.groups, strict=True)

@@ -20,7 +20,7 @@ from shardscope.ring_attention import use_ring_attention, zigzag_positions
 from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
 from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
-from shardscope.runtime.trainer import Trainer, broadcast_module
+from shardscope.runtime.trainer import SplitInsideDataParallel, Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 
@@ -118,7 +118,7 @@ class ModelParallelTeaching(FlatBufferTrainer):
         return self.split.whole(dict(self.module.named_parameters()))
 
 
-class ShardedModelParallel(Trainer):
+class ShardedModelParallel(SplitInsideDataParallel):
     """tp and cp inside a sharded data-parallel strategy (ZeRO-1/2/3, HSDP): the teaching strategy, made by
     `data_parallel` over the grid's data group, flattens and shards the rank's tp slices as it would a whole model."""
 
@@ -139,18 +139,6 @@ class ShardedModelParallel(Trainer):
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.split.loss(inputs, targets)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.data.backward(loss)
-
-    def step(self) -> None:
-        self.data.step()
-
-    def held(self) -> dict[str, list[torch.Tensor]]:
-        return self.data.held()
-
-    def resizable_buffers(self) -> list[torch.Tensor]:
-        return self.data.resizable_buffers()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return self.split.whole(self.data.full_parameters())

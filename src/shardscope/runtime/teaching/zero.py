@@ -5,7 +5,8 @@ under tensor parallelism the ranks holding the same slice), and the optimizer on
 elements of each buffer). After the update, an all-gather rebuilds the parameters. The ranks must start from the same
 weights (broadcast them first).
 Stage 1 keeps full gradients and reduce-scatters them after backward; stage 2 reduce-scatters each unit's gradients
-as soon as they are complete and keeps only its own gradient shard.
+as soon as they are complete and keeps only its own gradient shard. Given `units` and `unit_groups`, a unit is sharded
+over its own group (expert parallelism's experts, over the ranks holding them), still divided by the N of `group`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
-from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, model_units
+from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, units_and_groups
 from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
@@ -24,26 +25,48 @@ from shardscope.specs import TrainingSpec
 class _ShardedOptimizerBase(Trainer):
     """Whole parameters in flat buffers, the optimizer on this rank's shard of each, all-gather after the step."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
-        self.module, self.group = module, group
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.layouts = [FlatLayout(unit, shard_degree=self.world_size) for unit in model_units(module)]
+    def __init__(
+        self,
+        module: nn.Module,
+        training: TrainingSpec,
+        group: dist.ProcessGroup | None = None,
+        *,
+        units: list[Unit] | None = None,
+        unit_groups: list[dist.ProcessGroup | None] | None = None,
+    ) -> None:
+        self.module, self.world_size = module, dist.get_world_size(group)
+        units, self.groups = units_and_groups(module, group, units, unit_groups)
+        self.layouts = [
+            FlatLayout(unit, shard_degree=dist.get_world_size(unit_group))
+            for unit, unit_group in zip(units, self.groups, strict=True)
+        ]
+        self.ranks = [dist.get_rank(unit_group) for unit_group in self.groups]
         with measured_as("parameters"):
             self.flat_params = [layout.flatten(layout.unit.params) for layout in self.layouts]
         for layout, flat in zip(self.layouts, self.flat_params, strict=True):
             layout.point_params_at(flat)
-        shards = [layout.shard(flat, self.rank) for layout, flat in zip(self.layouts, self.flat_params, strict=True)]
-        self.optimizer = ShardOptimizer(shards, training)
+        self.optimizer = ShardOptimizer(
+            [self._mine(index, flat) for index, flat in enumerate(self.flat_params)], training
+        )
+        self._keep_gradients()
 
-    def _reduce_scatter(self, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
-        reduce_scatter_single(out, flat_grad, group=self.group)
+    def _keep_gradients(self) -> None:
+        """Allocate what the stage keeps of the gradients, and hook where it reduces them."""
+        raise NotImplementedError
+
+    def _mine(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of unit `index`'s whole flat buffer `flat`."""
+        return self.layouts[index].shard(flat, self.ranks[index])
+
+    def _reduce_scatter(self, index: int, flat_grad: torch.Tensor, out: torch.Tensor) -> None:
+        reduce_scatter_single(out, flat_grad, group=self.groups[index])
         out.div_(self.world_size)
 
     def _all_gather_params(self) -> None:
-        for layout, flat in zip(self.layouts, self.flat_params, strict=True):
+        for index, flat in enumerate(self.flat_params):
             with measured_as("buffers"):
-                mine = layout.shard(flat, self.rank).clone()  # a separate send buffer: input must not alias output
-            all_gather_single(flat, mine, group=self.group)
+                mine = self._mine(index, flat).clone()  # a separate send buffer: input must not alias output
+            all_gather_single(flat, mine, group=self.groups[index])
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_parameters())
@@ -53,8 +76,7 @@ class Zero1(_ShardedOptimizerBase):
     """Stage 1: full gradients in flat buffers; after backward each is reduce-scattered and the rank keeps its
     averaged shard in place."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(module, training, group)
+    def _keep_gradients(self) -> None:
         with measured_as("gradients"):
             self.flat_grads = [torch.zeros_like(flat) for flat in self.flat_params]
         for layout, grads in zip(self.layouts, self.flat_grads, strict=True):
@@ -63,16 +85,14 @@ class Zero1(_ShardedOptimizerBase):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        for layout, grads in zip(self.layouts, self.flat_grads, strict=True):
+        for index, (layout, grads) in enumerate(zip(self.layouts, self.flat_grads, strict=True)):
             with measured_as("buffers"):
                 reduced = torch.empty(layout.shard_numel, dtype=grads.dtype, device=grads.device)
-            self._reduce_scatter(grads, reduced)
-            layout.shard(grads, self.rank).copy_(reduced)
+            self._reduce_scatter(index, grads, reduced)
+            self._mine(index, grads).copy_(reduced)
 
     def step(self) -> None:
-        self.optimizer.step(
-            [layout.shard(g, self.rank) for layout, g in zip(self.layouts, self.flat_grads, strict=True)]
-        )
+        self.optimizer.step([self._mine(index, grads) for index, grads in enumerate(self.flat_grads)])
         self._all_gather_params()
         for grads in self.flat_grads:
             grads.zero_()
@@ -90,8 +110,7 @@ class Zero2(_ShardedOptimizerBase):
     """Stage 2: when a unit's last gradient lands, flatten its gradients, reduce-scatter them into the rank's
     persistent gradient shard, and drop the full gradients."""
 
-    def __init__(self, module: nn.Module, training: TrainingSpec, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(module, training, group)
+    def _keep_gradients(self) -> None:
         with measured_as("gradients"):
             self.grad_shards = [
                 torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
@@ -111,7 +130,7 @@ class Zero2(_ShardedOptimizerBase):
             flat_grad = layout.flatten([p.grad for p in layout.unit.params])  # type: ignore[misc]
         for param in layout.unit.params:
             param.grad = None
-        self._reduce_scatter(flat_grad, self.grad_shards[index])
+        self._reduce_scatter(index, flat_grad, self.grad_shards[index])
         self.pending[index] = len(layout.unit.params)
 
     def step(self) -> None:

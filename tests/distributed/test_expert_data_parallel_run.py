@@ -1,5 +1,6 @@
-"""`shardscope run --engine paper --ep`: the teaching expert parallelism inside fsdp
-(runtime/teaching/expert_sharded.py) ends where one process ends and holds and sends what the paper engine predicts.
+"""`shardscope run --engine paper --ep`: the teaching expert parallelism inside each data-parallel strategy
+(runtime/teaching/expert_data_parallel.py) ends where one process ends and holds and sends what the paper engine
+predicts.
 
 Each case trains tiny-moe (4 experts, top-2) in float64 for 3 AdamW steps on 4 gloo ranks (parity within 1e-10,
 DESIGN.md). Every rank's parameters, gradients and optimizer state equal the prediction byte for byte, and every
@@ -9,9 +10,9 @@ experts received, which routing decides: per rank under ep 2, summed over each e
 expert per rank makes the rows a rank receives uneven (tiny-moe: rank 0 keeps 3,013,016 B of activations against
 2,427,400 predicted for even routing). The all-to-alls: per rank as many calls as predicted, the counts exchange
 byte for byte; the token payloads (the forward combine and the backward dispatch send back what the rank received)
-are checked summed over each expert group, which sends back as many rows as it was sent. One short case runs by
-default; ep 4 (one expert per rank, the experts' data-parallel groups of one rank) under `pytest -m long`. Each
-launch has a hard deadline (RunConfig.timeout_s).
+are checked summed over each expert group, which sends back as many rows as it was sent. Two short cases run by
+default (fsdp and zero2, ep 2); the other strategies and ep 4 (one expert per rank, the experts' data-parallel groups
+of one rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ from shardscope.runtime.config import RunConfig
 from shardscope.runtime.launch import launch
 
 pytestmark = pytest.mark.distributed
-OPTIONS = {"model": "tiny-moe", "strategy": "fsdp", "engine": "paper", "precision": "fp64", "world_size": 4}
+OPTIONS = {"model": "tiny-moe", "engine": "paper", "precision": "fp64", "world_size": 4}
 STATES = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
 TOLERANCE = 0.05  # validate's target for activations and the peak (validate/compare.py TARGETS)
 
 
-def run_and_compare(ep: int, per_rank: bool = True) -> list[dict[str, Any]]:
+def run_and_compare(strategy: str, ep: int, per_rank: bool = True, shard_group: int = 0) -> list[dict[str, Any]]:
     """Launch one case; assert parity, and every rank against the prediction (activations and the peak each rank's
     when `per_rank`, else summed over each expert group). Returns the ranks."""
-    config = RunConfig.from_options(**OPTIONS, ep=ep, steps=3, timeout_s=150)
+    config = RunConfig.from_options(
+        **OPTIONS, strategy=strategy, shard_group=shard_group, ep=ep, steps=3, timeout_s=150
+    )
     raw = launch([config])[0]
     assert raw["max_abs_diff"] <= 1e-10, raw["max_abs_diff"]
     scenario = config.scenario()
@@ -82,14 +85,43 @@ def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction() -> 
     # tiny-moe ep 2 in fsdp over 4 ranks: per rank the root's 32,832 and each block's 12,672 dense parameters over
     # the 4 ranks, each block's 2 experts (49,152) over the 2 ranks holding them: 8,208 + 2 x (3,168 + 24,576) =
     # 63,696 float64 parameters (509,568 B); AdamW's two moments and one step counter for each of 5 flat buffers
-    ranks = run_and_compare(ep=2)
+    ranks = run_and_compare("fsdp", ep=2)
     assert ranks[0]["memory"]["parameters_bytes"] == 63_696 * 8
     assert ranks[0]["memory"]["optimizer_state_bytes"] == 2 * 63_696 * 8 + 5 * 4
     experts = [row for row in ranks[0]["ledger"] if row["op"] == "reduce_scatter" and row["group_size"] == 2]
     assert experts == [{**experts[0], "payload_bytes": 49_152 * 8, "count": 2}]
 
 
+def test_ep2_inside_zero2_on_4_ranks_matches_one_process_and_the_prediction() -> None:
+    # tiny-moe ep 2 in zero2 over 4 ranks: whole parameters in flat buffers, each block's 2 experts (49,152) one of
+    # their own: 32,832 + 2 x (12,672 + 49,152) = 156,480 float64 parameters (1,251,840 B); gradient shards as fsdp's
+    # parameter shards above (63,696); each block's experts reduce-scattered and, after the step, all-gathered over
+    # the 2 ranks holding them
+    ranks = run_and_compare("zero2", ep=2)
+    assert ranks[0]["memory"]["parameters_bytes"] == 156_480 * 8
+    assert ranks[0]["memory"]["gradients_bytes"] == 63_696 * 8
+    experts = [row for row in ranks[0]["ledger"] if row["group_size"] == 2 and row["op"] != "all_to_all"]
+    assert sorted((row["op"], row["payload_bytes"], row["count"]) for row in experts) == [
+        ("all_gather", 49_152 * 8, 2),
+        ("reduce_scatter", 49_152 * 8, 2),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize(("strategy", "shard_group"), [("ddp", 0), ("zero1", 0), ("hsdp", 2)])
+def test_ep2_inside_the_other_strategies(strategy: str, shard_group: int) -> None:
+    run_and_compare(strategy, ep=2, shard_group=shard_group)
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_ep4_one_expert_per_rank() -> None:
-    run_and_compare(ep=4, per_rank=False)
+    run_and_compare("fsdp", ep=4, per_rank=False)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_ep4_inside(strategy: str) -> None:
+    run_and_compare(strategy, ep=4, per_rank=False)
