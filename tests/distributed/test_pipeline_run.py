@@ -126,3 +126,9 @@ def test_the_worker_reads_a_pipeline_from_its_flags() -> None:
     (parsed,), _ = parse_config(argv)
     assert parsed.options() == config.options()
     assert parsed.strategy.pp_layers == (0, 3, 3, 2) and parsed.training.grad_accum_steps == 4
+
+
+def test_pp2_tp2_matches_one_process_and_its_prediction() -> None:
+    # each stage's layers split over 2 tp ranks (sequence parallel): stage boundaries carry each tp rank's seq/tp tokens
+    ranks = run_and_compare({"model": "tiny-llama", "world_size": 4, "pp": 2, "tp": 2, "grad_accum": 4})
+    assert {row["payload_bytes"] for row in ranks[0]["ledger"] if row["op"] == "send"} == {2 * 32 // 2 * 64 * 8}

@@ -203,5 +203,5 @@ def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
     assert every_case()[-len(cases) :] == cases
     assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
     assert cases[3].scenario().strategy.pipeline_stages == 8
-    fsdp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, grad_accum=4)
-    assert "runs inside ddp only" in fsdp.not_runnable()
+    ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, cp=2, grad_accum=4)
+    assert "runs without cp" in ring.not_runnable()
