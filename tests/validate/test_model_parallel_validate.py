@@ -198,6 +198,10 @@ def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
         "tiny-llama-8 ddp paper w4 pp4 gpipe m4 fp32",
         "tiny-llama-8 ddp paper w4 pp4 1f1b m4 fp32",
         "tiny-llama-8 ddp paper w4 pp4 interleaved-1f1b m4 fp32",
+        "tiny-llama ddp paper w4 tp2 pp2 1f1b m4 sp fp32",
+        "tiny-llama zero3 paper w4 pp2 1f1b m4 fp32",
+        "tiny-llama zero1 paper w8 tp2 pp2 1f1b m4 sp fp32",
+        "tiny-llama zero3 paper w8 tp2 pp2 1f1b m4 sp fp32",
     ]
     assert all(case.not_runnable() == "" for case in cases)
     assert every_case()[-len(cases) :] == cases
