@@ -247,7 +247,10 @@ CASES: list[tuple[list[str], str]] = [
         "--strategy ddp: the pipeline",
     ),
     (["run", "--model", "tiny-llama", "--pp", "2"], "grad_accum_steps=1 < pp=2"),
-    (["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2"], "pp 2 runs inside ddp only, not zero3"),
+    (
+        ["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--cp", "2", "--world-size", "4"],
+        "pp 2 runs without cp",
+    ),
     (
         ["run", "--model", "tiny-llama", "--pp", "2", "--grad-accum", "2", "--engine", "pytorch", "--strategy", "ddp"],
         "pp 2 runs inside fully_shard only",

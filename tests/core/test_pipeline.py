@@ -171,3 +171,34 @@ def test_expert_parallelism_borrows_shard_gpus_of_moe_models_only() -> None:
     with pytest.raises(MeshError, match="ep 2 must divide hsdp's shard group 1 x cp 1 = 1"):
         scenario("mixtral-8x7b", name="hsdp", shard_group=1, ep=2)
     assert scenario("mixtral-8x7b", name="ddp", ep=2).parallelism.dp_replicate == 16  # ddp lends its replicas
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_pipeline_ranks_make_the_whole_models_tensor_parallel_calls_between_them(sequence_parallel: bool) -> None:
+    # every layer, the embeddings and the head are on one pipeline rank: the ranks' tp calls add up to the whole
+    # model's, the embeddings' on the first rank only and the head's and the loss's on the last only
+    from collections import Counter
+
+    from shardscope.core.comm import collective_ledger
+    from shardscope.core.pipeline_time import pipeline_rank_ledger
+
+    def tp_calls(rows: object) -> Counter[tuple[str, str, int]]:
+        return Counter(
+            {(row.phase, row.op, row.payload_bytes): row.count for row in rows if row.group == "tp"}  # type: ignore[attr-defined]
+        )
+
+    pipeline = scenario("llama-3-8b", 16, 4, name="ddp", pp=2, tp=2, sequence_parallel=sequence_parallel)
+    whole = scenario("llama-3-8b", 8, 4, name="ddp", tp=2, sequence_parallel=sequence_parallel)
+    first, last = (tp_calls(pipeline_rank_ledger(pipeline, rank)) for rank in (0, 1))
+    assert first + last == tp_calls(collective_ledger(whole))
+    loss_values = pipeline.training.tokens_per_micro_batch * 4  # one fp32 value a token, 3 all-reduces a micro-batch
+    assert ("forward", "all_reduce", loss_values) not in first and last[("forward", "all_reduce", loss_values)] == 12
+
+
+def test_a_teaching_pipeline_rank_gathers_its_root_once_a_step_under_zero3() -> None:
+    # the micro-batches in flight on a pipeline rank share its root unit (runtime/teaching/pipeline_data.py)
+    from shardscope.core.pipeline_time import pipeline_rank_ledger
+
+    pipeline = scenario("llama-3-8b", 16, 4, name="zero3", engine="paper", pp=2)
+    gathers = [row for row in pipeline_rank_ledger(pipeline, 0) if row.op == "all_gather" and row.phase == "forward"]
+    assert sorted(row.count for row in gathers) == [1, 16 * 4]  # the embeddings once; 16 blocks every micro-batch

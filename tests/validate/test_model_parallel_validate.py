@@ -198,10 +198,14 @@ def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
         "tiny-llama-8 ddp paper w4 pp4 gpipe m4 fp32",
         "tiny-llama-8 ddp paper w4 pp4 1f1b m4 fp32",
         "tiny-llama-8 ddp paper w4 pp4 interleaved-1f1b m4 fp32",
+        "tiny-llama ddp paper w4 tp2 pp2 1f1b m4 sp fp32",
+        "tiny-llama zero3 paper w4 pp2 1f1b m4 fp32",
+        "tiny-llama zero1 paper w8 tp2 pp2 1f1b m4 sp fp32",
+        "tiny-llama zero3 paper w8 tp2 pp2 1f1b m4 sp fp32",
     ]
     assert all(case.not_runnable() == "" for case in cases)
     assert every_case()[-len(cases) :] == cases
     assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
     assert cases[3].scenario().strategy.pipeline_stages == 8
-    fsdp = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, grad_accum=4)
-    assert "runs inside ddp only" in fsdp.not_runnable()
+    ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, cp=2, grad_accum=4)
+    assert "runs without cp" in ring.not_runnable()

@@ -182,11 +182,17 @@ def step_gathers(
 
 
 def sharded_events(
-    scenario: Scenario, gathered_numels: tuple[int, int], param_bytes: int, grad_bytes: int, regather_root: bool
+    scenario: Scenario,
+    gathered_numels: tuple[int, int],
+    param_bytes: int,
+    grad_bytes: int,
+    regather_root: bool,
+    root_once: bool = False,
 ) -> list[CommEvent]:
     """ZeRO-3, FSDP and HSDP: per-unit all-gathers before use, per-unit reduce-scatters after backward (hsdp: then an
     all-reduce of the shard across replica groups); `gathered_numels` is (root, one block) once gathered, padding
-    included; `regather_root`: the root is gathered again for backward (else kept from forward)."""
+    included; `regather_root`: the root is gathered again for backward (else kept from forward); `root_once`: the
+    root is gathered for the first micro-batch only and kept whole through the step."""
     strategy = scenario.strategy
     degree, replicas = scenario.shard_degree, scenario.replica_degree
     group: CommGroup = "shard" if strategy.preset.groups_replicate else "world"
@@ -203,6 +209,8 @@ def sharded_events(
 
     for micro_batch in range(scenario.training.grad_accum_steps):
         for unit in layout_units:
+            if root_once and micro_batch and unit.name == "root":
+                continue
             gather(
                 "forward",
                 root_numel if unit.name == "root" else block_numel,

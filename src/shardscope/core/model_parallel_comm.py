@@ -47,7 +47,7 @@ from shardscope.choices import Trigger, checkpoints_block
 from shardscope.core.comm_events import CommEvent, Place, event
 from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_states import dtype_bytes
-from shardscope.core.params import param_layout, rank_layout
+from shardscope.core.params import held_ends, param_layout, rank_layout
 from shardscope.specs import Scenario
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
@@ -102,6 +102,7 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, re
     tokens = training.micro_batch_size * training.sequence_length // scenario.strategy.cp
     activation = tokens * model.hidden_size * dtype_bytes(training.precision)
     head = model.num_layers + 1
+    embedding_held, head_held = held_ends(model)  # a pipeline rank makes the calls of the ends it holds only
     events: list[CommEvent] = []
 
     def call(phase: str, op: str, payload: int, stage: int, trigger: Trigger, what: str) -> None:
@@ -116,19 +117,22 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, re
     entry_backward = ("reduce_scatter", "all_gather") if regather else ("reduce_scatter",)
     block_backward = (("all_gather", *entry_backward) * 2) if sequence_parallel else block_calls
 
-    call("forward", "reduce_scatter" if sequence_parallel else "all_reduce", activation, 0, "during_forward", "embed")
+    if embedding_held:
+        call(
+            "forward", "reduce_scatter" if sequence_parallel else "all_reduce", activation, 0, "during_forward", "embed"
+        )
     for block in range(1, model.num_layers + 1):
         for op in block_calls:
             call("forward", op, activation, block, "during_forward", f"block {block - 1}")
-    if sequence_parallel:
-        call("forward", "all_gather", activation, head, "during_forward", "head")
     loss_values = tokens * (8 if training.precision == "fp64" else 4)  # the logits upcast to fp32 (fp64 kept)
-    for _ in range(LOSS_PARALLEL_ALL_REDUCES):
-        call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
-
     head_input = entry_backward if sequence_parallel else ("all_reduce",)  # the all-gather's conjugate, or f
-    for op in head_input:
-        call("backward", op, activation, head, "during_backward", "head")
+    if head_held:
+        if sequence_parallel:
+            call("forward", "all_gather", activation, head, "during_forward", "head")
+        for _ in range(LOSS_PARALLEL_ALL_REDUCES):
+            call("forward", "all_reduce", loss_values, head, "during_forward", "loss")
+        for op in head_input:
+            call("backward", op, activation, head, "during_backward", "head")
     for block in reversed(range(1, model.num_layers + 1)):
         recomputed = _recomputes(scenario, block - 1)
         # A whole block's re-forward stops at its last saved tensor (torch.utils.checkpoint's early stop): the MLP's
@@ -139,7 +143,8 @@ def _tensor_parallel(scenario: Scenario, micro_batch: int, weight_bytes: int, re
         for op in block_backward:
             call("backward", op, activation, block, "during_backward", f"block {block - 1}")
     if sequence_parallel:
-        call("backward", "all_gather", activation, 0, "during_backward", "embed")
+        if embedding_held:
+            call("backward", "all_gather", activation, 0, "during_backward", "embed")
         for name, numel in _replicated(scenario):
             call("backward", "all_reduce", numel * weight_bytes, 0, "after_backward", f"gradient of {name}")
     return events

@@ -178,6 +178,14 @@ class StageModel(ModelSpec):
         ModelSpec(**{**values, "num_layers": max(1, self.num_layers)})
 
 
+def held_ends(model: ModelSpec) -> tuple[bool, bool]:
+    """(the embeddings, the final norm and output head): which ends of the model a pipeline rank's StageModel
+    holds; a whole model holds both."""
+    if isinstance(model, StageModel):
+        return model.holds_embedding, model.holds_head
+    return True, True
+
+
 def _root(model: ModelSpec, tp: int) -> tuple[ParamTensor, ...]:
     tensors = _whole_root(model, tp)
     if not isinstance(model, StageModel) or (model.holds_embedding and model.holds_head):

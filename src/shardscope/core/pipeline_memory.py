@@ -77,8 +77,8 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     states = _states(scenario, stages)
     gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
     in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
-    acts = activations_for(scenario, states.autocast)
     rules = rules_for(scenario)
+    acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
     weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
     actions = rank_actions(
         strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank

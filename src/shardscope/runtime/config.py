@@ -56,15 +56,13 @@ them (DDP takes no DTensor parameters)."""
 
 def teaching_refusal(scenario: Scenario) -> str:
     """Why the teaching strategies cannot run a model-parallel scenario ('' when they can): the teaching pipeline
-    (runtime/teaching/pipeline.py) runs inside ddp, without tp or cp, and needs a model without tied embeddings
-    (the tie across the first and last stages is not built)."""
+    (runtime/teaching/pipeline.py) runs with tp inside every data-parallel strategy, without cp, and needs a model
+    without tied embeddings (the tie across the first and last stages is not built)."""
     strategy = scenario.strategy
     if strategy.pp == 1:
         return ""
-    if strategy.tp > 1 or strategy.cp > 1:
-        return f"pp {strategy.pp} runs without tp and cp (tp {strategy.tp}, cp {strategy.cp} given)"
-    if strategy.stage != 0:
-        return f"pp {strategy.pp} runs inside ddp only, not {strategy.name} (its sharded strategies come later)"
+    if strategy.cp > 1:
+        return f"pp {strategy.pp} runs without cp (cp {strategy.cp} given)"
     if scenario.model.tie_embeddings:
         return f"pp {strategy.pp} needs a model without tied embeddings ({scenario.model.name} ties them)"
     return ""
@@ -87,7 +85,7 @@ def torch_pipeline_refusal(scenario: Scenario) -> str:
     if strategy.stage < 2:
         return (
             f"pp {strategy.pp} runs inside fully_shard only (zero2, zero3, fsdp, hsdp), not {strategy.name}; "
-            "--engine paper runs the teaching pipeline inside ddp"
+            "--engine paper runs the teaching pipeline inside it"
         )
     if model.family != "llama":
         return f"pp {strategy.pp} cuts llama-style models only, not {model.name} (a {model.family} model)"

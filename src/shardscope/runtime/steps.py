@@ -33,12 +33,13 @@ def make_trainer(config: RunConfig, module: torch.nn.Module) -> Trainer:
     if config.strategy.pp > 1:
         from shardscope.reference_models import TransformerLM
         from shardscope.runtime.teaching.pipeline import PipelineTeaching
+        from shardscope.runtime.teaching.pipeline_data import pipeline_data_parallel
         from shardscope.runtime.torch_pipeline import TorchPipeline
 
         assert isinstance(module, TransformerLM)
         if config.strategy.engine == "pytorch":
             return TorchPipeline(module, config.scenario())
-        return PipelineTeaching(module, config.scenario())
+        return PipelineTeaching(module, config.scenario(), pipeline_data_parallel(config.scenario()))
     if config.strategy.ep > 1:
         return _expert_parallel_trainer(config, module)
     if config.parallelism.splits_model and config.strategy.engine == "pytorch":

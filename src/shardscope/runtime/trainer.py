@@ -82,6 +82,10 @@ class Trainer:
         """Backward and whatever gradient communication the strategy does, finished when this returns."""
         loss.backward()
 
+    def reduce_accumulated(self) -> None:
+        """The gradient communication left once the step's last backward has run, called instead of `backward` by a
+        pipeline, which runs its micro-batches' backwards itself: none where hooks reduced each backward's."""
+
     def step(self) -> None:
         """Optimizer update, parameter communication, and clearing the gradients for the next step."""
         raise NotImplementedError

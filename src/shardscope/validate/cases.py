@@ -267,16 +267,34 @@ def model_parallel_matrix(device: str = "cpu", *, three_d: bool = True) -> tuple
 
 
 def pipeline_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
-    """Issue 20's pipeline cases, run by the teaching pipeline inside ddp: pp 2 x dp 2 under 1F1B (tiny-llama), and
-    pp 4 under each schedule (tiny-llama-8, whose 8 layers fill 8 interleaved stages), 4 micro-batches each."""
-    cases = [ValidationCase(model="tiny-llama", strategy="ddp", engine="paper", world_size=4, pp=2, grad_accum=4)]
+    """Issue 20's pipeline cases, run by the teaching pipeline: inside ddp, pp 2 x dp 2 under 1F1B (tiny-llama) and
+    pp 4 under each schedule (tiny-llama-8, whose 8 layers fill 8 interleaved stages); pp 2 x tp 2 (sequence
+    parallel), pp 2 x dp 2 inside zero3, and the 8-rank pp 2 x tp 2 x dp 2 inside zero1 and zero3; 4 micro-batches
+    each."""
+    cases = [_llama_pipeline("ddp", world_size=4)]
     cases += [
         ValidationCase(
             model="tiny-llama-8", strategy="ddp", engine="paper", world_size=4, pp=4, pp_schedule=schedule, grad_accum=4
         )
         for schedule in ("gpipe", "1f1b", "interleaved-1f1b")
     ]
+    cases += [_llama_pipeline("ddp", world_size=4, tp=2), _llama_pipeline("zero3", world_size=4)]
+    cases += [_llama_pipeline(strategy, world_size=8, tp=2) for strategy in ("zero1", "zero3")]
     return tuple(replace(case, device=device) for case in cases)
+
+
+def _llama_pipeline(strategy: str, *, world_size: int, tp: int = 1) -> ValidationCase:
+    """tiny-llama on 2 pipeline ranks of 4 micro-batches under 1F1B, sequence parallel with tp."""
+    return ValidationCase(
+        model="tiny-llama",
+        strategy=strategy,
+        engine="paper",
+        world_size=world_size,
+        tp=tp,
+        sequence_parallel=tp > 1,
+        pp=2,
+        grad_accum=4,
+    )
 
 
 def every_case(device: str = "cpu") -> tuple[ValidationCase, ...]:

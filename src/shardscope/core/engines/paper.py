@@ -8,6 +8,9 @@ the shard degree D, so a rank holds ceil(P_u / D) elements of unit u, and Adam k
 Without a shape (--params) the model is one flat buffer, which is the paper's own accounting. Communication volumes
 follow the paper's Section 7: DDP and ZeRO-1/2 move 2 x parameters per step, ZeRO-3 3 x.
 
+On a pipeline rank (its proxy's model a StageModel) the data-parallel strategy runs over flat buffers of its stages
+as above, its micro-batches' gradients accumulated (runtime/teaching/pipeline_data.py).
+
 With tensor or context parallelism every stage runs in the teaching grid (runtime/teaching/model_parallel.py): rank 0's
 whole model broadcast to the world tensor by tensor before each rank keeps its slice. DDP (ModelParallelTeaching) then,
 every micro-batch after backward, all-reduces each parameter tensor (its tp slice) over the dp x cp ranks holding it,
@@ -49,7 +52,7 @@ from shardscope.core.expert_parallel import (
     expert_unit_events,
 )
 from shardscope.core.model_states import ModelStates, dtype_bytes, offload, optimizer_moments, step_tensor_bytes
-from shardscope.core.params import ParamLayout, head_numel, param_layout, rank_facts, rank_layout
+from shardscope.core.params import ParamLayout, StageModel, head_numel, param_layout, rank_facts, rank_layout
 from shardscope.core.rank_share import rank_share, ring_attention_backward_bytes, sizes_of
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import FlatUnits, flat_shard_numel, flat_units
@@ -116,7 +119,10 @@ class PaperRules(RulesDefaults):
                 flat_shard_numel(layout.root_numel, degree) * degree,
                 flat_shard_numel(layout.block_numel - experts, degree) * degree,
             )
-            events = sharded_events(scenario, gathered, param, grad, regather_root=False)
+            # a teaching pipeline rank's micro-batches in flight share its root: gathered once a step
+            # (runtime/teaching/pipeline_data.py)
+            pipeline = isinstance(scenario.model, StageModel)
+            events = sharded_events(scenario, gathered, param, grad, regather_root=False, root_once=pipeline)
             return events + expert_unit_events(scenario, param, grad) if experts else events
         if _in_model_parallel_grid(scenario):
             return _grid_reductions(scenario, grad)
@@ -177,8 +183,10 @@ class PaperRules(RulesDefaults):
 
 
 def _in_model_parallel_grid(scenario: Scenario) -> bool:
-    """DDP with tp or cp, which the teaching runs as ModelParallelTeaching."""
-    return scenario.strategy.stage == 0 and scenario.parallelism.splits_model
+    """DDP with tp or cp, which the teaching runs as ModelParallelTeaching; not on a pipeline rank (a StageModel),
+    whose flat buffers are all-reduced unit by unit (runtime/teaching/pipeline_data.py)."""
+    pipeline = isinstance(scenario.model, StageModel)
+    return scenario.strategy.stage == 0 and scenario.parallelism.splits_model and not pipeline
 
 
 def _grid_backward(scenario: Scenario, states: ModelStates, acts: ActivationEstimate) -> tuple[LiveBytes, LiveBytes]:

@@ -5,8 +5,10 @@ a whole buffer that the parameters view; after forward the buffer's storage is f
 autograd saved still point at it, and it is gathered again into the same storage just before the unit's backward.
 When the unit's last gradient lands, its gradients are reduce-scattered into the rank's gradient shard and the
 whole buffer is freed. The root unit (embeddings, final norm, head) stays gathered from the start of forward to the
-end of backward, because both ends of the model use it. HSDP does the same inside groups of `shard_group` ranks and
-all-reduces the gradient shards across the groups.
+end of backward, because both ends of the model use it (on a pipeline rank, `root_held_for_step`, from the step's
+first forward to its last backward: the micro-batches in flight there share it). From the second backward of a step
+on (a pipeline's micro-batches), a unit's reduced gradients are added to its shard. HSDP does the same inside groups
+of `shard_group` ranks and all-reduces the gradient shards across the groups.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from shardscope.measure.storage import measured_as
 from shardscope.runtime.collectives import all_gather_single, reduce_scatter_single
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, units_and_groups
+from shardscope.runtime.teaching.zero import accumulate_into
 from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
 
@@ -65,10 +68,12 @@ class FullyShardedTeaching(Trainer):
         *,
         units: list[Unit] | None = None,
         unit_groups: list[dist.ProcessGroup | None] | None = None,
+        root_held_for_step: bool = False,
     ) -> None:
         self.module, self.shard_pg, self.replica_pg = module, shard_pg, replica_pg
-        degree = dist.get_world_size(shard_pg)
-        self.world_size = degree * (1 if replica_pg is None else dist.get_world_size(replica_pg))
+        self.replicas = 1 if replica_pg is None else dist.get_world_size(replica_pg)
+        self.world_size = dist.get_world_size(shard_pg) * self.replicas
+        self.root_held_for_step = root_held_for_step
         units, self.groups = units_and_groups(module, shard_pg, units, unit_groups)
         self.layouts = [
             FlatLayout(unit, shard_degree=dist.get_world_size(group))
@@ -88,11 +93,12 @@ class FullyShardedTeaching(Trainer):
                 self.grad_shards.append(torch.zeros_like(self.shards[-1]))
         self.pending = [len(layout.unit.params) for layout in self.layouts]
         self.in_backward = [False] * len(self.layouts)
+        self.reduced = [False] * len(self.layouts)  # the unit's shard holds a gradient of this step already
         for index, layout in enumerate(self.layouts):
             for param in layout.unit.params:
                 param.register_post_accumulate_grad_hook(lambda _p, index=index: self._landed(index))
             layout.unit.module.register_forward_pre_hook(lambda _m, _a, index=index: self._gather(index))
-            if index:  # blocks free after forward and gather again before their backward
+            if layout.unit.name != "root":  # blocks free after forward and gather again before their backward
                 layout.unit.module.register_forward_hook(
                     lambda _m, _a, out, index=index: self._after_forward(index, out)
                 )
@@ -130,15 +136,28 @@ class FullyShardedTeaching(Trainer):
             flat_grad = layout.flatten([p.grad for p in layout.unit.params])  # type: ignore[misc]
         for param in layout.unit.params:
             param.grad = None
-        self._free(index)
-        reduce_scatter_single(self.grad_shards[index], flat_grad, group=self.groups[index])
+        if layout.unit.name != "root" or not self.root_held_for_step:
+            self._free(index)
+        group = self.groups[index]
+        if self.reduced[index]:  # every replica adds its shard: the all-reduce sums them
+            accumulate_into(
+                layout.shard(flat_grad, dist.get_rank(group)), self.grad_shards[index], self.world_size // self.replicas
+            )
+        reduce_scatter_single(self.grad_shards[index], flat_grad, group=group)
         if self.replica_pg is not None:
             dist.all_reduce(self.grad_shards[index], group=self.replica_pg)
         self.grad_shards[index].div_(self.world_size)
-        self.pending[index], self.in_backward[index] = len(layout.unit.params), False
+        self.pending[index], self.in_backward[index], self.reduced[index] = len(layout.unit.params), False, True
+
+    def reduce_accumulated(self) -> None:
+        """A root held for the step is freed once its last backward has run."""
+        for index, layout in enumerate(self.layouts):
+            if layout.unit.name == "root":
+                self._free(index)
 
     def step(self) -> None:
         self.optimizer.step(self.grad_shards)
+        self.reduced = [False] * len(self.layouts)
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {

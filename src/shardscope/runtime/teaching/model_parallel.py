@@ -1,11 +1,12 @@
 """Tensor and context parallelism inside data parallelism: a dp x cp x tp grid of ranks, tp innermost.
 
 Rank r sits at dp_index = r // (cp*tp), cp_index = r // tp % cp, tp_index = r % tp (picotron's process group
-manager, torchtitan's ParallelDims order). The tp ranks of a cell share its tokens and split its weights; the cp
-ranks of a row split the tokens of the same sequences; the dp ranks take different sequences. So the ranks with the
-same tp_index hold the same shard and have seen different tokens: their gradients are averaged over that data group,
-by one all-reduce per tensor (`ModelParallelTeaching`, DDP), or by a teaching ZeRO strategy that flattens and shards
-the tp slices over it as it would a whole model (`ShardedModelParallel`).
+manager, torchtitan's ParallelDims order; a pipeline adds pp outermost, each pipeline rank a grid of its own). The
+tp ranks of a cell share its tokens and split its weights; the cp ranks of a row split the tokens of the same
+sequences; the dp ranks take different sequences. So the ranks with the same tp_index hold the same shard and have
+seen different tokens: their gradients are averaged over that data group, by one all-reduce per tensor
+(`ModelParallelTeaching`, DDP), or by a teaching ZeRO strategy that flattens and shards the tp slices over it as it
+would a whole model (`ShardedModelParallel`).
 """
 
 from __future__ import annotations
@@ -19,26 +20,31 @@ from shardscope.reference_models import TransformerLM
 from shardscope.ring_attention import use_ring_attention, zigzag_positions
 from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
 from shardscope.runtime.teaching.flat import ShardOptimizer
-from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, shard_dim, whole_of
+from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, whole_parameters
 from shardscope.runtime.trainer import SplitInsideDataParallel, Trainer, broadcast_module
 from shardscope.specs import TrainingSpec
 
 
 class ProcessGrid:
-    """This rank's place in the dp x cp x tp grid and its three groups. Every rank creates every group, in the same
-    order, as torch.distributed requires."""
+    """This rank's place in the pp x dp x cp x tp grid and its groups (pp outermost, tp innermost; pp is 1 but for
+    the teaching pipeline, whose neighbouring stages pair up in pipeline.PipelineGrid). Every rank creates every
+    group, in the same order, as torch.distributed requires."""
 
-    def __init__(self, *, cp: int, tp: int) -> None:
+    def __init__(self, *, cp: int, tp: int, pp: int = 1) -> None:
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world % (cp * tp):
-            raise ValueError(f"cp({cp}) * tp({tp}) must divide the world size({world})")
-        self.dp, self.cp, self.tp = world // (cp * tp), cp, tp
-        self.dp_index, self.cp_index, self.tp_index = rank // (cp * tp), rank // tp % cp, rank % tp
-        cells = [(d, c) for d in range(self.dp) for c in range(cp)]
-        self.tp_group = self._mine([[d * cp * tp + c * tp + t for t in range(tp)] for d, c in cells])
-        rows = [(d, t) for d in range(self.dp) for t in range(tp)]
-        self.cp_group = self._mine([[d * cp * tp + c * tp + t for c in range(cp)] for d, t in rows])
-        self.data_ranks = [list(range(t, world, tp)) for t in range(tp)]  # dp x cp, dp-major: one tp slice each
+        if world % (pp * cp * tp):
+            raise ValueError(f"pp({pp}) * cp({cp}) * tp({tp}) must divide the world size({world})")
+        self.pp, self.dp, self.cp, self.tp = pp, world // (pp * cp * tp), cp, tp
+        self.block = self.dp * cp * tp  # the ranks of one pipeline rank
+        self.pp_index, within = divmod(rank, self.block)
+        self.dp_index, self.cp_index, self.tp_index = within // (cp * tp), within // tp % cp, within % tp
+        starts = [p * self.block for p in range(pp)]
+        cells = [(s + d * cp * tp + c * tp) for s in starts for d in range(self.dp) for c in range(cp)]
+        self.tp_group = self._mine([[cell + t for t in range(tp)] for cell in cells])
+        rows = [(s + d * cp * tp + t) for s in starts for d in range(self.dp) for t in range(tp)]
+        self.cp_group = self._mine([[row + c * tp for c in range(cp)] for row in rows])
+        # dp x cp, dp-major: the ranks of one pipeline rank holding one tp slice
+        self.data_ranks = [list(range(s + t, s + self.block, tp)) for s in starts for t in range(tp)]
         self.data_group = self._mine(self.data_ranks)
 
     @staticmethod
@@ -78,15 +84,7 @@ class TensorContextParallel:
 
     def whole(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every parameter put back together from the tp ranks' slices (called on every rank)."""
-        out = {}
-        for name, piece in slices.items():
-            if shard_dim(name) is None:
-                out[name] = piece.detach().clone()
-                continue
-            pieces = [torch.empty_like(piece) for _ in range(self.grid.tp)]
-            dist.all_gather(pieces, piece.detach().contiguous(), group=self.grid.tp_group)
-            out[name] = whole_of(name, pieces)
-        return out
+        return whole_parameters(slices, self.grid.tp_group)
 
 
 class ModelParallelTeaching(FlatBufferTrainer):

@@ -6,12 +6,19 @@ interleaved 1F1B; the layer split is core.pipeline's. A forward of stage s > 0 t
 sent, a backward of stage s < last the gradient stage s + 1 sent back. As torch's PipelineStage does, every rank
 keeps one receive buffer per micro-batch for each activation and gradient it receives, and posts all its receives
 when the step starts, so a send never waits for its receiver to reach that action (no schedule can deadlock).
-Gradients accumulate over the micro-batches; after the last backward the data-parallel ranks of each pipeline rank
-(pp is the outermost mesh dimension: rank r is pipeline rank r // dp) all-reduce them unit by unit, as DDP does on
-its last micro-batch (the others run under no_sync).
+
+The ranks form a pp x dp x tp grid (model_parallel.ProcessGrid, pp outermost: rank r is pipeline rank
+r // (dp x tp)). Under tensor parallelism each stage's blocks, embeddings and head are the tp slices
+tensor_parallel.TensorParallelLM makes, and the hidden states between stages are each tp rank's seq/tp tokens under
+sequence parallelism (Megatron-LM sends them so too). Gradients accumulate over the micro-batches, and a teaching
+data-parallel strategy keeps the rank's parameters over the ranks of its pipeline rank holding the same tp slice
+(pipeline_data.py): ddp all-reduces them after the last backward, ZeRO-1/2/3 and HSDP shard them as they would a
+whole model.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,49 +28,44 @@ from shardscope.core.pipeline import PipelineStage, rank_stages
 from shardscope.core.pipeline_schedule import Action, rank_actions
 from shardscope.measure.storage import measured_as
 from shardscope.reference_models import TransformerLM, lm_loss
-from shardscope.runtime.teaching.ddp import FlatBufferTrainer, flat_buffers
-from shardscope.runtime.teaching.flat import ShardOptimizer
-from shardscope.runtime.trainer import broadcast_module
+from shardscope.runtime.teaching.model_parallel import ProcessGrid
+from shardscope.runtime.teaching.tensor_parallel import TensorParallelLM, whole_parameters
+from shardscope.runtime.trainer import Trainer, broadcast_module
 from shardscope.specs import Scenario
 
-ROOT_NAMES = ("embed_tokens", "embed_positions", "norm", "lm_head")
 
+class PipelineGrid(ProcessGrid):
+    """The pp x dp x tp grid, and a two-rank group with each neighbouring pipeline rank of this rank's column (the
+    ranks of the same dp and tp index; the last pipeline rank wraps to the first for interleaved stages)."""
 
-class PipelineGrid:
-    """This rank's place in the pp x dp grid: its data group (the ranks of its pipeline rank) and a two-rank group
-    with each neighbouring pipeline rank of its column (the last wraps to the first for interleaved stages)."""
-
-    def __init__(self, pp: int) -> None:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.pp, self.dp = pp, world // pp
-        self.pp_index, self.dp_index = rank // self.dp, rank % self.dp
-        self.data_group: dist.ProcessGroup | None = None
-        for index in range(pp):  # every rank creates every group, in the same order
-            group = dist.new_group([index * self.dp + d for d in range(self.dp)])
-            if index == self.pp_index:
-                self.data_group = group
+    def __init__(self, *, pp: int, tp: int) -> None:
+        super().__init__(cp=1, tp=tp, pp=pp)
+        self.column = dist.get_rank() % self.block
         self.pairs: dict[int, dist.ProcessGroup] = {}
-        for column in range(self.dp):
+        for column in range(self.block):
             for index in range(pp):
                 neighbour = (index + 1) % pp
                 if neighbour == index or (pp == 2 and index == 1):
                     continue  # one rank, or the pair (0, 1) made already
-                group = dist.new_group(sorted([index * self.dp + column, neighbour * self.dp + column]))
-                if column == self.dp_index and self.pp_index in (index, neighbour):
+                group = dist.new_group(sorted([index * self.block + column, neighbour * self.block + column]))
+                if column == self.column and self.pp_index in (index, neighbour):
                     self.pairs[neighbour if self.pp_index == index else index] = group
 
     def global_rank(self, pipeline_rank: int) -> int:
         """The rank holding pipeline rank `pipeline_rank` in this rank's column."""
-        return pipeline_rank * self.dp + self.dp_index
+        return pipeline_rank * self.block + self.column
 
 
 class PipelineRankModule(nn.Module):
     """The parts of a reference model one pipeline rank holds: the embeddings (first stage), its stages' blocks in
-    `layers` (so the flat-buffer units are its root part and its blocks), the final norm and head (last stage)."""
+    `layers` (so the flat-buffer units are its root part and its blocks), the final norm and head (last stage);
+    their tp slices when `parallel` split the model."""
 
-    def __init__(self, model: TransformerLM, stages: tuple[PipelineStage, ...]) -> None:
+    def __init__(
+        self, model: TransformerLM, stages: tuple[PipelineStage, ...], parallel: TensorParallelLM | None
+    ) -> None:
         super().__init__()
-        self.spec, self.checkpointing, self.stages = model.spec, model.checkpointing, stages
+        self.spec, self.checkpointing, self.stages, self.parallel = model.spec, model.checkpointing, stages, parallel
         if stages[0].embedding:
             self.embed_tokens = model.embed_tokens
             if hasattr(model, "embed_positions"):
@@ -78,17 +80,27 @@ class PipelineRankModule(nn.Module):
     _context = TransformerLM._context
     _run_block = TransformerLM._run_block
 
-    def run_stage(self, stage: PipelineStage, x: torch.Tensor) -> torch.Tensor:
-        """The stage's forward: token ids in on the first stage, hidden states in elsewhere; logits out of the last."""
+    def forward(self, stage: PipelineStage, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The stage's forward: token ids in on the first stage, hidden states elsewhere; the mean loss of the
+        micro-batch out of the last, its hidden states out of the others."""
+        sequence_length = targets.shape[1]
         if stage.embedding:
-            ids, x = x, self.embed_tokens(x)
-            if self.spec.family == "gpt2":
-                x = x + self.embed_positions(torch.arange(ids.shape[1], device=ids.device))
-        context = self._context(x.shape[1], x)
+            positions = torch.arange(sequence_length, device=x.device)
+            if self.parallel is not None:
+                x = self.parallel.embed(x, positions)
+            else:
+                x = self.embed_tokens(x)
+                if self.spec.family == "gpt2":
+                    x = x + self.embed_positions(positions)
+        context = self._context(sequence_length, x)
         start = self.first_local[stage.index]
         for offset in range(stage.layers):
             x = self._run_block(stage.first_layer + offset, self.layers[start + offset], x, context)
-        return self.lm_head(self.norm(x)) if stage.head else x
+        if not stage.head:
+            return x
+        if self.parallel is not None:
+            return self.parallel.head_loss(x, targets)
+        return lm_loss(self.lm_head(self.norm(x)), targets)
 
     def global_name(self, name: str) -> str:
         """A parameter's name in the whole model (its block's index there)."""
@@ -103,32 +115,41 @@ class PipelineRankModule(nn.Module):
         raise KeyError(name)
 
 
-class PipelineTeaching(FlatBufferTrainer):
-    """A pipeline over pp ranks inside ddp over the rest: the rank's parameters and gradients in flat per-unit
-    buffers (gradients accumulate there over the micro-batches), one all-reduce per unit after the last backward."""
+class PipelineTeaching(Trainer):
+    """A pipeline over pp ranks, each stage's layers split over tp, inside a data-parallel strategy over the rest:
+    `data_parallel` makes the teaching strategy (pipeline_data.py) that holds and updates the rank's parameters."""
 
-    def __init__(self, module: TransformerLM, scenario: Scenario) -> None:
+    def __init__(
+        self,
+        module: TransformerLM,
+        scenario: Scenario,
+        data_parallel: Callable[[nn.Module, PipelineGrid], Trainer],
+    ) -> None:
         strategy, training = scenario.strategy, scenario.training
         self.world_size, self.micro_batches = dist.get_world_size(), training.grad_accum_steps
-        self.grid = PipelineGrid(strategy.pp)
+        self.grid = PipelineGrid(pp=strategy.pp, tp=strategy.tp)
         broadcast_module(module)  # every rank starts from rank 0's weights and keeps its stages of them
+        parallel = None
+        if strategy.tp > 1:
+            parallel = TensorParallelLM(module, self.grid.tp_group, strategy.uses_sequence_parallel)
         self.stages = {stage.index: stage for stage in rank_stages(scenario, self.grid.pp_index)}
         self.last_stage = strategy.pipeline_stages - 1
-        self.module = PipelineRankModule(module, tuple(self.stages.values()))
+        self.module = PipelineRankModule(module, tuple(self.stages.values()), parallel)
         self.actions = rank_actions(
             strategy.pp_schedule, strategy.pp, strategy.virtual_stages, self.micro_batches, self.grid.pp_index
         )
-        self.layouts, self.flat_params, self.flat_grads = flat_buffers(self.module)
-        self.optimizer = ShardOptimizer(self.flat_params, training)
-        self.receive_buffers = self._receive_buffers(scenario)
+        self.data = data_parallel(self.module, self.grid)
+        self.receive_buffers = self._receive_buffers(scenario, next(self.module.parameters()).dtype)
         self.ledger_axes = {tuple(dist.get_process_group_ranks(g)): "pp" for g in self.grid.pairs.values()}
+        if strategy.tp > 1:
+            self.ledger_axes[tuple(dist.get_process_group_ranks(self.grid.tp_group))] = "tp"
 
-    def _receive_buffers(self, scenario: Scenario) -> dict[tuple[int, bool, int], torch.Tensor]:
+    def _receive_buffers(self, scenario: Scenario, dtype: torch.dtype) -> dict[tuple[int, bool, int], torch.Tensor]:
         """One buffer per micro-batch for each hidden state (stage > 0) and gradient (stage < last) this rank
         receives, keyed by (stage, backward, micro-batch); kept from step to step, as torch's PipelineStage does."""
-        training, model = scenario.training, scenario.model
-        shape = (training.micro_batch_size, training.sequence_length, model.hidden_size)
-        dtype = self.flat_params[0].dtype
+        training, strategy = scenario.training, scenario.strategy
+        tokens = training.sequence_length // (strategy.tp if strategy.uses_sequence_parallel else 1)
+        shape = (training.micro_batch_size, tokens, scenario.model.hidden_size)
         buffers = {}
         with measured_as("buffers"):
             for stage in self.stages.values():
@@ -162,7 +183,10 @@ class PipelineTeaching(FlatBufferTrainer):
 
     def _send(self, tensor: torch.Tensor, stage: int, to_stage: int, backward: bool, micro_batch: int) -> None:
         peer, group = self._peer(to_stage)
-        work = dist.isend(tensor.detach(), dst=peer, group=group, tag=self._tag(stage, backward, micro_batch))
+        # contiguous: a sequence-parallel stage's output is a view of its reduce-scatter's (sequence dim first) output
+        work = dist.isend(
+            tensor.detach().contiguous(), dst=peer, group=group, tag=self._tag(stage, backward, micro_batch)
+        )
         assert work is not None
         work.wait()  # the receiver posted its receive at the start of its step: this returns once it is there
 
@@ -199,9 +223,9 @@ class PipelineTeaching(FlatBufferTrainer):
         else:
             receives[stage.index, False, micro_batch].wait()
             x = self.receive_buffers[stage.index, False, micro_batch].detach().requires_grad_()
-        out = self.module.run_stage(stage, x)
+        out = self.module(stage, x, targets)
         if stage.head:
-            out = lm_loss(out, targets) / self.micro_batches  # the mean over micro-batches, as one big batch
+            out = out / self.micro_batches  # the mean over micro-batches, as one big batch
         else:
             self._send(out, stage.index, stage.index + 1, False, micro_batch)
         saved[stage.index, micro_batch] = (x, out)
@@ -233,30 +257,25 @@ class PipelineTeaching(FlatBufferTrainer):
             self.phase_listener(name)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """The backwards ran in `loss`; average the accumulated gradients over the data group, unit by unit, the
-        blocks last to first then the root (DDP's bucket order)."""
-        if self.grid.dp == 1:
-            return
-        for grads in [*self.flat_grads[1:][::-1], self.flat_grads[0]] if self._has_root else self.flat_grads[::-1]:
-            dist.all_reduce(grads, group=self.grid.data_group)
-            grads.div_(self.grid.dp)
+        """The backwards ran in `loss`; the data-parallel strategy reduces what they accumulated."""
+        self.data.reduce_accumulated()
 
-    @property
-    def _has_root(self) -> bool:
-        return self.layouts[0].unit.name == "root"
+    def step(self) -> None:
+        self.data.step()
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        held = super().held()
-        held["buffers"] = list(self.receive_buffers.values())
+        held = self.data.held()
+        held["buffers"] = [*held["buffers"], *self.receive_buffers.values()]
         return held
 
+    def resizable_buffers(self) -> list[torch.Tensor]:
+        return self.data.resizable_buffers()
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the whole model by name: each pipeline rank's own, gathered to all."""
-        own = {
-            self.module.global_name(name): param.detach().clone()
-            for name, param in self.module.named_parameters()
-            if self.grid.dp_index == 0
-        }
+        """Every parameter of the whole model by name: each pipeline rank's own, put together from its tp slices,
+        gathered to all."""
+        own = whole_parameters(self.data.full_parameters(), self.grid.tp_group)
+        named = {self.module.global_name(name): tensor for name, tensor in own.items()}
         everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(everyone, own)
+        dist.all_gather_object(everyone, named if self.grid.column == 0 else {})
         return {name: tensor for piece in everyone for name, tensor in piece.items()}

@@ -149,6 +149,19 @@ def vocab_parallel_cross_entropy(
     return loss
 
 
+def whole_parameters(slices: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every parameter put back together from the slices the ranks of a tp group hold (called on each of them)."""
+    out = {}
+    for name, piece in slices.items():
+        if shard_dim(name) is None:
+            out[name] = piece.detach().clone()
+            continue
+        pieces = [torch.empty_like(piece) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, piece.detach().contiguous(), group=group)
+        out[name] = whole_of(name, pieces)
+    return out
+
+
 def check_divisible(model: TransformerLM, size: int) -> None:
     """Refuse a tp degree that does not divide the heads, KV heads, MLP width and vocabulary, naming the values."""
     spec = model.spec
@@ -186,8 +199,8 @@ class TensorParallelLM:
             block.attn.project = block.mlp.project = self.enter
         if sequence_parallel:  # each rank's replicated weights saw only its tokens: sum their gradients over tp
             for name, param in model.named_parameters():
-                if shard_dim(name) is None:  # hooked first, so before any data-parallel strategy reduces it
-                    param.register_post_accumulate_grad_hook(self._sum_over_tp)
+                if shard_dim(name) is None:  # each backward's own gradient, before it accumulates (micro-batches
+                    param.register_hook(self._sum_over_tp)  # of a pipeline) and before any data-parallel hook
         # the model's forward becomes this loss, so hooks on the model (FSDP's gather of the root unit) run with it
         model.forward = self.loss  # type: ignore[method-assign]
 
@@ -220,21 +233,32 @@ class TensorParallelLM:
         """Mean next-token loss of these tokens, whose true positions in their sequences are `positions` (the
         tokens of a context-parallel rank are two chunks of the sequence, not its start)."""
         model = self.model
-        x = model.embed_tokens(input_ids)
-        if model.spec.family == "gpt2":
-            held = positions.chunk(self.size)[self.rank] if self.sequence_parallel else positions
-            x = x + model.embed_positions(held)
+        x = self.embed(input_ids, positions)
         mask, cos, sin = model._context(int(positions.max()) + 1, x)
         mask = mask[positions][:, positions]  # causal by true position (ring attention makes its own)
         if cos is not None and sin is not None:
             cos, sin = cos[positions], sin[positions]
         for index, block in enumerate(model.layers):
             x = model._run_block(index, block, x, (mask, cos, sin))  # under the run's checkpointing mode
+        return self.head_loss(x, targets)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The embeddings of these tokens (this rank's seq/tp of them under sequence parallelism)."""
+        model = self.model
+        x: torch.Tensor = model.embed_tokens(input_ids)
+        if model.spec.family == "gpt2":
+            held = positions.chunk(self.size)[self.rank] if self.sequence_parallel else positions
+            x = x + model.embed_positions(held)
+        return x
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The final norm, the output head and the mean loss over the split vocabulary."""
+        model = self.model
         (logits,) = self.enter(model.norm(x), [model.lm_head])
         if self.size == 1:
             return lm_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.group)
 
-    def _sum_over_tp(self, param: torch.Tensor) -> None:
-        assert param.grad is not None
-        dist.all_reduce(param.grad, group=self.group)
+    def _sum_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(grad, group=self.group)
+        return grad

@@ -5,7 +5,8 @@ under tensor parallelism the ranks holding the same slice), and the optimizer on
 elements of each buffer). After the update, an all-gather rebuilds the parameters. The ranks must start from the same
 weights (broadcast them first).
 Stage 1 keeps full gradients and reduce-scatters them after backward; stage 2 reduce-scatters each unit's gradients
-as soon as they are complete and keeps only its own gradient shard. Given `units` and `unit_groups`, a unit is sharded
+as soon as they are complete and keeps only its own gradient shard (adding to it from the second backward of a
+step on: a pipeline's micro-batches, `accumulate_into`). Given `units` and `unit_groups`, a unit is sharded
 over its own group (expert parallelism's experts, over the ranks holding them), still divided by the N of `group`.
 """
 
@@ -20,6 +21,13 @@ from shardscope.runtime.collectives import all_gather_single, reduce_scatter_sin
 from shardscope.runtime.teaching.flat import FlatLayout, ShardOptimizer, Unit, units_and_groups
 from shardscope.runtime.trainer import Trainer
 from shardscope.specs import TrainingSpec
+
+
+def accumulate_into(own_slice: torch.Tensor, shard: torch.Tensor, divisor: int) -> None:
+    """Make the shard's gradient so far ride along in the reduce-scatter that overwrites it: this rank adds it,
+    times the divisor of the mean, to its own slice of the flat gradients, so that the reduced and averaged shard
+    is the new mean plus the old (no second shard-sized buffer)."""
+    own_slice.add_(shard, alpha=divisor)
 
 
 class _ShardedOptimizerBase(Trainer):
@@ -85,6 +93,9 @@ class Zero1(_ShardedOptimizerBase):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        self.reduce_accumulated()
+
+    def reduce_accumulated(self) -> None:
         for index, (layout, grads) in enumerate(zip(self.layouts, self.flat_grads, strict=True)):
             with measured_as("buffers"):
                 reduced = torch.empty(layout.shard_numel, dtype=grads.dtype, device=grads.device)
@@ -117,6 +128,7 @@ class Zero2(_ShardedOptimizerBase):
                 for layout, flat in zip(self.layouts, self.flat_params, strict=True)
             ]
         self.pending = [len(layout.unit.params) for layout in self.layouts]
+        self.reduced = [False] * len(self.layouts)  # the unit's shard holds a gradient of this step already
         for index, layout in enumerate(self.layouts):
             for param in layout.unit.params:
                 param.register_post_accumulate_grad_hook(lambda _p, index=index: self._landed(index))
@@ -130,12 +142,15 @@ class Zero2(_ShardedOptimizerBase):
             flat_grad = layout.flatten([p.grad for p in layout.unit.params])  # type: ignore[misc]
         for param in layout.unit.params:
             param.grad = None
+        if self.reduced[index]:
+            accumulate_into(self._mine(index, flat_grad), self.grad_shards[index], self.world_size)
         self._reduce_scatter(index, flat_grad, self.grad_shards[index])
-        self.pending[index] = len(layout.unit.params)
+        self.pending[index], self.reduced[index] = len(layout.unit.params), True
 
     def step(self) -> None:
         self.optimizer.step(self.grad_shards)
         self._all_gather_params()
+        self.reduced = [False] * len(self.layouts)
 
     def held(self) -> dict[str, list[torch.Tensor]]:
         return {
