@@ -24,12 +24,12 @@ pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.runner import run_in_subprocess
 
-CASES = [
+CASES = [  # by default tiny-llama under each mode; the other model and attention under -m long
     ("tiny-llama", "fp32", "sdpa", "op"),
     ("tiny-llama", "fp32", "sdpa", "every:2"),
-    ("tiny-gpt2", "fp32", "sdpa", "op"),
+    pytest.param("tiny-gpt2", "fp32", "sdpa", "op", marks=pytest.mark.long),
     pytest.param("tiny-gpt2", "fp32", "sdpa", "every:2", marks=pytest.mark.long),
-    ("tiny-llama", "fp32", "eager", "op"),
+    pytest.param("tiny-llama", "fp32", "eager", "op", marks=pytest.mark.long),
     pytest.param("tiny-llama", "fp32", "eager", "every:2", marks=pytest.mark.long),
     ("tiny-llama", "bf16-mixed", "sdpa", "op"),
     ("tiny-llama", "fp32", "sdpa", "full"),  # the convention the new modes share
