@@ -112,7 +112,11 @@ def test_missing_factory_and_time_limit(capsys: pytest.CaptureFixture[str]) -> N
     assert "time limit of 0.2 s" in capsys.readouterr().err
 
 
+# Both under -m long: `shardscope validate --quick` runs this zero3 case (tests/validate/test_validate_quick.py: its
+# gloo trace's model states and step payload equal to the run's, its peak within 1%), and an FSDP2 trace's ledger
+# equals a run's call for call by default in tests/distributed/test_torch_tensor_parallel.py (fsdp x tp 2).
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.distributed
 def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
     run = _tiny_llama_run("zero3", 2)
@@ -129,7 +133,7 @@ def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
 @pytest.mark.parametrize(
     ("strategy", "world", "shard_group"),
     [
-        ("zero3", 2, 0),
+        pytest.param("zero3", 2, 0, marks=pytest.mark.long),
         pytest.param("zero2", 2, 0, marks=pytest.mark.long),
         pytest.param("hsdp", 4, 2, marks=pytest.mark.long),
     ],
