@@ -94,6 +94,8 @@ def _rank_pids(run_dir: Path, leftover: Callable[[str], list[int]]) -> dict[int,
     return ranks
 
 
+@pytest.mark.long  # waits out a 45 s deadline; by default the hang:1 fault above ends a run at its deadline naming
+# the hung rank, and tests/procs/test_hang.py names the silent rank among equals from its reports
 def test_a_stopped_rank_is_named_not_the_ranks_waiting_for_it(
     tmp_path: Path, leftover: Callable[[str], list[int]]
 ) -> None:

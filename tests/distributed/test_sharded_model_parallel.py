@@ -32,19 +32,36 @@ BASE: dict[str, Any] = {
 Key = tuple[str, str, int, int]
 
 
-def parity_runs(cases: list[dict[str, Any]]) -> list[RunResult]:
-    """One launch of the float64 cases, 3 steps each (a hard deadline per run)."""
-    return run_suite([RunConfig.from_options(**BASE, precision="fp64", steps=3, **case) for case in cases])
+PARITY_CASES = {  # float64, 3 steps each
+    "fsdp-tp2": {"strategy": "fsdp", "tp": 2},
+    "zero2-tp2": {"strategy": "zero2", "tp": 2},
+    "zero1-tp2-cp2": {"strategy": "zero1", "tp": 2, "cp": 2},
+}
+PREDICTED_CASES = {  # 2 steps each
+    "fsdp2-tp2-bf16-mixed": {"strategy": "fsdp", "tp": 2, "precision": "bf16-mixed"},
+    "zero1-tp2": {"strategy": "zero1", "tp": 2, "precision": "fp32", "sequence_parallel": False},
+}
 
 
-def test_fsdp_and_zero2_with_tensor_parallel_match_one_process() -> None:
-    for result in parity_runs([{"strategy": "fsdp", "tp": 2}, {"strategy": "zero2", "tp": 2}]):
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[RunConfig, RunResult]]:
+    """Every 4-rank case of this file in one launch, start-up paid once (a hard deadline: the sum of the runs')."""
+    configs = {name: RunConfig.from_options(**BASE, precision="fp64", steps=3, **c) for name, c in PARITY_CASES.items()}
+    configs |= {name: RunConfig.from_options(**BASE, steps=2, **case) for name, case in PREDICTED_CASES.items()}
+    results = run_suite(list(configs.values()))
+    return {name: (config, result) for (name, config), result in zip(configs.items(), results, strict=True)}
+
+
+def test_fsdp_and_zero2_with_tensor_parallel_match_one_process(runs: dict[str, tuple[RunConfig, RunResult]]) -> None:
+    for _, result in (runs["fsdp-tp2"], runs["zero2-tp2"]):
         assert result.parity.max_abs_diff <= 1e-10, (result.config.strategy.label, result.parity)
         assert result.parity.reference == "single process, float64"
 
 
-def test_zero1_with_tensor_and_context_parallel_matches_one_process() -> None:
-    (result,) = parity_runs([{"strategy": "zero1", "tp": 2, "cp": 2}])
+def test_zero1_with_tensor_and_context_parallel_matches_one_process(
+    runs: dict[str, tuple[RunConfig, RunResult]],
+) -> None:
+    _, result = runs["zero1-tp2-cp2"]
     assert result.parity.max_abs_diff <= 1e-10, result.parity
 
 
@@ -59,25 +76,11 @@ def by_call(rows: tuple[CollectiveRow, ...]) -> dict[Key, int]:
     return calls
 
 
-PREDICTED_CASES = {
-    "fsdp2-tp2-bf16-mixed": {"strategy": "fsdp", "tp": 2, "precision": "bf16-mixed"},
-    "zero1-tp2": {"strategy": "zero1", "tp": 2, "precision": "fp32", "sequence_parallel": False},
-}
-
-
-@pytest.fixture(scope="module")
-def predicted_runs() -> dict[str, tuple[RunConfig, RunResult]]:
-    """Each case's run, 2 steps (one launch, a hard deadline)."""
-    configs = {name: RunConfig.from_options(**BASE, steps=2, **case) for name, case in PREDICTED_CASES.items()}
-    results = run_suite(list(configs.values()))
-    return {name: (config, result) for (name, config), result in zip(configs.items(), results, strict=True)}
-
-
 @pytest.mark.parametrize("name", list(PREDICTED_CASES))
 def test_sharded_model_parallel_run_holds_what_the_paper_engine_predicts(
-    name: str, predicted_runs: dict[str, tuple[RunConfig, RunResult]]
+    name: str, runs: dict[str, tuple[RunConfig, RunResult]]
 ) -> None:
-    config, result = predicted_runs[name]
+    config, result = runs[name]
     assert result.parity.ok, result.parity
     predicted = estimate_memory(config.scenario()).per_rank
     for rank in result.per_rank:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 
 from shardscope.core.params import param_layout
@@ -10,6 +12,7 @@ from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
 
 torch = pytest.importorskip("torch")
+from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 GLOO_ATTEMPTS = 2  # as in test_trace.py: gloo can move a measured figure by one buffer between runs
@@ -25,9 +28,22 @@ def _request(strategy: str, precision: str, checkpointing: str = "none") -> Trac
     return TraceRequest(scenario=scenario, time_limit_s=180)
 
 
-def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_after_the_step() -> None:
+@cache
+def _trace(strategy: str, precision: str, checkpointing: str = "none") -> TraceResult:
+    """A trace is deterministic: the tests of one scenario share it."""
+    return run_in_subprocess(_request(strategy, precision, checkpointing))
+
+
+@pytest.mark.parametrize(
+    ("precision", "checkpointing"),
+    # by default the trace the bf16-mixed run below is compared with; fp32 under -m long
+    [pytest.param("fp32", "none", marks=pytest.mark.long), ("bf16-mixed", "full")],
+)
+def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_after_the_step(
+    precision: str, checkpointing: str
+) -> None:
     """Was: optimizer state taken from the core and no broadcasts (ZeroRedundancyOptimizer did not run)."""
-    result = run_in_subprocess(_request("zero1", "fp32"))
+    result = _trace("zero1", precision, checkpointing)
     # tied lm_head counted once: before trace.ddp.materialise tied it again, the trace's parameters were 547,840 B
     # against the run's 482,304 B, one more 65,536 B lm_head
     total_bytes = 4 * param_layout(model_preset("tiny-gpt2")).total_numel
@@ -44,7 +60,8 @@ def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_a
 @pytest.mark.parametrize(
     ("strategy", "checkpointing"),
     [
-        ("ddp", "none"),
+        # zero1 is torch's DDP with ZeroRedundancyOptimizer: its default case runs DDP's bf16-mixed path too
+        pytest.param("ddp", "none", marks=pytest.mark.long),
         pytest.param("zero1", "none", marks=pytest.mark.long),
         pytest.param("ddp", "full", marks=pytest.mark.long),
         ("zero1", "full"),
@@ -55,7 +72,7 @@ def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(strategy: str, checkp
     over fp32 weights, which saves 16-bit copies of the weights); zero1's ledger lacked the optimizer's broadcasts."""
     from shardscope.runtime.api import run_training
 
-    trace = run_in_subprocess(_request(strategy, "bf16-mixed", checkpointing))
+    trace = _trace(strategy, "bf16-mixed", checkpointing)
     for _attempt in range(GLOO_ATTEMPTS):
         run = run_training(
             model="tiny-gpt2",

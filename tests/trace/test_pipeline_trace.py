@@ -115,12 +115,14 @@ def test_interleaved_1f1b_equals_the_prediction() -> None:
 
 def test_the_busiest_stage_is_reported() -> None:
     """per_rank and the peak are the pipeline rank with the highest peak."""
-    result = _trace(2, "gpipe")
+    result = _trace(4, "gpipe")
     peaks = [entry.per_rank.peak_bytes for entry in result.per_stage]
     assert result.per_rank.peak_bytes == max(peaks)
     assert "pipelining ScheduleGPipe" in result.engine
 
 
+@pytest.mark.long  # by default test_activations_equal_the_prediction holds each schedule's stages to the prediction
+# of its micro-batches in flight (1F1B 2 and 1, GPipe 4 and 4); this one compares two pp 2 traces, one a long case
 def test_gpipe_keeps_every_micro_batch_and_1f1b_fewer() -> None:
     """The first stage holds all 4 micro-batches' activations under GPipe, 2 (pp - stage) under 1F1B, beside the
     step's token ids (4 x 2 x 32 int64, held whole by the schedule, which splits them into micro-batches)."""

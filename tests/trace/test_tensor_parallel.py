@@ -110,7 +110,14 @@ def test_loss_parallel_counts_no_global_size_tensors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "checkpointing"), [(False, "none"), (True, "full"), (False, "full"), (True, "op")]
+    ("sequence_parallel", "checkpointing"),
+    # by default each value of each: without sequence parallelism under full, with it under op (and under none, above)
+    [
+        pytest.param(False, "none", marks=pytest.mark.long),
+        pytest.param(True, "full", marks=pytest.mark.long),
+        (False, "full"),
+        (True, "op"),
+    ],
 )
 def test_ledger_equals_the_core_with_and_without_sequence_parallelism(
     sequence_parallel: bool, checkpointing: str

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import cache
 
 import pytest
 
@@ -14,7 +15,34 @@ from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest, request_from_json
 
 torch = pytest.importorskip("torch")
+from shardscope.runtime.api import RunResult  # noqa: E402
+from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
+
+
+@cache
+def _trace(request: TraceRequest) -> TraceResult:
+    """A trace is deterministic: tests that need the same one share it."""
+    return run_in_subprocess(request)
+
+
+@cache
+def _tiny_llama_run(strategy: str, world: int, shard_group: int = 0) -> RunResult:
+    """tiny-llama on real gloo ranks, fp32, micro-batch 2, seq 32: its bytes, ledger and peak are deterministic
+    (runtime/tracker.py), so tests that compare against the same run share one launch (a hard deadline of 240 s)."""
+    from shardscope.runtime.api import run_training
+
+    return run_training(
+        model="tiny-llama",
+        strategy=strategy,
+        engine="pytorch",
+        world_size=world,
+        shard_group=shard_group,
+        precision="fp32",
+        micro_batch_size=2,
+        sequence_length=32,
+        timeout_s=240,
+    )
 
 
 def _request(
@@ -84,21 +112,14 @@ def test_missing_factory_and_time_limit(capsys: pytest.CaptureFixture[str]) -> N
     assert "time limit of 0.2 s" in capsys.readouterr().err
 
 
+# Both under -m long: `shardscope validate --quick` runs this zero3 case (tests/validate/test_validate_quick.py: its
+# gloo trace's model states and step payload equal to the run's, its peak within 1%), and an FSDP2 trace's ledger
+# equals a run's call for call by default in tests/distributed/test_torch_tensor_parallel.py (fsdp x tp 2).
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.distributed
 def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
-    from shardscope.runtime.api import run_training
-
-    run = run_training(
-        model="tiny-llama",
-        strategy="zero3",
-        engine="pytorch",
-        world_size=2,
-        precision="fp32",
-        micro_batch_size=2,
-        sequence_length=32,
-        timeout_s=240,
-    )
+    run = _tiny_llama_run("zero3", 2)
     trace = run_in_subprocess(_request("tiny-llama", 2, "zero3"))
     real = run.per_rank[0]
     assert trace.per_rank.parameters_bytes == real.parameters_bytes
@@ -112,7 +133,7 @@ def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
 @pytest.mark.parametrize(
     ("strategy", "world", "shard_group"),
     [
-        ("zero3", 2, 0),
+        pytest.param("zero3", 2, 0, marks=pytest.mark.long),
         pytest.param("zero2", 2, 0, marks=pytest.mark.long),
         pytest.param("hsdp", 4, 2, marks=pytest.mark.long),
     ],
@@ -122,24 +143,12 @@ def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, sh
     into sigmoid, mul, add...) and so allocated temporaries a real step does not; FLOPs are now counted in step 1.
     What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own.
     The trace is of a gloo cluster, the run's: a GPU (nccl) trace runs CUDA's RMSNorm (trace/gpu_kernels.py)."""
-    from shardscope.runtime.api import run_training
-
     scenario = replace(
         _request("tiny-llama", world, "zero3", backend="gloo").scenario,
         strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
     )
-    trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120))
-    run = run_training(
-        model="tiny-llama",
-        strategy=strategy,
-        engine="pytorch",
-        world_size=world,
-        shard_group=shard_group,
-        precision="fp32",
-        micro_batch_size=2,
-        sequence_length=32,
-        timeout_s=240,
-    )
+    trace = _trace(TraceRequest(scenario=scenario, time_limit_s=120))
+    run = _tiny_llama_run(strategy, world, shard_group)
     assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
 
 
@@ -147,14 +156,19 @@ def test_zero3_peak_equals_the_gloo_runs() -> None:
     """Quick guard on the measured figure (tiny-llama, 2 ranks, fp32, micro-batch 2, seq 32, torch 2.13): the gloo
     run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020.
     Traced as a gloo cluster, the run's (a GPU trace runs CUDA's RMSNorm)."""
-    trace = run_in_subprocess(_request("tiny-llama", 2, "zero3", backend="gloo"))
+    trace = _trace(_request("tiny-llama", 2, "zero3", backend="gloo"))
     assert trace.per_rank.peak_bytes == 2_133_468
     assert trace.peak_moment == "backward: layers.1"
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
+@pytest.mark.parametrize(
+    ("precision", "checkpointing"),
+    # full checkpointing's activations against a run stay checked by default in test_ddp.py (zero1, bf16-mixed, full)
+    [pytest.param("fp32", "full", marks=pytest.mark.long), ("bf16-mixed", "none")],
+)
+def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed(precision: str, checkpointing: str) -> None:
     """tiny-gpt2 zero3 on 2 ranks, micro-batch 2, seq 32, against a real gloo run (rank 0).
 
     Activations are what is alive when forward and the loss are done. The trace used to report the largest size seen
@@ -165,31 +179,29 @@ def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed() -> None:
     The run is measured once: its peak is deterministic (runtime/tracker.py)."""
     from shardscope.runtime.api import run_training
 
-    cases = [("fp32", "full"), ("bf16-mixed", "none")]
     shape = {"micro_batch_size": 2, "sequence_length": 32}
-    for precision, checkpointing in cases:
-        traces = {}
-        for backend in ("nccl", "gloo"):
-            scenario = Scenario(
-                model=model_preset("tiny-gpt2"),
-                cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2, backend=backend),
-                training=TrainingSpec(precision=precision, checkpointing=checkpointing, **shape),
-                strategy=Strategy(name="zero3"),
-            )
-            traces[backend] = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120)).per_rank
-        trace, gloo = traces["nccl"], traces["gloo"]
-        assert gloo.activations_bytes == trace.activations_bytes
-        real = run_training(
-            model="tiny-gpt2",
-            strategy="zero3",
-            engine="pytorch",
-            world_size=2,
-            precision=precision,
-            checkpointing=checkpointing,
-            timeout_s=240,
-            **shape,
-        ).per_rank[0]
-        assert abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes, (trace, real)
-        assert abs(gloo.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (gloo, trace, real)
-        if precision != "fp32":
-            assert trace.peak_bytes < real.peak_bytes  # NCCL's peak: no clone
+    traces = {}
+    for backend in ("nccl", "gloo"):
+        scenario = Scenario(
+            model=model_preset("tiny-gpt2"),
+            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=2, backend=backend),
+            training=TrainingSpec(precision=precision, checkpointing=checkpointing, **shape),
+            strategy=Strategy(name="zero3"),
+        )
+        traces[backend] = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120)).per_rank
+    trace, gloo = traces["nccl"], traces["gloo"]
+    assert gloo.activations_bytes == trace.activations_bytes
+    real = run_training(
+        model="tiny-gpt2",
+        strategy="zero3",
+        engine="pytorch",
+        world_size=2,
+        precision=precision,
+        checkpointing=checkpointing,
+        timeout_s=240,
+        **shape,
+    ).per_rank[0]
+    assert abs(trace.activations_bytes - real.activations_bytes) <= 0.01 * real.activations_bytes, (trace, real)
+    assert abs(gloo.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (gloo, trace, real)
+    if precision != "fp32":
+        assert trace.peak_bytes < real.peak_bytes  # NCCL's peak: no clone
