@@ -53,6 +53,43 @@ from shardscope.specs import Scenario
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
 
 
+CACHED_SHAPES = 256
+"""Steps whose calls `model_parallel_calls` keeps (the planner's pipeline questions have a few dozen shapes)."""
+
+_calls: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
+
+
+def model_parallel_shape(scenario: Scenario, weight_bytes: int, regathers_in_backward: bool) -> tuple[object, ...]:
+    """All that a step's tp, cp and ep calls depend on: the model, the training (micro-batches, tokens,
+    checkpointing), the three degrees, sequence parallelism and the two arguments of `model_parallel_events`; not
+    the data-parallel strategy nor the GPU count (tests/core/test_task_graph_reuse.py)."""
+    strategy = scenario.strategy
+    return (
+        scenario.model,
+        scenario.training,
+        strategy.tp,
+        strategy.cp,
+        strategy.ep,
+        strategy.uses_sequence_parallel,
+        weight_bytes,
+        regathers_in_backward,
+    )
+
+
+def model_parallel_calls(
+    scenario: Scenario, weight_bytes: int, regathers_in_backward: bool = False
+) -> tuple[CommEvent, ...]:
+    """`model_parallel_events`, kept per `model_parallel_shape`: the planner asks the same calls of every family,
+    offload and GPU count of a shape, and a 405B pipeline rank's step has thousands."""
+    shape = model_parallel_shape(scenario, weight_bytes, regathers_in_backward)
+    found = _calls.get(shape)
+    if found is None:
+        if len(_calls) >= CACHED_SHAPES:
+            _calls.clear()
+        found = _calls[shape] = tuple(_model_parallel_events(scenario, weight_bytes, regathers_in_backward))
+    return found
+
+
 def model_parallel_events(
     scenario: Scenario, weight_bytes: int, regathers_in_backward: bool = False
 ) -> list[CommEvent]:
@@ -60,6 +97,10 @@ def model_parallel_events(
     `weight_bytes` is the element size of the gathered weights, whose replicated gradients sequence parallelism
     reduces; `regathers_in_backward`: sequence parallelism as Megatron-LM runs it, whose column-parallel linears
     all-gather their input again in backward (core.rank_share), where torch's keep the gathered input."""
+    return list(model_parallel_calls(scenario, weight_bytes, regathers_in_backward))
+
+
+def _model_parallel_events(scenario: Scenario, weight_bytes: int, regathers_in_backward: bool) -> list[CommEvent]:
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return []

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
-from shardscope.core.comm import CommEvent, collective_ledger, comm_events, with_micro_batches
+from shardscope.core.comm import CommEvent, collective_ledger, comm_event_parts, with_micro_batches
 from shardscope.core.compute import ComputeModel, compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
+from shardscope.core.model_parallel_tasks import model_parallel_tasks
 from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.core.ring_overlap import hidden_exchange
 from shardscope.core.timeline_tasks import (
     INSIDE_STAGE,
     STREAM_OF_GROUP,
@@ -156,23 +156,48 @@ class _Run(NamedTuple):
 
 
 def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
-    """Run the step's tasks through the streams."""
-    events = comm_events(scenario)  # built once per call (refuses a model without a shape before anything else)
+    """Run the step's tasks through the streams: the compute tasks, then the calls in `comm_events`' order (the
+    engine's data-parallel calls, the model-parallel calls as `core.model_parallel_tasks` keeps them per shape,
+    optimizer offload's copies)."""
+    data_parallel, model_parallel, offload = comm_event_parts(scenario)  # refuses a model without a shape first
     compute = compute_model(scenario, profile)
-    costs = event_costs(scenario, events, network_model(profile))
     compute_tasks, where = build_compute_tasks(scenario, compute, profile)
+    own = data_parallel + offload
+    own_costs = event_costs(scenario, own, network_model(profile))
     rules = rules_for(scenario)
-    asynchronous = tuple(rules.is_async(scenario, event) for event in events)
+    asynchronous = tuple(rules.is_async(scenario, event) for event in own)
     if profile.host_terms.async_compute_slowdown:
-        slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
-    comm_tasks, waits = build_comm_tasks(
-        events, costs, compute_tasks, where, profile.host_terms.sync_wait_s, asynchronous
+        slow_beside_async(asynchronous, own, own_costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
+    computes, split, sync_wait_s = len(compute_tasks), len(data_parallel), profile.host_terms.sync_wait_s
+    waits: dict[int, list[int]] = {}
+    before = build_comm_tasks(
+        data_parallel, own_costs[:split], where, sync_wait_s, asynchronous[:split], waits, computes
     )
-    tasks = compute_tasks + comm_tasks
+    shared = model_parallel_tasks(scenario, profile, compute, model_parallel, where, computes + split, before.previous)
+    for consumer, positions in shared.waits:
+        waits.setdefault(consumer, []).extend(positions)
+    offload_first = computes + split + len(shared.tasks)
+    after = build_comm_tasks(
+        offload,
+        own_costs[split:],
+        where,
+        sync_wait_s,
+        asynchronous[split:],
+        waits,
+        offload_first,
+        shared.previous,
+        before.waited_async,
+    )
+    tasks = compute_tasks + before.tasks + list(shared.tasks) + after.tasks
     optimizer = where[("optimizer", 0, -1)]
-    computes = len(compute_tasks)
-    hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
-    waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
+    waits[optimizer] = [
+        *(computes + index for index, task in enumerate(before.tasks) if task.key < optimizer),
+        *shared.before_optimizer,
+        *(offload_first + index for index, task in enumerate(after.tasks) if task.key < optimizer),
+    ]
+    hidden = shared.hidden
+    events = data_parallel + model_parallel + offload
+    costs = own_costs[:split] + shared.costs + own_costs[split:]
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
     order = [index for _, _, index in sorted(keys)]

@@ -4,9 +4,11 @@ compute slowed beside asynchronous collectives."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
+from shardscope.core.comm_events import Place
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
@@ -100,15 +102,30 @@ def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkM
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
 
 
+class CommTasks(NamedTuple):
+    """Communication tasks built from a run of events, and what the next run of events carries on from."""
+
+    tasks: list[Task]
+    previous: Place | None
+    """The place of the last event: a call at the same place next waits for it."""
+    waited_async: bool
+    """An asynchronous call has paid the wait for the later rank."""
+
+
 def build_comm_tasks(
-    events: tuple[CommEvent, ...],
-    costs: tuple[CollectiveCost, ...],
-    compute_tasks: list[Task],
+    events: Sequence[CommEvent],
+    costs: Sequence[CollectiveCost],
     where: dict[tuple[str, int, int], int],
     sync_wait_s: float,
-    asynchronous: tuple[bool, ...],
-) -> tuple[list[Task], dict[int, list[int]]]:
-    """Communication tasks with their issue keys, and the gathers each compute task waits for.
+    asynchronous: Sequence[bool],
+    waits: dict[int, list[int]],
+    first: int,
+    previous: Place | None = None,
+    waited_async: bool = False,
+) -> CommTasks:
+    """Communication tasks with their issue keys, the first at index `first` of the step's tasks (after the compute
+    tasks and the events before these, which left `previous` and `waited_async`); the gathers each compute task
+    waits for are added to `waits`.
 
     A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
     the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
@@ -117,11 +134,7 @@ def build_comm_tasks(
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
     and the skew between the ranks is absorbed once, by the first."""
     optimizer = where[("optimizer", 0, -1)]
-    first = len(compute_tasks)  # the index the first communication task will have
     tasks: list[Task] = []
-    waits: dict[int, list[int]] = {}
-    previous: tuple[int, int, str] | None = None
-    waited_async = False
     for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
         duration = cost.time_s
         stream = STREAM_OF_GROUP.get(event.group, "comm")
@@ -151,7 +164,7 @@ def build_comm_tasks(
         row = event.row
         tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
         previous = place
-    return tasks, waits
+    return CommTasks(tasks, previous, waited_async)
 
 
 def slow_beside_async(
