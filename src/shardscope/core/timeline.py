@@ -23,20 +23,15 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import NamedTuple
 
-from shardscope.core.comm import CommEvent, collective_ledger, comm_event_parts, with_micro_batches
+from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
 from shardscope.core.compute import ComputeModel, compute_model, model_flops_per_step
-from shardscope.core.engines import rules_for
-from shardscope.core.model_parallel_tasks import model_parallel_tasks
 from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.step_graph import step_graph
 from shardscope.core.timeline_tasks import (
     INSIDE_STAGE,
     STREAM_OF_GROUP,
     Task,
-    build_comm_tasks,
-    build_compute_tasks,
-    event_costs,
-    slow_beside_async,
 )
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
@@ -156,48 +151,9 @@ class _Run(NamedTuple):
 
 
 def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
-    """Run the step's tasks through the streams: the compute tasks, then the calls in `comm_events`' order (the
-    engine's data-parallel calls, the model-parallel calls as `core.model_parallel_tasks` keeps them per shape,
-    optimizer offload's copies)."""
-    data_parallel, model_parallel, offload = comm_event_parts(scenario)  # refuses a model without a shape first
-    compute = compute_model(scenario, profile)
-    compute_tasks, where = build_compute_tasks(scenario, compute, profile)
-    own = data_parallel + offload
-    own_costs = event_costs(scenario, own, network_model(profile))
-    rules = rules_for(scenario)
-    asynchronous = tuple(rules.is_async(scenario, event) for event in own)
-    if profile.host_terms.async_compute_slowdown:
-        slow_beside_async(asynchronous, own, own_costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
-    computes, split, sync_wait_s = len(compute_tasks), len(data_parallel), profile.host_terms.sync_wait_s
-    waits: dict[int, list[int]] = {}
-    before = build_comm_tasks(
-        data_parallel, own_costs[:split], where, sync_wait_s, asynchronous[:split], waits, computes
-    )
-    shared = model_parallel_tasks(scenario, profile, compute, model_parallel, where, computes + split, before.previous)
-    for consumer, positions in shared.waits:
-        waits.setdefault(consumer, []).extend(positions)
-    offload_first = computes + split + len(shared.tasks)
-    after = build_comm_tasks(
-        offload,
-        own_costs[split:],
-        where,
-        sync_wait_s,
-        asynchronous[split:],
-        waits,
-        offload_first,
-        shared.previous,
-        before.waited_async,
-    )
-    tasks = compute_tasks + before.tasks + list(shared.tasks) + after.tasks
-    optimizer = where[("optimizer", 0, -1)]
-    waits[optimizer] = [
-        *(computes + index for index, task in enumerate(before.tasks) if task.key < optimizer),
-        *shared.before_optimizer,
-        *(offload_first + index for index, task in enumerate(after.tasks) if task.key < optimizer),
-    ]
-    hidden = shared.hidden
-    events = data_parallel + model_parallel + offload
-    costs = own_costs[:split] + shared.costs + own_costs[split:]
+    """Run the step's tasks through the streams."""
+    graph = step_graph(scenario, profile)
+    tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
     # Issue order: by key; compute before communication issued at the same key; stable otherwise.
     keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
     order = [index for _, _, index in sorted(keys)]
@@ -218,7 +174,7 @@ def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
                 start = ready
         starts[index] = start
         finish[index] = free[stream] = start + task.duration_s
-    return _Run(events, costs, compute, tasks, computes, order, starts, finish)
+    return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish)
 
 
 def _totals(run: _Run) -> tuple[float, float, float, int]:
