@@ -1,7 +1,7 @@
 """The shortcuts that make a pipeline's step time fast give the numbers of the full computation, to the last bit:
 every micro-batch's tensor, context and expert parallel calls copied from the first one's, and each pipeline rank's
 tail (exposed communication and optimizer step after its last backward) read from its proxy's runs without the
-ledger and the schedule."""
+ledger and the schedule, and the shown rank's calls without the schedule."""
 
 import dataclasses
 
@@ -13,7 +13,7 @@ from shardscope.core.model_parallel_comm import _context_parallel, _tensor_paral
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import rank_proxy
 from shardscope.core.pipeline_time import pipeline_step
-from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate
+from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate, step_calls, step_runs
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
@@ -63,9 +63,12 @@ def test_each_ranks_tail_is_its_proxys_estimate(case: Scenario) -> None:
     profile = default_profile(case.cluster.gpu)
     step = pipeline_step(case, profile)
     for rank in range(case.strategy.pp):
-        full = estimate_time(rank_proxy(case, rank_stages(case, rank)), profile)
+        proxy = rank_proxy(case, rank_stages(case, rank))
+        full = estimate_time(proxy, profile)
         optimizer = sum(duration for _, _, kind, _, duration, _ in full.schedule if kind == "optimizer")
         assert step.after_s(rank) == (full.exposed_comm_s, optimizer)
+        calls = step_calls(proxy, step_runs(proxy, profile))
+        assert calls == (full.ledger, full.wire_bytes_per_rank, full.comm_time_s, full.peak_flops_per_s)
         assert optimizer > 0 and full.exposed_comm_s > 0
 
 

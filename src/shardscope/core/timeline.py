@@ -154,9 +154,10 @@ def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
     """Run the step's tasks through the streams."""
     graph = step_graph(scenario, profile)
     tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
-    # Issue order: by key; compute before communication issued at the same key; stable otherwise.
-    keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
-    order = [index for _, _, index in sorted(keys)]
+    # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
+    # issued at the same key.
+    keys = [task.key for task in tasks]
+    order = sorted(range(len(tasks)), key=keys.__getitem__)
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
     starts = [0.0] * len(tasks)
@@ -319,6 +320,28 @@ def exposed_and_optimizer_s(scenario: Scenario, runs: StepRuns) -> tuple[float, 
     return max(0.0, step - compute), optimizer.duration_s
 
 
+class StepCalls(NamedTuple):
+    """`estimate_from_runs(...)`'s ledger, wire bytes, communication time and peak, equal to the last bit
+    (tests/core/test_pipeline_speed.py), without its schedule: the calls of the pipeline rank `core.pipeline_time`
+    shows."""
+
+    ledger: tuple[CollectiveRow, ...]
+    wire_bytes_per_rank: int
+    comm_time_s: float
+    peak_flops_per_s: float
+
+
+def step_calls(scenario: Scenario, runs: StepRuns) -> StepCalls:
+    """The calls of a step without a pipeline, measured from `step_runs`."""
+    _, _, comm, wire = _totals(runs.last)
+    peak = runs.last.compute.peak_flops_per_s
+    if runs.before is None:
+        return StepCalls(merge_ledger([event.row for event in runs.last.events]), wire, comm, peak)
+    _, _, earlier_comm, earlier_wire = _totals(runs.before)
+    extended_wire = round(_extend(scenario, earlier_wire, wire))
+    return StepCalls(collective_ledger(scenario), extended_wire, _extend(scenario, earlier_comm, comm), peak)
+
+
 # compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers
 # found them.
 __all__ = [
@@ -326,6 +349,7 @@ __all__ = [
     "STREAMS",
     "STREAM_OF_GROUP",
     "Span",
+    "StepCalls",
     "StepRuns",
     "StepTotals",
     "TimeEstimate",
@@ -335,6 +359,7 @@ __all__ = [
     "exposed_and_optimizer_s",
     "network_model",
     "simulate",
+    "step_calls",
     "step_runs",
     "step_totals",
 ]
