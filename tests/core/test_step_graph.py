@@ -1,7 +1,7 @@
-"""A step's model-parallel tasks, built once per shape and reused by every strategy, offload and GPU count of it
-(`core.step_graph`), give the task graph that building every call of the step again gives, to the last bit: for
-every pipeline rank of uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B, so the same
-simulated steps, and the planner's answer is the same whether it reuses them or not."""
+"""A step's model-parallel tasks and compute tasks, built once per shape and reused by every strategy, offload and GPU
+count of it (`core.step_graph`), give the task graph that building every call and task of the step again gives, to
+the last bit: for every pipeline rank of uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B,
+so the same simulated steps, and the planner's answer is the same whether it reuses them or not."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from shardscope.core import model_parallel_comm, timeline, timeline_tasks
 from shardscope.core import step_graph as graphs
-from shardscope.core import timeline
 from shardscope.core.comm import comm_event_parts, comm_events, with_micro_batches
 from shardscope.core.compute import compute_model
 from shardscope.core.engines import rules_for
@@ -34,7 +34,10 @@ SERIAL = dataclasses.replace(  # no overlap, a wait at every blocking call, comp
 
 
 def rebuilt(scenario: Scenario, profile: HardwareProfile) -> StepGraph:
-    """The step's task graph with every call built again, in one run of `comm_events`."""
+    """The step's task graph with every call and compute task built again, the calls in one run of
+    `comm_events`."""
+    model_parallel_comm._calls.clear()
+    timeline_tasks._stage_tasks.clear()
     events = comm_events(scenario)
     compute = compute_model(scenario, profile)
     costs = event_costs(scenario, events, network_model(profile))

@@ -54,7 +54,8 @@ LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's 
 
 
 CACHED_SHAPES = 256
-"""Steps whose calls `model_parallel_calls` keeps (the planner's pipeline questions have a few dozen shapes)."""
+"""Shapes of step whose calls and tasks the time model keeps (`model_parallel_calls`, `core.step_graph`,
+`core.timeline_tasks`): the planner's pipeline questions have a few dozen."""
 
 _calls: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
 

@@ -11,10 +11,13 @@ from shardscope.core.comm import CommEvent
 from shardscope.core.comm_events import Place
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
+from shardscope.core.engines.base import TimePlace
 from shardscope.core.kernels import stage_seconds
+from shardscope.core.model_parallel_comm import CACHED_SHAPES
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import rank_layout
+from shardscope.core.rank_share import rank_share
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -40,10 +43,37 @@ class Task(NamedTuple):
 def build_compute_tasks(
     scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
 ) -> tuple[list[Task], dict[tuple[str, int, int], int]]:
-    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
-    stages = rank_stage_flops(scenario)
+    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them (shared by the
+    steps of a shape: read only)."""
     rules = rules_for(scenario)
     framework = rules.framework_s(scenario, profile)
+    key = (scenario.model, scenario.training, rank_share(scenario), compute, tuple(framework.items()))
+    found = _stage_tasks.get(key)
+    if found is None:
+        if len(_stage_tasks) >= CACHED_SHAPES:
+            _stage_tasks.clear()
+        found = _stage_tasks[key] = _stage_tasks_of(scenario, compute, framework)
+    tasks, where = list(found[0]), found[1]
+    layout = rank_layout(scenario)
+    degree = scenario.parallelism.dp_shard
+    shard_tensors = rules.optimizer_tensors(scenario)
+    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
+    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
+    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
+    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
+    return tasks, where
+
+
+_stage_tasks: dict[tuple[object, ...], tuple[tuple[Task, ...], dict[tuple[str, int, int], int]]] = {}
+
+
+def _stage_tasks_of(
+    scenario: Scenario, compute: ComputeModel, framework: dict[TimePlace, float]
+) -> tuple[tuple[Task, ...], dict[tuple[str, int, int], int]]:
+    """Every micro-batch's forward, recompute and backward tasks of the stages, and where they and the optimizer
+    step (after them) sit: all they read of the scenario is its model, its training and its rank's share
+    (`core.compute.rank_stage_flops`, `core.kernels.stage_seconds`), so the planner's steps of a shape share them."""
+    stages = rank_stage_flops(scenario)
     tasks: list[Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
@@ -63,15 +93,8 @@ def build_compute_tasks(
             if stages[index].recompute_flops:
                 add("recompute", micro_batch, index, recompute[index])
             add("backward", micro_batch, index, backward[index])
-    layout = rank_layout(scenario)
-    degree = scenario.parallelism.dp_shard
-    shard_tensors = rules.optimizer_tensors(scenario)
-    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
-    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
     where[("optimizer", 0, -1)] = len(tasks)
-    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
-    return tasks, where
+    return tuple(tasks), where
 
 
 def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
