@@ -54,14 +54,24 @@ def build_compute_tasks(
             _stage_tasks.clear()
         found = _stage_tasks[key] = _stage_tasks_of(scenario, compute, framework)
     tasks, where = list(found[0]), found[1]
+    seconds = optimizer_task_s(scenario, compute, profile, framework)
+    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
+    return tasks, where
+
+
+def optimizer_task_s(
+    scenario: Scenario, compute: ComputeModel, profile: HardwareProfile, framework: dict[TimePlace, float]
+) -> float:
+    """The optimizer step's task, before compute beside asynchronous calls is slowed (`slow_beside_async`):
+    `framework` is the engine's `framework_s`."""
+    rules = rules_for(scenario)
     layout = rank_layout(scenario)
     degree = scenario.parallelism.dp_shard
     shard_tensors = rules.optimizer_tensors(scenario)
     seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
     seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
     seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
-    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
-    return tasks, where
+    return seconds
 
 
 _stage_tasks: dict[tuple[object, ...], tuple[tuple[Task, ...], dict[tuple[str, int, int], int]]] = {}
