@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
@@ -182,9 +182,13 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
     """(step time, compute stream's busy time, communication time, wire bytes per rank) of a run."""
     tasks, computes = run.tasks, run.computes
     step = max(run.finish, default=0.0)
-    compute_busy = sum(task.duration_s for task in tasks[:computes])
-    comm = sum(task.duration_s for task in tasks[computes:])
-    return step, compute_busy, comm, round(sum(cost.wire_bytes for cost in run.costs))
+    compute_busy = sum(map(_DURATION, tasks[:computes]))  # summed in task order, as every total of the step
+    comm = sum(map(_DURATION, tasks[computes:]))
+    return step, compute_busy, comm, round(sum(map(_WIRE_BYTES, run.costs)))
+
+
+_DURATION = attrgetter("duration_s")
+_WIRE_BYTES = attrgetter("wire_bytes")
 
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
