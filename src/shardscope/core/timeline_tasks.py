@@ -107,15 +107,37 @@ def _stage_tasks_of(
     return tuple(tasks), where
 
 
-def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
+def _consumer(trigger: str, micro_batch: int, stage: int, where: dict[tuple[str, int, int], int]) -> int:
     """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
     stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
-    trigger = event.trigger
     kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
-    recompute = where.get(("recompute", event.micro_batch, event.stage))
+    recompute = where.get(("recompute", micro_batch, stage))
     if recompute is not None and trigger in ("before_backward", "during_recompute"):
         return recompute
-    return where[(kind, event.micro_batch, event.stage)]
+    return where[(kind, micro_batch, stage)]
+
+
+def _placement(
+    place: Place, where: dict[tuple[str, int, int], int], optimizer: int
+) -> tuple[float, tuple[int, ...], int | None]:
+    """Where a call at `place` goes: its issue key, the tasks it starts after, and the compute task that waits for
+    it (None when none does).
+
+    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
+    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result."""
+    micro_batch, stage, trigger = place
+    if trigger in INSIDE_STAGE:
+        consumer = _consumer(trigger, micro_batch, stage, where)
+        # issued once the compute before it is, and blocking that stage's compute
+        return consumer - 0.5, (consumer - 1,) if consumer >= 1 else (), consumer
+    if trigger == "before_forward" or trigger == "before_backward":
+        consumer = _consumer(trigger, micro_batch, stage, where)
+        # issued while the previous stage computes: one unit of prefetch
+        return consumer - 1.0, (consumer - 2,) if consumer >= 2 else (), consumer
+    if trigger == "after_backward":
+        producer = where[("backward", micro_batch, stage)]
+        return producer + 0.5, (producer,), None
+    return optimizer + 0.5, (optimizer,), None
 
 
 def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
@@ -156,46 +178,33 @@ def build_comm_tasks(
     previous: Place | None = None,
     waited_async: bool = False,
 ) -> CommTasks:
-    """Communication tasks with their issue keys, the first at index `first` of the step's tasks (after the compute
-    tasks and the events before these, which left `previous` and `waited_async`); the gathers each compute task
-    waits for are added to `waits`.
-
-    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
-    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
+    """Communication tasks with their issue keys (`_placement`), the first at index `first` of the step's tasks
+    (after the compute tasks and the events before these, which left `previous` and `waited_async`); the gathers
+    each compute task waits for are added to `waits`.
 
     The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
     and the skew between the ranks is absorbed once, by the first."""
     optimizer = where[("optimizer", 0, -1)]
     tasks: list[Task] = []
-    for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
+    placed: dict[Place, tuple[float, tuple[int, ...], int | None]] = {}  # a step's calls share a few hundred places
+    for position, (event, cost, issued_async) in enumerate(zip(events, costs, asynchronous, strict=True), first):
+        place = (event.micro_batch, event.stage, event.trigger)
+        found = placed.get(place)
+        if found is None:
+            found = placed[place] = _placement(place, where, optimizer)
+        key, after, consumer = found
+        if consumer is not None:
+            waits.setdefault(consumer, []).append(position)
         duration = cost.time_s
         stream = STREAM_OF_GROUP.get(event.group, "comm")
-        trigger = event.trigger
-        after: list[int]
-        if trigger in INSIDE_STAGE:
-            consumer = _consumer(event, where)
-            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
-            after = [consumer - 1] if consumer >= 1 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "before_forward" or trigger == "before_backward":
-            consumer = _consumer(event, where)
-            key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
-            after = [consumer - 2] if consumer >= 2 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "after_backward":
-            producer = where[("backward", event.micro_batch, event.stage)]
-            key, after = producer + 0.5, [producer]
-        else:
-            key, after = optimizer + 0.5, [optimizer]
-        place = (event.micro_batch, event.stage, trigger)
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
-            after.append(position - 1)
-        elif stream != "host" and not (waited_async and asynchronous[position - first]):
+            after += (position - 1,)
+        elif stream != "host" and not (waited_async and issued_async):
             duration += sync_wait_s  # the first collective after compute waits for the later rank
-            waited_async = waited_async or asynchronous[position - first]
+            waited_async = waited_async or issued_async
         row = event.row
-        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
+        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, after))
         previous = place
     return CommTasks(tasks, previous, waited_async)
 
