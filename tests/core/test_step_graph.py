@@ -92,24 +92,31 @@ def proxies(case: Scenario) -> Iterator[Scenario]:
             yield with_micro_batches(proxy, EXACT_MICRO_BATCHES)
 
 
+OTHER = {"zero1": "ddp", "zero3": "zero2", "ddp": "zero3", "hsdp": "zero1", "zero2": "zero3"}
+
+
 @pytest.mark.parametrize("profile", [H100, SERIAL], ids=["h100", "serial"])
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.strategy.label + "-" + case.strategy.pp_schedule)
-def test_reused_model_parallel_tasks_build_the_graph_of_every_call(case: Scenario, profile: HardwareProfile) -> None:
+def test_reused_model_parallel_tasks_build_the_graph_of_every_call(
+    case: Scenario, profile: HardwareProfile, monkeypatch: pytest.MonkeyPatch
+) -> None:
     graphs._built.clear()
-    # The same strategy on twice the GPUs (more data-parallel ranks, so other payloads and costs of its own calls)
-    # builds the model-parallel tasks the case then reuses.
-    other = dataclasses.replace(case, cluster=dataclasses.replace(case.cluster, world_size=2 * case.cluster.world_size))
-    for proxy in proxies(other):
-        step_graph(proxy, profile)
-    reused = 0
+    # Another strategy (other data-parallel calls before the model-parallel ones, so these move) and the same one on
+    # twice the GPUs (other payloads and costs of its own calls) build the model-parallel tasks the case reuses.
+    strategy = dataclasses.replace(case.strategy, name=OTHER[case.strategy.name], offload="none", shard_group=0)
+    wider = dataclasses.replace(case.cluster, world_size=2 * case.cluster.world_size)
+    for other in (dataclasses.replace(case, strategy=strategy), dataclasses.replace(case, cluster=wider)):
+        for proxy in proxies(other):
+            step_graph(proxy, profile)
+    built: list[int] = []
+    build = graphs._build
+    monkeypatch.setattr(graphs, "_build", lambda *args: built.append(1) or build(*args))
     for proxy in proxies(case):
-        shared = len(graphs._built)
         graph = step_graph(proxy, profile)
-        reused += len(graphs._built) == shared
         assert graph == rebuilt(proxy, profile)
         data_parallel, model_parallel, _ = comm_event_parts(proxy)
         assert model_parallel and data_parallel
-    assert reused
+    assert not built
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda case: case.strategy.pp_schedule)

@@ -6,8 +6,9 @@ behind its attention (`core.ring_overlap`).
 The model-parallel calls are most of a step's tasks (a 405B pipeline rank's step of 16 micro-batches has thousands,
 its data-parallel calls a few hundred) and the same for every data-parallel strategy, offload and GPU count of a
 shape (`core.model_parallel_comm.model_parallel_shape`), while the planner simulates hundreds of steps that share a
-few dozen shapes. So their costs, tasks, waits and hidden exchange are built once per shape and position among the
-step's tasks (`model_parallel_tasks`), equal to the tasks building them again gives (tests/core/test_step_graph.py).
+few dozen shapes. So their costs, tasks, waits and hidden exchange are built once per shape and moved to their
+position among the step's tasks (`model_parallel_tasks`), equal to the tasks building them again gives
+(tests/core/test_step_graph.py).
 No engine issues them asynchronously (DTensor's calls, ring attention's exchange and the expert all-to-alls block:
 every engine's `is_async` holds only for data-parallel groups), so what the calls before them leave to them is the
 place of the last one: a call at the same place waits for it.
@@ -118,7 +119,8 @@ class ModelParallelTasks(NamedTuple):
     """The place of the last call."""
 
 
-_built: dict[tuple[object, ...], ModelParallelTasks] = {}
+_built: dict[tuple[object, ...], dict[int, ModelParallelTasks]] = {}
+"""Per shape (everything but the first task's index), the tasks placed at each first index asked."""
 
 
 def model_parallel_tasks(
@@ -133,7 +135,8 @@ def model_parallel_tasks(
     """The tasks of `events` (the scenario's `model_parallel_calls`), the first at index `first`, after a call at
     `previous`; `where` places the step's compute tasks (`build_compute_tasks`). Kept per shape: the key holds
     everything they read of the scenario (the shape of the calls, which fixes the compute tasks' places, and what
-    prices them: the GPU, the backend, the ranks on a node and the hardware profile)."""
+    prices them: the GPU, the backend, the ranks on a node and the hardware profile); a shape placed at another
+    index is moved there (`_moved`), not built again."""
     if not events:
         return ModelParallelTasks((), (), (), (), {}, previous)
     opening = events[0]
@@ -145,15 +148,38 @@ def model_parallel_tasks(
         cluster.backend,
         cluster.ranks_per_node,
         profile,
-        first,
         previous == (opening.micro_batch, opening.stage, opening.trigger),
     )
-    found = _built.get(key)
-    if found is None:
+    placed = _built.get(key)
+    if placed is None:
         if len(_built) >= CACHED_SHAPES:
             _built.clear()
-        found = _built[key] = _build(scenario, profile, compute, events, where, first, previous)
+        placed = _built[key] = {}
+    found = placed.get(first)
+    if found is None:
+        if placed:
+            known, block = next(iter(placed.items()))
+            found = _moved(block, first - known, where[("optimizer", 0, -1)] + 1)
+        else:
+            found = _build(scenario, profile, compute, events, where, first, previous)
+        placed[first] = found
     return found
+
+
+def _moved(block: ModelParallelTasks, by: int, computes: int) -> ModelParallelTasks:
+    """`block` placed `by` tasks later: the indices of calls (from `computes` on) move, those of compute tasks stay
+    (a call waits for the call before it at its place, always the last of its `after`)."""
+    return block._replace(
+        tasks=tuple(
+            task._replace(after=(*task.after[:-1], task.after[-1] + by))
+            if task.after and task.after[-1] >= computes
+            else task
+            for task in block.tasks
+        ),
+        waits=tuple((consumer, tuple(position + by for position in positions)) for consumer, positions in block.waits),
+        before_optimizer=tuple(position + by for position in block.before_optimizer),
+        hidden={index + by: seconds for index, seconds in block.hidden.items()},
+    )
 
 
 def _build(
