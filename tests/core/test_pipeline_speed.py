@@ -1,13 +1,14 @@
 """The shortcuts that make a pipeline's step time fast give the numbers of the full computation, to the last bit:
-every micro-batch's tensor, context and expert parallel calls copied from the first one's, and each pipeline rank's
-tail (exposed communication and optimizer step after its last backward) read from its proxy's runs without the
-ledger and the schedule, and the shown rank's calls without the schedule."""
+every micro-batch's tensor, context and expert parallel calls and sharded data-parallel calls copied from the first
+one's, each pipeline rank's tail (exposed communication and optimizer step after its last backward) read from its
+proxy's runs without the ledger and the schedule, and the shown rank's calls without the schedule."""
 
 import dataclasses
 
 import pytest
 
 from shardscope.core.comm import with_micro_batches
+from shardscope.core.engines import rules_for
 from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_parallel_comm import _context_parallel, _tensor_parallel, model_parallel_events
 from shardscope.core.pipeline import rank_stages
@@ -50,6 +51,25 @@ def test_every_micro_batchs_model_parallel_calls_are_the_first_ones_renumbered(c
         built += expert_parallel_events(case, micro_batch)
     copied = model_parallel_events(case, 2, True)
     assert len(built) > 100 and copied == built
+
+
+@pytest.mark.parametrize("engine", ["paper", "pytorch", "deepspeed"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        scenario("llama-3-8b", 32, 3, "full", name="zero3", tp=2, offload="optimizer+params"),
+        scenario("llama-3-8b", 64, 4, "selective", name="hsdp", shard_group=4, tp=2),
+    ],
+)
+def test_every_micro_batchs_sharded_calls_are_the_first_ones_renumbered(case: Scenario, engine: str) -> None:
+    case = dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, engine=engine))
+    first = rules_for(case).step_events(with_micro_batches(case, 1))
+    renumbered = [
+        dataclasses.replace(call, micro_batch=micro_batch)
+        for micro_batch in range(case.training.grad_accum_steps)
+        for call in first
+    ]
+    assert len(first) > 20 and rules_for(case).step_events(case) == renumbered
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ does not save, while the reduce-scatters and the attention kernels are in its sa
 from __future__ import annotations
 
 from shardscope.choices import Trigger, checkpoints_block
-from shardscope.core.comm_events import CommEvent, Place, event
+from shardscope.core.comm_events import CommEvent, Place, event, every_micro_batch
 from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import param_layout, rank_layout
@@ -108,22 +108,7 @@ def _model_parallel_events(scenario: Scenario, weight_bytes: int, regathers_in_b
     first = _tensor_parallel(scenario, 0, weight_bytes, regathers_in_backward)
     first += _context_parallel(scenario, 0)
     first += expert_parallel_events(scenario, 0)
-    # Every micro-batch makes the first one's calls, only its number differs: copied, not built again (a 405B
-    # pipeline rank's step has thousands of calls, and the planner simulates hundreds of steps).
-    events = list(first)
-    for micro_batch in range(1, scenario.training.grad_accum_steps):
-        events += [
-            CommEvent(
-                row=call.row,
-                group=call.group,
-                micro_batch=micro_batch,
-                stage=call.stage,
-                trigger=call.trigger,
-                label=call.label,
-            )
-            for call in first
-        ]
-    return events
+    return every_micro_batch(first, scenario.training.grad_accum_steps)
 
 
 def _recomputes(scenario: Scenario, block: int) -> str:

@@ -171,7 +171,7 @@ def _moved(block: ModelParallelTasks, by: int, computes: int) -> ModelParallelTa
     (a call waits for the call before it at its place, always the last of its `after`)."""
     return block._replace(
         tasks=tuple(
-            task._replace(after=(*task.after[:-1], task.after[-1] + by))
+            Task(*task[:-1], (*task.after[:-1], task.after[-1] + by))
             if task.after and task.after[-1] >= computes
             else task
             for task in block.tasks
