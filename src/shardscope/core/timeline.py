@@ -163,18 +163,20 @@ def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
     starts = [0.0] * len(tasks)
     overlap = profile.overlap
     for index in order:
-        task = tasks[index]
-        stream = task.stream if overlap else "compute"
+        _, _, stream, _, duration, _, after = tasks[index]
+        if not overlap:
+            stream = "compute"
         start = free[stream]
-        for dep in task.after:
+        for dep in after:
             if finish[dep] > start:  # max(start, finish[dep]), without the call
                 start = finish[dep]
-        for dep in waits.get(index, ()):
-            ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
-            if ready > start:
-                start = ready
+        if index in waits:
+            for dep in waits[index]:
+                ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
+                if ready > start:
+                    start = ready
         starts[index] = start
-        finish[index] = free[stream] = start + task.duration_s
+        finish[index] = free[stream] = start + duration
     return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish)
 
 
