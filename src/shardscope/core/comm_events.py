@@ -133,26 +133,6 @@ def event(phase: str, op: str, size: int, payload: int, group: CommGroup, at: Pl
     )
 
 
-def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[CommEvent]:
-    """The calls of micro-batch 0 (`first`), then the same calls of every later one, only their number differing:
-    copied, not built again (a 405B pipeline rank's step has thousands of calls, and the planner simulates hundreds
-    of steps)."""
-    events = list(first)
-    for micro_batch in range(1, micro_batches):
-        events += [
-            CommEvent(
-                row=call.row,
-                group=call.group,
-                micro_batch=micro_batch,
-                stage=call.stage,
-                trigger=call.trigger,
-                label=call.label,
-            )
-            for call in first
-        ]
-    return events
-
-
 def gradient_reductions(
     scenario: Scenario, buckets: Sequence[tuple[int, int]], element: int, all_reduce: bool, after_whole_backward: bool
 ) -> list[CommEvent]:
@@ -228,6 +208,26 @@ def sharded_events(
         if offload_params:
             events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
     return every_micro_batch(events, scenario.training.grad_accum_steps)
+
+
+def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[CommEvent]:
+    """The calls of micro-batch 0 (`first`), then the same calls of every later one, only their number differing:
+    copied, not built again (a 405B pipeline rank's step has thousands of calls, and the planner simulates hundreds
+    of steps)."""
+    events = list(first)
+    for micro_batch in range(1, micro_batches):
+        events += [
+            CommEvent(
+                row=call.row,
+                group=call.group,
+                micro_batch=micro_batch,
+                stage=call.stage,
+                trigger=call.trigger,
+                label=call.label,
+            )
+            for call in first
+        ]
+    return events
 
 
 def optimizer_offload_events(scenario: Scenario, grad_bytes: int, param_bytes: int) -> list[CommEvent]:

@@ -63,7 +63,7 @@ _calls: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
 def model_parallel_shape(scenario: Scenario, weight_bytes: int, regathers_in_backward: bool) -> tuple[object, ...]:
     """All that a step's tp, cp and ep calls depend on: the model, the training (micro-batches, tokens,
     checkpointing), the three degrees, sequence parallelism and the two arguments of `model_parallel_events`; not
-    the data-parallel strategy nor the GPU count (tests/core/test_task_graph_reuse.py)."""
+    the data-parallel strategy nor the GPU count (tests/core/test_step_graph.py)."""
     strategy = scenario.strategy
     return (
         scenario.model,
