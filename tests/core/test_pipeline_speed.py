@@ -1,7 +1,8 @@
 """The shortcuts that make a pipeline's step time fast give the numbers of the full computation, to the last bit:
 every micro-batch's tensor, context and expert parallel calls and sharded data-parallel calls copied from the first
 one's, each pipeline rank's tail (exposed communication and optimizer step after its last backward) read from its
-proxy's runs without the ledger and the schedule, and the shown rank's calls without the schedule."""
+proxy's runs without the ledger and the schedule, the shown rank's calls without the schedule, and the peak a
+pipeline rank's order holds kept per order and weights."""
 
 import dataclasses
 
@@ -13,6 +14,7 @@ from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_parallel_comm import _context_parallel, _tensor_parallel, model_parallel_events
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import rank_proxy
+from shardscope.core.pipeline_schedule import _peak_in_flight, peak_in_flight, rank_actions
 from shardscope.core.pipeline_time import pipeline_step
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate, step_calls, step_runs
 from shardscope.presets import gpu_preset, model_preset
@@ -113,3 +115,13 @@ def test_a_long_step_is_its_exact_part_extended() -> None:
         step_time_s=step,
         model_flops=0.0,
     )
+
+
+def test_a_kept_peak_in_flight_is_the_walk_of_the_actions() -> None:
+    actions = rank_actions("interleaved-1f1b", 4, 2, 8, 1)
+    weights = {1: 10, 5: 7}
+    kept = peak_in_flight(actions, weights)
+    kept[1].clear()  # the caller's copy, not the kept one
+    walked = _peak_in_flight(actions, weights)
+    assert peak_in_flight(list(actions), dict(weights)) == walked
+    assert walked[0] > 0 and all(walked[1].values())
