@@ -1,19 +1,22 @@
 """The shortcuts that make a pipeline's step time fast give the numbers of the full computation, to the last bit:
-every micro-batch's tensor, context and expert parallel calls copied from the first one's, and each pipeline rank's
-tail (exposed communication and optimizer step after its last backward) read from its proxy's runs without the
-ledger and the schedule."""
+every micro-batch's tensor, context and expert parallel calls and sharded data-parallel calls copied from the first
+one's, each pipeline rank's tail (exposed communication and optimizer step after its last backward) read from its
+proxy's runs without the ledger and the schedule, the shown rank's calls without the schedule, and the peak a
+pipeline rank's order holds kept per order and weights."""
 
 import dataclasses
 
 import pytest
 
 from shardscope.core.comm import with_micro_batches
+from shardscope.core.engines import rules_for
 from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_parallel_comm import _context_parallel, _tensor_parallel, model_parallel_events
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import rank_proxy
+from shardscope.core.pipeline_schedule import _peak_in_flight, peak_in_flight, rank_actions
 from shardscope.core.pipeline_time import pipeline_step
-from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate
+from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, simulate, step_calls, step_runs
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
@@ -52,6 +55,25 @@ def test_every_micro_batchs_model_parallel_calls_are_the_first_ones_renumbered(c
     assert len(built) > 100 and copied == built
 
 
+@pytest.mark.parametrize("engine", ["paper", "pytorch", "deepspeed"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        scenario("llama-3-8b", 32, 3, "full", name="zero3", tp=2, offload="optimizer+params"),
+        scenario("llama-3-8b", 64, 4, "selective", name="hsdp", shard_group=4, tp=2),
+    ],
+)
+def test_every_micro_batchs_sharded_calls_are_the_first_ones_renumbered(case: Scenario, engine: str) -> None:
+    case = dataclasses.replace(case, strategy=dataclasses.replace(case.strategy, engine=engine))
+    first = rules_for(case).step_events(with_micro_batches(case, 1))
+    renumbered = [
+        dataclasses.replace(call, micro_batch=micro_batch)
+        for micro_batch in range(case.training.grad_accum_steps)
+        for call in first
+    ]
+    assert len(first) > 20 and rules_for(case).step_events(case) == renumbered
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -63,9 +85,12 @@ def test_each_ranks_tail_is_its_proxys_estimate(case: Scenario) -> None:
     profile = default_profile(case.cluster.gpu)
     step = pipeline_step(case, profile)
     for rank in range(case.strategy.pp):
-        full = estimate_time(rank_proxy(case, rank_stages(case, rank)), profile)
+        proxy = rank_proxy(case, rank_stages(case, rank))
+        full = estimate_time(proxy, profile)
         optimizer = sum(duration for _, _, kind, _, duration, _ in full.schedule if kind == "optimizer")
         assert step.after_s(rank) == (full.exposed_comm_s, optimizer)
+        calls = step_calls(proxy, step_runs(proxy, profile))
+        assert calls == (full.ledger, full.wire_bytes_per_rank, full.comm_time_s, full.peak_flops_per_s)
         assert optimizer > 0 and full.exposed_comm_s > 0
 
 
@@ -90,3 +115,13 @@ def test_a_long_step_is_its_exact_part_extended() -> None:
         step_time_s=step,
         model_flops=0.0,
     )
+
+
+def test_a_kept_peak_in_flight_is_the_walk_of_the_actions() -> None:
+    actions = rank_actions("interleaved-1f1b", 4, 2, 8, 1)
+    weights = {1: 10, 5: 7}
+    kept = peak_in_flight(actions, weights)
+    kept[1].clear()  # the caller's copy, not the kept one
+    walked = _peak_in_flight(actions, weights)
+    assert peak_in_flight(list(actions), dict(weights)) == walked
+    assert walked[0] > 0 and all(walked[1].values())

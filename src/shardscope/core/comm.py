@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from shardscope.core.comm_events import DDP_FIRST_BUCKET_BYTES, CommEvent, optimizer_offload_events
 from shardscope.core.engines import rules_for
-from shardscope.core.model_parallel_comm import model_parallel_events
+from shardscope.core.model_parallel_comm import model_parallel_calls
 from shardscope.core.result import CollectiveRow, LedgerKey, ledger_row, merge_ledger
 from shardscope.specs import Scenario, SpecError
 
@@ -24,6 +24,7 @@ __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
     "CommEvent",
     "collective_ledger",
+    "comm_event_parts",
     "comm_events",
     "gradient_buckets",
     "repeated_totals",
@@ -40,19 +41,30 @@ def gradient_buckets(scenario: Scenario) -> tuple[tuple[int, int], ...]:
 def comm_events(scenario: Scenario) -> tuple[CommEvent, ...]:
     """Every collective and host copy of one step: the engine's data-parallel calls, tensor and context
     parallelism's (the same under every engine: DTensor's plan and ring attention), then optimizer offload's copies."""
+    data_parallel, model_parallel, offload = comm_event_parts(scenario)
+    return data_parallel + model_parallel + offload
+
+
+def comm_event_parts(
+    scenario: Scenario,
+) -> tuple[tuple[CommEvent, ...], tuple[CommEvent, ...], tuple[CommEvent, ...]]:
+    """`comm_events` in its three runs: the engine's data-parallel calls, the tensor, context and expert parallel
+    calls (`model_parallel_calls`, kept per shape), optimizer offload's copies."""
     if not scenario.model.has_shape:
         raise SpecError(
             f"model {scenario.model.name!r} has only a parameter count; the ledger and the time model need its shape "
             f"(give --model or --config)"
         )
     rules = rules_for(scenario)
-    tensor_parallel = model_parallel_events(scenario, rules.param_comm_bytes(scenario), rules.megatron_tensor_parallel)
-    events = rules.step_events(scenario) + tensor_parallel
+    model_parallel = model_parallel_calls(scenario, rules.param_comm_bytes(scenario), rules.megatron_tensor_parallel)
+    data_parallel = rules.step_events(scenario)
+    offload = []
     if scenario.strategy.offload == "optimizer":
-        events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
+        offload = optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
     if scenario.state_ranks == 1:  # data-parallel groups of one rank send nothing; host copies and tp calls remain
-        events = [event for event in events if event.group in ("host", "tp", "cp", "ep")]
-    return tuple(events)
+        data_parallel = [event for event in data_parallel if event.group in ("host", "tp", "cp", "ep")]
+        offload = [event for event in offload if event.group in ("host", "tp", "cp", "ep")]
+    return tuple(data_parallel), model_parallel, tuple(offload)
 
 
 Key = TypeVar("Key", bound=Hashable)

@@ -207,33 +207,50 @@ def sharded_events(
             events.append(event(phase, "host_to_device", 1, numel // degree * param_bytes, "host", at, f"h2d {name}"))
         events.append(event(phase, "all_gather", degree, numel * param_bytes, group, at, f"all_gather {name}"))
 
-    for micro_batch in range(scenario.training.grad_accum_steps):
-        for unit in layout_units:
-            if root_once and micro_batch and unit.name == "root":
-                continue
-            gather(
-                "forward",
-                root_numel if unit.name == "root" else block_numel,
-                (micro_batch, unit.first_stage, "before_forward"),
-                unit.name,
+    for unit in layout_units:  # micro-batch 0's calls; every micro-batch makes the same
+        numel = root_numel if unit.name == "root" else block_numel
+        gather("forward", numel, (0, unit.first_stage, "before_forward"), unit.name)
+    for unit in reversed(layout_units):
+        numel = root_numel if unit.name == "root" else block_numel
+        if reshard and (unit.name != "root" or regather_root):
+            gather("backward", numel, (0, unit.last_stage, "before_backward"), unit.name)
+        at: Place = (0, unit.first_stage, "after_backward")
+        shard = numel // degree * grad_bytes
+        events.append(
+            event("backward", "reduce_scatter", degree, numel * grad_bytes, group, at, f"reduce_scatter {unit.name}")
+        )
+        if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
+            events.append(event("backward", "all_reduce", replicas, shard, "replica", at, f"all_reduce {unit.name}"))
+        if offload_params:
+            events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
+    events = every_micro_batch(events, scenario.training.grad_accum_steps)
+    if not root_once:
+        return events
+    root_gathers = ("all_gather root", "h2d root")  # the later micro-batches use micro-batch 0's gathered root
+    return [
+        call
+        for call in events
+        if not (call.micro_batch and call.trigger == "before_forward" and call.label in root_gathers)
+    ]
+
+
+def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[CommEvent]:
+    """The calls of micro-batch 0 (`first`), then the same calls of every later one, only their number differing:
+    copied, not built again (a 405B pipeline rank's step has thousands of calls, and the planner simulates hundreds
+    of steps)."""
+    events = list(first)
+    for micro_batch in range(1, micro_batches):
+        events += [
+            CommEvent(
+                row=call.row,
+                group=call.group,
+                micro_batch=micro_batch,
+                stage=call.stage,
+                trigger=call.trigger,
+                label=call.label,
             )
-        for unit in reversed(layout_units):
-            numel = root_numel if unit.name == "root" else block_numel
-            if reshard and (unit.name != "root" or regather_root):
-                gather("backward", numel, (micro_batch, unit.last_stage, "before_backward"), unit.name)
-            at: Place = (micro_batch, unit.first_stage, "after_backward")
-            shard = numel // degree * grad_bytes
-            events.append(
-                event(
-                    "backward", "reduce_scatter", degree, numel * grad_bytes, group, at, f"reduce_scatter {unit.name}"
-                )
-            )
-            if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
-                events.append(
-                    event("backward", "all_reduce", replicas, shard, "replica", at, f"all_reduce {unit.name}")
-                )
-            if offload_params:
-                events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
+            for call in first
+        ]
     return events
 
 

@@ -44,13 +44,51 @@ does not save, while the reduce-scatters and the attention kernels are in its sa
 from __future__ import annotations
 
 from shardscope.choices import Trigger, checkpoints_block
-from shardscope.core.comm_events import CommEvent, Place, event
+from shardscope.core.comm_events import CommEvent, Place, event, every_micro_batch
 from shardscope.core.expert_parallel import expert_parallel_events
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import held_ends, param_layout, rank_layout
 from shardscope.specs import Scenario
 
 LOSS_PARALLEL_ALL_REDUCES = 3  # the max, the sum of exponentials, the target's logit
+
+
+CACHED_SHAPES = 256
+"""Shapes of step whose calls and tasks the time model keeps (`model_parallel_calls`, `core.step_graph`,
+`core.timeline_tasks`): the planner's pipeline questions have a few dozen."""
+
+_calls: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
+
+
+def model_parallel_shape(scenario: Scenario, weight_bytes: int, regathers_in_backward: bool) -> tuple[object, ...]:
+    """All that a step's tp, cp and ep calls depend on: the model, the training (micro-batches, tokens,
+    checkpointing), the three degrees, sequence parallelism and the two arguments of `model_parallel_events`; not
+    the data-parallel strategy nor the GPU count (tests/core/test_step_graph.py)."""
+    strategy = scenario.strategy
+    return (
+        scenario.model,
+        scenario.training,
+        strategy.tp,
+        strategy.cp,
+        strategy.ep,
+        strategy.uses_sequence_parallel,
+        weight_bytes,
+        regathers_in_backward,
+    )
+
+
+def model_parallel_calls(
+    scenario: Scenario, weight_bytes: int, regathers_in_backward: bool = False
+) -> tuple[CommEvent, ...]:
+    """`model_parallel_events`, kept per `model_parallel_shape`: the planner asks the same calls of every family,
+    offload and GPU count of a shape, and a 405B pipeline rank's step has thousands."""
+    shape = model_parallel_shape(scenario, weight_bytes, regathers_in_backward)
+    found = _calls.get(shape)
+    if found is None:
+        if len(_calls) >= CACHED_SHAPES:
+            _calls.clear()
+        found = _calls[shape] = tuple(_model_parallel_events(scenario, weight_bytes, regathers_in_backward))
+    return found
 
 
 def model_parallel_events(
@@ -60,28 +98,17 @@ def model_parallel_events(
     `weight_bytes` is the element size of the gathered weights, whose replicated gradients sequence parallelism
     reduces; `regathers_in_backward`: sequence parallelism as Megatron-LM runs it, whose column-parallel linears
     all-gather their input again in backward (core.rank_share), where torch's keep the gathered input."""
+    return list(model_parallel_calls(scenario, weight_bytes, regathers_in_backward))
+
+
+def _model_parallel_events(scenario: Scenario, weight_bytes: int, regathers_in_backward: bool) -> list[CommEvent]:
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return []
     first = _tensor_parallel(scenario, 0, weight_bytes, regathers_in_backward)
     first += _context_parallel(scenario, 0)
     first += expert_parallel_events(scenario, 0)
-    # Every micro-batch makes the first one's calls, only its number differs: copied, not built again (a 405B
-    # pipeline rank's step has thousands of calls, and the planner simulates hundreds of steps).
-    events = list(first)
-    for micro_batch in range(1, scenario.training.grad_accum_steps):
-        events += [
-            CommEvent(
-                row=call.row,
-                group=call.group,
-                micro_batch=micro_batch,
-                stage=call.stage,
-                trigger=call.trigger,
-                label=call.label,
-            )
-            for call in first
-        ]
-    return events
+    return every_micro_batch(first, scenario.training.grad_accum_steps)
 
 
 def _recomputes(scenario: Scenario, block: int) -> str:

@@ -92,7 +92,22 @@ def _interleaved(pp: int, virtual: int, micro_batches: int, rank: int) -> list[A
 
 def peak_in_flight(actions: list[Action], weights: dict[int, int]) -> tuple[int, dict[int, int]]:
     """The most of `weights` (bytes per micro-batch of each stage) that forwards not yet matched by their backward
-    hold at once, and how many micro-batches of each stage are in flight at that moment."""
+    hold at once, and how many micro-batches of each stage are in flight at that moment. Kept: the planner's tens of
+    thousands of pipeline memory estimates ask a few thousand orders and weights (callers get a copy)."""
+    key = (tuple(actions), tuple(weights.items()))
+    found = _peaks.get(key)
+    if found is None:
+        if len(_peaks) >= CACHED_PEAKS:
+            _peaks.clear()
+        found = _peaks[key] = _peak_in_flight(actions, weights)
+    return found[0], dict(found[1])
+
+
+CACHED_PEAKS = 16384
+_peaks: dict[tuple[tuple[Action, ...], tuple[tuple[int, int], ...]], tuple[int, dict[int, int]]] = {}
+
+
+def _peak_in_flight(actions: list[Action], weights: dict[int, int]) -> tuple[int, dict[int, int]]:
     in_flight: dict[int, int] = defaultdict(int)
     best, best_counts = 0, {stage: 0 for stage in weights}
     held = 0

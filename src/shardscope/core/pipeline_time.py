@@ -27,8 +27,8 @@ from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.timeline import (
     StepRuns,
     TimeEstimate,
-    estimate_from_runs,
     exposed_and_optimizer_s,
+    step_calls,
     step_runs,
 )
 from shardscope.presets.hardware import HardwareProfile
@@ -188,7 +188,7 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
     step_of_ranks, runs = _pipeline_step(scenario, profile)
     shown = step_of_ranks.shown_rank
     proxy = step_of_ranks.proxies[shown]
-    step, tail = step_of_ranks.step_time_s, estimate_from_runs(proxy, profile, runs[proxy])
+    step, tail = step_of_ranks.step_time_s, step_calls(proxy, runs[proxy])
     optimizer = step_of_ranks.after_s(shown)[1]
     send = step_of_ranks.send
     actions = step_of_ranks.actions[shown]

@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
-from shardscope.core.comm import CommEvent, collective_ledger, comm_events, with_micro_batches
+from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
 from shardscope.core.compute import ComputeModel, compute_model, model_flops_per_step
-from shardscope.core.engines import rules_for
 from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.core.ring_overlap import hidden_exchange
+from shardscope.core.step_graph import step_graph
 from shardscope.core.timeline_tasks import (
     INSIDE_STAGE,
     STREAM_OF_GROUP,
     Task,
-    build_comm_tasks,
-    build_compute_tasks,
-    event_costs,
-    slow_beside_async,
 )
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
@@ -157,52 +152,45 @@ class _Run(NamedTuple):
 
 def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
     """Run the step's tasks through the streams."""
-    events = comm_events(scenario)  # built once per call (refuses a model without a shape before anything else)
-    compute = compute_model(scenario, profile)
-    costs = event_costs(scenario, events, network_model(profile))
-    compute_tasks, where = build_compute_tasks(scenario, compute, profile)
-    rules = rules_for(scenario)
-    asynchronous = tuple(rules.is_async(scenario, event) for event in events)
-    if profile.host_terms.async_compute_slowdown:
-        slow_beside_async(asynchronous, events, costs, compute_tasks, where, profile.host_terms.async_compute_slowdown)
-    comm_tasks, waits = build_comm_tasks(
-        events, costs, compute_tasks, where, profile.host_terms.sync_wait_s, asynchronous
-    )
-    tasks = compute_tasks + comm_tasks
-    optimizer = where[("optimizer", 0, -1)]
-    computes = len(compute_tasks)
-    hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
-    waits[optimizer] = [computes + index for index, task in enumerate(comm_tasks) if task.key < optimizer]
-    # Issue order: by key; compute before communication issued at the same key; stable otherwise.
-    keys = [(task.key, index >= computes, index) for index, task in enumerate(tasks)]
-    order = [index for _, _, index in sorted(keys)]
+    graph = step_graph(scenario, profile)
+    tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
+    # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
+    # issued at the same key.
+    keys = [task.key for task in tasks]
+    order = sorted(range(len(tasks)), key=keys.__getitem__)
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
     starts = [0.0] * len(tasks)
     overlap = profile.overlap
     for index in order:
-        task = tasks[index]
-        stream = task.stream if overlap else "compute"
+        _, _, stream, _, duration, _, after = tasks[index]
+        if not overlap:
+            stream = "compute"
         start = free[stream]
-        for dep in task.after:
+        for dep in after:
             if finish[dep] > start:  # max(start, finish[dep]), without the call
                 start = finish[dep]
-        for dep in waits.get(index, ()):
-            ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
-            if ready > start:
-                start = ready
+        if index in waits:
+            for dep in waits[index]:
+                ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
+                if ready > start:
+                    start = ready
         starts[index] = start
-        finish[index] = free[stream] = start + task.duration_s
-    return _Run(events, costs, compute, tasks, computes, order, starts, finish)
+        finish[index] = free[stream] = start + duration
+    return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish)
 
 
 def _totals(run: _Run) -> tuple[float, float, float, int]:
     """(step time, compute stream's busy time, communication time, wire bytes per rank) of a run."""
     tasks, computes = run.tasks, run.computes
     step = max(run.finish, default=0.0)
-    compute_busy = sum(task.duration_s for task in tasks[:computes])
-    comm = sum(task.duration_s for task in tasks[computes:])
-    return step, compute_busy, comm, round(sum(cost.wire_bytes for cost in run.costs))
+    compute_busy = sum(map(_DURATION, tasks[:computes]))  # summed in task order, as every total of the step
+    comm = sum(map(_DURATION, tasks[computes:]))
+    return step, compute_busy, comm, round(sum(map(_WIRE_BYTES, run.costs)))
+
+
+_DURATION = attrgetter("duration_s")
+_WIRE_BYTES = attrgetter("wire_bytes")
 
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
@@ -338,6 +326,28 @@ def exposed_and_optimizer_s(scenario: Scenario, runs: StepRuns) -> tuple[float, 
     return max(0.0, step - compute), optimizer.duration_s
 
 
+class StepCalls(NamedTuple):
+    """`estimate_from_runs(...)`'s ledger, wire bytes, communication time and peak, equal to the last bit
+    (tests/core/test_pipeline_speed.py), without its schedule: the calls of the pipeline rank `core.pipeline_time`
+    shows."""
+
+    ledger: tuple[CollectiveRow, ...]
+    wire_bytes_per_rank: int
+    comm_time_s: float
+    peak_flops_per_s: float
+
+
+def step_calls(scenario: Scenario, runs: StepRuns) -> StepCalls:
+    """The calls of a step without a pipeline, measured from `step_runs`."""
+    _, _, comm, wire = _totals(runs.last)
+    peak = runs.last.compute.peak_flops_per_s
+    if runs.before is None:
+        return StepCalls(merge_ledger([event.row for event in runs.last.events]), wire, comm, peak)
+    _, _, earlier_comm, earlier_wire = _totals(runs.before)
+    extended_wire = round(_extend(scenario, earlier_wire, wire))
+    return StepCalls(collective_ledger(scenario), extended_wire, _extend(scenario, earlier_comm, comm), peak)
+
+
 # compute_model and network_model moved to core.compute and core.network; they stay importable from here, where callers
 # found them.
 __all__ = [
@@ -345,6 +355,7 @@ __all__ = [
     "STREAMS",
     "STREAM_OF_GROUP",
     "Span",
+    "StepCalls",
     "StepRuns",
     "StepTotals",
     "TimeEstimate",
@@ -354,6 +365,7 @@ __all__ = [
     "exposed_and_optimizer_s",
     "network_model",
     "simulate",
+    "step_calls",
     "step_runs",
     "step_totals",
 ]

@@ -4,15 +4,20 @@ compute slowed beside asynchronous collectives."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
+from shardscope.core.comm_events import Place
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
+from shardscope.core.engines.base import TimePlace
 from shardscope.core.kernels import stage_seconds
+from shardscope.core.model_parallel_comm import CACHED_SHAPES
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost
 from shardscope.core.overheads import async_slowdown_s
 from shardscope.core.params import rank_layout
+from shardscope.core.rank_share import rank_share
 from shardscope.core.sharding import flat_shard_numel
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -38,10 +43,47 @@ class Task(NamedTuple):
 def build_compute_tasks(
     scenario: Scenario, compute: ComputeModel, profile: HardwareProfile
 ) -> tuple[list[Task], dict[tuple[str, int, int], int]]:
-    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them."""
-    stages = rank_stage_flops(scenario)
+    """Compute tasks in issue order, and where each (kind, micro-batch, stage) sits among them (shared by the
+    steps of a shape: read only)."""
     rules = rules_for(scenario)
     framework = rules.framework_s(scenario, profile)
+    key = (scenario.model, scenario.training, rank_share(scenario), compute, tuple(framework.items()))
+    found = _stage_tasks.get(key)
+    if found is None:
+        if len(_stage_tasks) >= CACHED_SHAPES:
+            _stage_tasks.clear()
+        found = _stage_tasks[key] = _stage_tasks_of(scenario, compute, framework)
+    tasks, where = list(found[0]), found[1]
+    seconds = optimizer_task_s(scenario, compute, profile, framework)
+    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
+    return tasks, where
+
+
+def optimizer_task_s(
+    scenario: Scenario, compute: ComputeModel, profile: HardwareProfile, framework: dict[TimePlace, float]
+) -> float:
+    """The optimizer step's task, before compute beside asynchronous calls is slowed (`slow_beside_async`):
+    `framework` is the engine's `framework_s`."""
+    rules = rules_for(scenario)
+    layout = rank_layout(scenario)
+    degree = scenario.parallelism.dp_shard
+    shard_tensors = rules.optimizer_tensors(scenario)
+    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
+    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
+    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
+    return seconds
+
+
+_stage_tasks: dict[tuple[object, ...], tuple[tuple[Task, ...], dict[tuple[str, int, int], int]]] = {}
+
+
+def _stage_tasks_of(
+    scenario: Scenario, compute: ComputeModel, framework: dict[TimePlace, float]
+) -> tuple[tuple[Task, ...], dict[tuple[str, int, int], int]]:
+    """Every micro-batch's forward, recompute and backward tasks of the stages, and where they and the optimizer
+    step (after them) sit: all they read of the scenario is its model, its training and its rank's share
+    (`core.compute.rank_stage_flops`, `core.kernels.stage_seconds`), so the planner's steps of a shape share them."""
+    stages = rank_stage_flops(scenario)
     tasks: list[Task] = []
     where: dict[tuple[str, int, int], int] = {}
 
@@ -61,26 +103,41 @@ def build_compute_tasks(
             if stages[index].recompute_flops:
                 add("recompute", micro_batch, index, recompute[index])
             add("backward", micro_batch, index, backward[index])
-    layout = rank_layout(scenario)
-    degree = scenario.parallelism.dp_shard
-    shard_tensors = rules.optimizer_tensors(scenario)
-    seconds = optimizer_step_s(scenario, compute, flat_shard_numel(layout.total_numel, degree), shard_tensors)
-    seconds += profile.host_terms.optimizer_step_overhead_s + framework.get(("optimizer", -1), 0.0)
-    seconds += rules.optimizer_overhead_s(scenario, profile, shard_tensors)
     where[("optimizer", 0, -1)] = len(tasks)
-    tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))
-    return tasks, where
+    return tuple(tasks), where
 
 
-def _consumer(event: CommEvent, where: dict[tuple[str, int, int], int]) -> int:
+def _consumer(trigger: str, micro_batch: int, stage: int, where: dict[tuple[str, int, int], int]) -> int:
     """The compute task a gather must precede (the recompute when there is one), or the one a call made inside a
     stage's compute blocks (a re-forward's call with the backward when the stage has no recompute task)."""
-    trigger = event.trigger
     kind = "forward" if trigger in ("before_forward", "during_forward") else "backward"
-    recompute = where.get(("recompute", event.micro_batch, event.stage))
+    recompute = where.get(("recompute", micro_batch, stage))
     if recompute is not None and trigger in ("before_backward", "during_recompute"):
         return recompute
-    return where[(kind, event.micro_batch, event.stage)]
+    return where[(kind, micro_batch, stage)]
+
+
+def _placement(
+    place: Place, where: dict[tuple[str, int, int], int], optimizer: int
+) -> tuple[float, tuple[int, ...], int | None]:
+    """Where a call at `place` goes: its issue key, the tasks it starts after, and the compute task that waits for
+    it (None when none does).
+
+    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
+    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result."""
+    micro_batch, stage, trigger = place
+    if trigger in INSIDE_STAGE:
+        consumer = _consumer(trigger, micro_batch, stage, where)
+        # issued once the compute before it is, and blocking that stage's compute
+        return consumer - 0.5, (consumer - 1,) if consumer >= 1 else (), consumer
+    if trigger == "before_forward" or trigger == "before_backward":
+        consumer = _consumer(trigger, micro_batch, stage, where)
+        # issued while the previous stage computes: one unit of prefetch
+        return consumer - 1.0, (consumer - 2,) if consumer >= 2 else (), consumer
+    if trigger == "after_backward":
+        producer = where[("backward", micro_batch, stage)]
+        return producer + 0.5, (producer,), None
+    return optimizer + 0.5, (optimizer,), None
 
 
 def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
@@ -100,58 +157,56 @@ def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkM
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
 
 
+class CommTasks(NamedTuple):
+    """Communication tasks built from a run of events, and what the next run of events carries on from."""
+
+    tasks: list[Task]
+    previous: Place | None
+    """The place of the last event: a call at the same place next waits for it."""
+    waited_async: bool
+    """An asynchronous call has paid the wait for the later rank."""
+
+
 def build_comm_tasks(
-    events: tuple[CommEvent, ...],
-    costs: tuple[CollectiveCost, ...],
-    compute_tasks: list[Task],
+    events: Sequence[CommEvent],
+    costs: Sequence[CollectiveCost],
     where: dict[tuple[str, int, int], int],
     sync_wait_s: float,
-    asynchronous: tuple[bool, ...],
-) -> tuple[list[Task], dict[int, list[int]]]:
-    """Communication tasks with their issue keys, and the gathers each compute task waits for.
-
-    A call inside a stage (tensor and context parallelism's) starts once the compute before it finishes and blocks
-    the stage's compute: its time is on the critical path, as the matmul after a tp collective needs its result.
+    asynchronous: Sequence[bool],
+    waits: dict[int, list[int]],
+    first: int,
+    previous: Place | None = None,
+    waited_async: bool = False,
+) -> CommTasks:
+    """Communication tasks with their issue keys (`_placement`), the first at index `first` of the step's tasks
+    (after the compute tasks and the events before these, which left `previous` and `waited_async`); the gathers
+    each compute task waits for are added to `waits`.
 
     The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
     and the skew between the ranks is absorbed once, by the first."""
     optimizer = where[("optimizer", 0, -1)]
-    first = len(compute_tasks)  # the index the first communication task will have
     tasks: list[Task] = []
-    waits: dict[int, list[int]] = {}
-    previous: tuple[int, int, str] | None = None
-    waited_async = False
-    for position, (event, cost) in enumerate(zip(events, costs, strict=True), start=first):
+    placed: dict[Place, tuple[float, tuple[int, ...], int | None]] = {}  # a step's calls share a few hundred places
+    for position, (event, cost, issued_async) in enumerate(zip(events, costs, asynchronous, strict=True), first):
+        place = (event.micro_batch, event.stage, event.trigger)
+        found = placed.get(place)
+        if found is None:
+            found = placed[place] = _placement(place, where, optimizer)
+        key, after, consumer = found
+        if consumer is not None:
+            waits.setdefault(consumer, []).append(position)
         duration = cost.time_s
         stream = STREAM_OF_GROUP.get(event.group, "comm")
-        trigger = event.trigger
-        after: list[int]
-        if trigger in INSIDE_STAGE:
-            consumer = _consumer(event, where)
-            key = consumer - 0.5  # issued once the compute before it is, and blocking that stage's compute
-            after = [consumer - 1] if consumer >= 1 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "before_forward" or trigger == "before_backward":
-            consumer = _consumer(event, where)
-            key = consumer - 1.0  # issued while the previous stage computes: one unit of prefetch
-            after = [consumer - 2] if consumer >= 2 else []
-            waits.setdefault(consumer, []).append(position)
-        elif trigger == "after_backward":
-            producer = where[("backward", event.micro_batch, event.stage)]
-            key, after = producer + 0.5, [producer]
-        else:
-            key, after = optimizer + 0.5, [optimizer]
-        place = (event.micro_batch, event.stage, trigger)
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
-            after.append(position - 1)
-        elif stream != "host" and not (waited_async and asynchronous[position - first]):
+            after += (position - 1,)
+        elif stream != "host" and not (waited_async and issued_async):
             duration += sync_wait_s  # the first collective after compute waits for the later rank
-            waited_async = waited_async or asynchronous[position - first]
+            waited_async = waited_async or issued_async
         row = event.row
-        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, tuple(after)))
+        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, after))
         previous = place
-    return tasks, waits
+    return CommTasks(tasks, previous, waited_async)
 
 
 def slow_beside_async(

@@ -123,9 +123,9 @@ class Evaluator:
         return found
 
     def _pipeline_tight_bound_s(self, scenario: Scenario) -> float:
-        """`pipeline_bound_s` with the floor under each pipeline rank's exposed communication after its last
-        backward (`planner.pipeline.tail_floor_s`): it depends on the data-parallel degrees too, so it is asked only
-        of a plan about to be simulated."""
+        """`pipeline_bound_s` with the floor under what each pipeline rank does after its last backward
+        (`planner.pipeline.tail_floor_s`): it depends on the data-parallel degrees too, so it is asked only of a
+        plan about to be simulated."""
         after_s = tail_floor_s(scenario, self.hardware)
         if not any(after_s):
             return self.pipeline_bound_s(scenario)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shardscope.core.compute import compute_model
 from shardscope.core.engines import rules_for
 from shardscope.core.network import collective_cost, network_model
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
 from shardscope.core.pipeline_time import send_placement, stage_times
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
+from shardscope.core.timeline_tasks import optimizer_task_s
 from shardscope.planner.timing import ROUNDING_MARGIN, PlanTiming, tensor_parallel_floor_s
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -64,21 +66,24 @@ def pipeline_bound_s(
 
 
 def tail_floor_s(scenario: Scenario, hardware: HardwareProfile) -> list[float]:
-    """Per pipeline rank, a floor under the exposed communication of its proxy's step, which follows its last
-    backward (`core.pipeline_time`): the tensor-parallel calls inside every micro-batch's stages. The time model runs
-    each between the compute task before its stage and the stage, which waits for it (`core.timeline_tasks`), so
-    the compute stream idles at least their time: m x `tensor_parallel_floor_s` at the scenario's micro-batch size.
-    Zero for a step longer than EXACT_MICRO_BATCHES micro-batches, whose exposed time is extended from two shorter
-    runs, which this sum does not bound."""
+    """Per pipeline rank, a floor under what its proxy's step does after its last backward (`core.pipeline_time`):
+    its optimizer step (the time model's task for it, which only compute slowed beside asynchronous calls
+    lengthens) and, for a step simulated whole, its exposed communication, at least the tensor-parallel calls inside
+    every micro-batch's stages. The time model runs each of those between the compute task before its stage and the
+    stage, which waits for it (`core.timeline_tasks`), so the compute stream idles at least their time: m x
+    `tensor_parallel_floor_s` at the scenario's micro-batch size. A step longer than EXACT_MICRO_BATCHES
+    micro-batches has its exposed time extended from two shorter runs, which that sum does not bound: its floor is
+    the optimizer step alone."""
     strategy, m = scenario.strategy, scenario.training.grad_accum_steps
-    if strategy.tp == 1 or m > EXACT_MICRO_BATCHES:
-        return [0.0] * strategy.pp
+    whole = strategy.tp > 1 and m <= EXACT_MICRO_BATCHES
     floors: dict[Scenario, float] = {}  # ranks that hold the same share their proxy's floor
     size = scenario.training.micro_batch_size
     proxies = [rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp)]
     for proxy in proxies:
         if proxy not in floors:
-            floors[proxy] = m * tensor_parallel_floor_s(proxy, hardware, size)
+            framework = rules_for(proxy).framework_s(proxy, hardware)
+            optimizer = optimizer_task_s(proxy, compute_model(proxy, hardware), hardware, framework)
+            floors[proxy] = (m * tensor_parallel_floor_s(proxy, hardware, size) if whole else 0.0) + optimizer
     return [floors[proxy] for proxy in proxies]
 
 

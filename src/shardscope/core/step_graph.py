@@ -1,0 +1,206 @@
+"""The task graph of one step, before the timeline runs it (`core.timeline`): the compute tasks, then a task per call
+in `core.comm.comm_events`' order (the engine's data-parallel calls, the tensor, context and expert parallel calls,
+optimizer offload's copies), what each compute task waits for, and the part of ring attention's exchange hidden
+behind its attention (`core.ring_overlap`).
+
+The model-parallel calls are most of a step's tasks (a 405B pipeline rank's step of 16 micro-batches has thousands,
+its data-parallel calls a few hundred) and the same for every data-parallel strategy, offload and GPU count of a
+shape (`core.model_parallel_comm.model_parallel_shape`), while the planner simulates hundreds of steps that share a
+few dozen shapes. So their costs, tasks, waits and hidden exchange are built once per shape and moved to their
+position among the step's tasks (`model_parallel_tasks`), equal to the tasks building them again gives
+(tests/core/test_step_graph.py).
+No engine issues them asynchronously (DTensor's calls, ring attention's exchange and the expert all-to-alls block:
+every engine's `is_async` holds only for data-parallel groups), so what the calls before them leave to them is the
+place of the last one: a call at the same place waits for it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from shardscope.core.comm import comm_event_parts
+from shardscope.core.comm_events import CommEvent, Place
+from shardscope.core.compute import ComputeModel, compute_model
+from shardscope.core.engines import rules_for
+from shardscope.core.model_parallel_comm import CACHED_SHAPES, model_parallel_shape
+from shardscope.core.network import CollectiveCost, network_model
+from shardscope.core.ring_overlap import hidden_exchange
+from shardscope.core.timeline_tasks import (
+    Task,
+    build_comm_tasks,
+    build_compute_tasks,
+    event_costs,
+    slow_beside_async,
+)
+from shardscope.presets.hardware import HardwareProfile
+from shardscope.specs import Scenario
+
+
+class StepGraph(NamedTuple):
+    """One step's tasks and what orders them."""
+
+    events: tuple[CommEvent, ...]
+    """The step's calls (`comm_events`)."""
+    costs: tuple[CollectiveCost, ...]
+    """The cost of each call."""
+    compute: ComputeModel
+    """The compute model the compute tasks were priced with."""
+    tasks: list[Task]
+    """The compute tasks, then a task per call."""
+    computes: int
+    """tasks[:computes] are compute tasks."""
+    waits: dict[int, list[int]]
+    """The calls each compute task waits for (the optimizer step every call issued before it)."""
+    hidden: dict[int, float]
+    """Seconds of each ring-attention call hidden behind its attention, by task index."""
+
+
+def step_graph(scenario: Scenario, profile: HardwareProfile) -> StepGraph:
+    """The scenario's step as tasks for the timeline."""
+    data_parallel, model_parallel, offload = comm_event_parts(scenario)  # refuses a model without a shape first
+    compute = compute_model(scenario, profile)
+    compute_tasks, where = build_compute_tasks(scenario, compute, profile)
+    own = data_parallel + offload
+    own_costs = event_costs(scenario, own, network_model(profile))
+    rules = rules_for(scenario)
+    asynchronous = tuple(rules.is_async(scenario, event) for event in own)
+    slowdown = profile.host_terms.async_compute_slowdown
+    if slowdown:
+        slow_beside_async(asynchronous, own, own_costs, compute_tasks, where, slowdown)
+    computes, split, sync_wait_s = len(compute_tasks), len(data_parallel), profile.host_terms.sync_wait_s
+    waits: dict[int, list[int]] = {}
+    before = build_comm_tasks(
+        data_parallel, own_costs[:split], where, sync_wait_s, asynchronous[:split], waits, computes
+    )
+    shared = model_parallel_tasks(scenario, profile, compute, model_parallel, where, computes + split, before.previous)
+    for consumer, positions in shared.waits:
+        waits.setdefault(consumer, []).extend(positions)
+    offload_first = computes + split + len(shared.tasks)
+    after = build_comm_tasks(
+        offload,
+        own_costs[split:],
+        where,
+        sync_wait_s,
+        asynchronous[split:],
+        waits,
+        offload_first,
+        shared.previous,
+        before.waited_async,
+    )
+    optimizer = where[("optimizer", 0, -1)]
+    waits[optimizer] = [
+        *(computes + index for index, task in enumerate(before.tasks) if task.key < optimizer),
+        *shared.before_optimizer,
+        *(offload_first + index for index, task in enumerate(after.tasks) if task.key < optimizer),
+    ]
+    return StepGraph(
+        events=data_parallel + model_parallel + offload,
+        costs=own_costs[:split] + shared.costs + own_costs[split:],
+        compute=compute,
+        tasks=compute_tasks + before.tasks + list(shared.tasks) + after.tasks,
+        computes=computes,
+        waits=waits,
+        hidden=shared.hidden,
+    )
+
+
+class ModelParallelTasks(NamedTuple):
+    """A step's model-parallel calls placed at their index among its tasks."""
+
+    costs: tuple[CollectiveCost, ...]
+    tasks: tuple[Task, ...]
+    waits: tuple[tuple[int, tuple[int, ...]], ...]
+    """(compute task, the calls it waits for)."""
+    before_optimizer: tuple[int, ...]
+    """The calls issued before the optimizer step (it waits for them)."""
+    hidden: dict[int, float]
+    """Seconds of each ring-attention call hidden behind its attention, by task index."""
+    previous: Place | None
+    """The place of the last call."""
+
+
+_built: dict[tuple[object, ...], dict[int, ModelParallelTasks]] = {}
+"""Per shape (everything but the first task's index), the tasks placed at each first index asked."""
+
+
+def model_parallel_tasks(
+    scenario: Scenario,
+    profile: HardwareProfile,
+    compute: ComputeModel,
+    events: tuple[CommEvent, ...],
+    where: dict[tuple[str, int, int], int],
+    first: int,
+    previous: Place | None,
+) -> ModelParallelTasks:
+    """The tasks of `events` (the scenario's `model_parallel_calls`), the first at index `first`, after a call at
+    `previous`; `where` places the step's compute tasks (`build_compute_tasks`). Kept per shape: the key holds
+    everything they read of the scenario (the shape of the calls, which fixes the compute tasks' places, and what
+    prices them: the GPU, the backend, the ranks on a node and the hardware profile); a shape placed at another
+    index is moved there (`_moved`), not built again."""
+    if not events:
+        return ModelParallelTasks((), (), (), (), {}, previous)
+    opening = events[0]
+    rules = rules_for(scenario)
+    cluster = scenario.cluster
+    key = (
+        model_parallel_shape(scenario, rules.param_comm_bytes(scenario), rules.megatron_tensor_parallel),
+        cluster.gpu,
+        cluster.backend,
+        cluster.ranks_per_node,
+        profile,
+        previous == (opening.micro_batch, opening.stage, opening.trigger),
+    )
+    placed = _built.get(key)
+    if placed is None:
+        if len(_built) >= CACHED_SHAPES:
+            _built.clear()
+        placed = _built[key] = {}
+    found = placed.get(first)
+    if found is None:
+        if placed:
+            known, block = next(iter(placed.items()))
+            found = _moved(block, first - known, where[("optimizer", 0, -1)] + 1)
+        else:
+            found = _build(scenario, profile, compute, events, where, first, previous)
+        placed[first] = found
+    return found
+
+
+def _moved(block: ModelParallelTasks, by: int, computes: int) -> ModelParallelTasks:
+    """`block` placed `by` tasks later: the indices of calls (from `computes` on) move, those of compute tasks stay
+    (a call waits for the call before it at its place, always the last of its `after`)."""
+    return block._replace(
+        tasks=tuple(
+            Task(*task[:-1], (*task.after[:-1], task.after[-1] + by))
+            if task.after and task.after[-1] >= computes
+            else task
+            for task in block.tasks
+        ),
+        waits=tuple((consumer, tuple(position + by for position in positions)) for consumer, positions in block.waits),
+        before_optimizer=tuple(position + by for position in block.before_optimizer),
+        hidden={index + by: seconds for index, seconds in block.hidden.items()},
+    )
+
+
+def _build(
+    scenario: Scenario,
+    profile: HardwareProfile,
+    compute: ComputeModel,
+    events: tuple[CommEvent, ...],
+    where: dict[tuple[str, int, int], int],
+    first: int,
+    previous: Place | None,
+) -> ModelParallelTasks:
+    costs = event_costs(scenario, events, network_model(profile))
+    waits: dict[int, list[int]] = {}
+    synchronous = (False,) * len(events)
+    built = build_comm_tasks(events, costs, where, profile.host_terms.sync_wait_s, synchronous, waits, first, previous)
+    optimizer = where[("optimizer", 0, -1)]
+    return ModelParallelTasks(
+        costs=costs,
+        tasks=tuple(built.tasks),
+        waits=tuple((consumer, tuple(positions)) for consumer, positions in waits.items()),
+        before_optimizer=tuple(first + index for index, task in enumerate(built.tasks) if task.key < optimizer),
+        hidden={first + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()},
+        previous=built.previous,
+    )
