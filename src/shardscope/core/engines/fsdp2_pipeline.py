@@ -1,0 +1,219 @@
+"""FSDP2 `fully_shard` inside torch.distributed.pipelining: the moments of a pipeline rank's step, the 'pytorch'
+engine's `pipeline_moments` for the strategies that run on fully_shard.
+
+The rule, from torch 2.13's source. Before each backward of a micro-batch, PipelineStage.backward_maybe_with_nosync
+(torch/distributed/pipelining/stage.py) calls `set_is_last_backward(False)`, `set_reshard_after_backward(False)` and
+`set_requires_gradient_sync(False)` on the stage's module, for every unit in it. So FSDPParamGroup.post_backward
+(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) neither reshards a unit after its backward nor
+reduce-scatters its gradients: it keeps them unsharded, accumulated across micro-batches in the reduce dtype
+(FSDPParam.to_accumulated_grad_if_needed in _fsdp_param.py). Only the schedule's last action,
+PipelineStage.perform_reduce_grad, turns both back on and calls every unit's post_backward once: one reduce-scatter
+per unit per step, then each unit reshards. A forward still reshards each unit after it runs
+(FSDPParamGroup.post_forward, reshard_after_forward=True), so a backward that follows a forward of its stage gathers
+its units again, one at a time from the output down (the head's root first on the last stage), and keeps them.
+
+So, on top of the rank's sharded parameters and optimizer state (its sharded gradients exist only from the step's
+reduce-scatter on: the step starts with them set to None), a backward holds the micro-batches in flight, every
+stage's accumulated gradients once its first backward has passed, every unit gathered since the last forward, and,
+at each gather, the all-gather's flat output beside the unit it is copied into (foreach_all_gather_copy_out). The
+moments followed for each backward: each unit's gather at the top and the bottom of the stage, and the top and bottom
+blocks' own backward; with the units still gathered (no forward since), only the blocks' backward. Then the step's
+reduce-scatters, with every unit gathered and every accumulated gradient, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from shardscope.core.engines.base import LOSS_GRAD_BYTES, LiveBytes, Moment, PipelineLoad, as_live_bytes
+from shardscope.core.model_states import dtype_bytes
+from shardscope.core.pipeline import PipelineStage, layout_of
+from shardscope.core.sharding import dim0_unit_sizes
+from shardscope.specs import Scenario
+
+
+class _Units(NamedTuple):
+    """One stage's FSDP units, in bytes."""
+
+    stage: PipelineStage
+    root: int
+    """The stage root's parameters gathered (compute dtype): the embeddings, or the final norm and the head."""
+    block: int
+    """One block's parameters gathered."""
+    root_gradients: int
+    """The root's unsharded gradients as they accumulate (reduce dtype)."""
+    block_gradients: int
+    """One block's unsharded gradients as they accumulate (reduce dtype)."""
+    block_new_gradients: int
+    """One block's gradients as autograd makes them, before they are accumulated (compute dtype)."""
+
+    @property
+    def gathered(self) -> int:
+        """Every unit of the stage gathered."""
+        return self.root + self.stage.layers * self.block
+
+    @property
+    def accumulated(self) -> int:
+        """All the stage's unsharded gradients."""
+        return self.root_gradients + self.stage.layers * self.block_gradients
+
+
+def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
+    training = scenario.training
+    compute = dtype_bytes(training.precision)
+    reduce = 4 if training.is_mixed else compute  # MixedPrecisionPolicy(reduce_dtype=float32) under mixed
+    root, block = dim0_unit_sizes(layout_of(scenario, stage), degree)
+    return _Units(stage, root * compute, block * compute, root * reduce, block * reduce, block * compute)
+
+
+def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+    """The moments of the rank's step (see the module docstring), the largest of each kind kept."""
+    units = {stage.index: _units(scenario, stage, load.shard_degree) for stage in load.stages}
+    gathered = dict.fromkeys(units, False)
+    backwarded = dict.fromkeys(units, False)
+    held = load.step_activations
+    found: dict[str, Moment] = {}
+    for action in load.actions:
+        index = action.stage
+        others = sum(units[i].gathered for i in units if gathered[i] and i != index)
+        gradients = sum(units[i].accumulated for i in units if backwarded[i])
+        if action.backward:
+            kind_of = "backward"
+            made = _backward(scenario, load, units[index], held, gathered[index], backwarded[index])
+            gradients -= units[index].accumulated if backwarded[index] else 0  # _backward counts them
+        else:
+            kind_of = "forward"
+            held += load.weights[index]
+            made = _forward(load, units[index], held, gathered[index])
+        where = f"stage {index} {kind_of} {action.micro_batch}"
+        for kind, (activations, buffers, temporary) in made:
+            live = _live(load, activations, others + buffers, gradients + temporary)
+            if kind not in found or sum(live) > sum(found[kind][1]):
+                found[kind] = (f"{where}: {kind}", live)
+        if action.backward:
+            held -= load.weights[index]
+            backwarded[index] = True
+        gathered[index] = action.backward
+    moments = list(found.values())
+    moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
+    states = load.states
+    step = (states.parameters_bytes, states.gradients_bytes, states.optimizer_state_bytes, 0)
+    buffers = load.receive_bytes + states.persistent_buffers_bytes
+    moments.append(("optimizer step", as_live_bytes((*step, buffers, states.optimizer_temporary_bytes))))
+    return moments
+
+
+def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) -> LiveBytes:
+    """A backward's moment: the sharded parameters and optimizer state, no sharded gradients yet."""
+    states = load.states
+    persistent = load.receive_bytes + states.persistent_buffers_bytes
+    return as_live_bytes(
+        (states.parameters_bytes, 0, states.optimizer_state_bytes, activations, persistent + buffers, temporary)
+    )
+
+
+def _forward(load: PipelineLoad, units: _Units, held: int, gathered: bool) -> list[tuple[str, tuple[int, int, int]]]:
+    """(kind, (activations, gathered bytes, temporary bytes)) as a forward of the stage ends, `held` the activations
+    in flight with its micro-batch's: the root stays gathered through the stage's forward, each block reshards after
+    its own, and with implicit prefetching FSDP2 keeps the last all-gather's flat output until the next copy-out
+    (FSDPParamGroup.wait_for_unshard), so past the stage's forward. Units still gathered by a backward are not
+    gathered again."""
+    acts, stage = load.activations, units.stage
+    staged = 0 if gathered else (units.block if stage.layers else units.root)
+    moments = []
+    if stage.layers:  # the top block's output being made, before the head's forward
+        made = held - (acts.head_bytes + acts.logits_bytes if stage.head else 0)
+        moments.append(("top block's forward", (made, units.root + units.block, staged + acts.hidden_bytes)))
+    if stage.head:  # the loss's spike beyond the logits, which the weight counts as the stage's cached output
+        spike = acts.loss_forward_spike_bytes - acts.logits_bytes
+        moments.append(("loss's forward", (held, units.root, staged + spike)))
+    return moments
+
+
+def _backward(
+    scenario: Scenario, load: PipelineLoad, units: _Units, held: int, gathered: bool, backwarded: bool
+) -> list[tuple[str, tuple[int, int, int]]]:
+    """(kind, (activations, gathered bytes, temporary bytes)) at the moments of one backward of the stage, `held`
+    the activations in flight as it starts. FSDP2's pre-backward hooks run as the gradient reaches each unit's
+    output: the head stage's root first (its output is the logits), then the top block, then, on the other stages,
+    the stage root at once (its output is the top block's)."""
+    acts, stage = load.activations, units.stage
+    stored = acts.stored_block_bytes
+    # the head's backward frees what the loss and the head kept (the logits the stage cached as its output stay)
+    head_freed = acts.head_bytes if stage.head else 0
+    # the previous backward's input gradient, kept by the stage until its send completes
+    sending = acts.hidden_bytes if backwarded and not stage.embedding else 0
+    own = acts.block_backward_bytes
+    if backwarded and not scenario.training.is_mixed:
+        # the gradients stay on the parameters in their own dtype: AccumulateGrad adds the output projection's
+        # weight gradient into them, so the MLP's backward holds no weight gradient of its own
+        model, element = scenario.model, dtype_bytes(scenario.training.precision)
+        own -= model.ffn_hidden_size // scenario.strategy.tp * model.hidden_size * element
+
+    def accumulated(blocks_done: int) -> int:
+        if backwarded:
+            return units.accumulated
+        return blocks_done * units.block_gradients
+
+    # the head's own gradients, made as autograd reaches them, wait in the compute dtype for the root's
+    # post-backward at the end of the stage's backward, unless AccumulateGrad adds them into the accumulated ones
+    head_new = units.root if stage.head and (scenario.training.is_mixed or not backwarded) else 0
+
+    moments = []
+    if stage.head:  # the loss's backward: its fp32 gradients, nothing of the micro-batch freed yet
+        loss = acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES + accumulated(0) + sending
+        moments.append(("loss's backward", (held, units.gathered if gathered else 0, loss)))
+    for j, kind in ((0, "top block"), (stage.layers - 1, "bottom block")) if stage.layers else ():
+        flowing = acts.hidden_bytes + LOSS_GRAD_BYTES if stage.head or j else 0
+        activations = held - head_freed - j * stored
+        grads = accumulated(j) + sending + flowing + head_new
+        blocks = units.root + (j + 1) * units.block
+        if gathered:
+            moments.append((f"{kind}'s backward", (activations, units.gathered, grads + own)))
+            continue
+        # while a block runs backward FSDP2 has the next block's all-gather in flight (its backward prefetch)
+        prefetched = units.block if j < stage.layers - 1 else 0
+        moments.append((f"{kind}'s backward", (activations, blocks, grads + own + prefetched)))
+        before = blocks if stage.head or j else units.block
+        moments.append((f"{kind} gathered", (activations, before, grads + units.block)))
+    if gathered or not units.root:
+        return moments
+    if stage.head:
+        # the loss's backward has made the logits' gradient and freed its log-softmax
+        loss = acts.head_gradient_bytes + LOSS_GRAD_BYTES
+        grads = accumulated(0) + sending + loss
+        moments.append(("root gathered", (held - acts.log_softmax_bytes, units.root, grads + units.root)))
+    else:
+        moments.append(("root gathered", (held, units.root + units.block, accumulated(0) + units.root)))
+    return moments
+
+
+def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units]) -> LiveBytes:
+    """The step's end, PipelineStage.perform_reduce_grad: FSDPParamGroup.post_backward of every unit in turn (each
+    stage's root first, then its blocks in order) reshards the unit, copies its accumulated gradients into the
+    reduce-scatter input and reduce-scatters it (gloo holds a clone of the input: core.engines.fsdp2), and the shard
+    lands as the unit's sharded gradient. The largest of those moments, the step's token ids and targets held."""
+    sizes = [(u.root, u.root_gradients) for u in units]
+    sizes += [(u.block, u.block_gradients) for u in units for _ in range(u.stage.layers)]
+    clone = scenario.cluster.backend == "gloo"
+    gathered = sum(u.gathered for u in units)
+    accumulated = sum(u.accumulated for u in units)
+    states = load.states
+    landed, best = 0, as_live_bytes((0,) * 6)
+    for params, grads in sizes:
+        gathered -= params
+        shard = grads // load.shard_degree
+        live = as_live_bytes(
+            (
+                states.parameters_bytes,
+                landed + shard,
+                states.optimizer_state_bytes,
+                load.step_activations,
+                load.receive_bytes + states.persistent_buffers_bytes + gathered,
+                accumulated + (grads if clone else 0),
+            )
+        )
+        best = max(best, live, key=sum)
+        accumulated -= grads
+        landed += shard
+    return best
