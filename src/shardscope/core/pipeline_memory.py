@@ -29,7 +29,7 @@ from functools import lru_cache
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import PipelineLoad, activations_for, peak_of
 from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, rank_stages, stage_model
-from shardscope.core.pipeline_schedule import peak_in_flight, rank_actions
+from shardscope.core.pipeline_schedule import Action, peak_in_flight, rank_actions
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
 from shardscope.specs import Scenario
@@ -62,6 +62,13 @@ def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: b
     )
 
 
+def pipeline_rank_actions(scenario: Scenario, pipeline_rank: int) -> tuple[Action, ...]:
+    """The forwards and backwards pipeline rank `pipeline_rank` runs, in its schedule's order."""
+    strategy = scenario.strategy
+    micro_batches = scenario.training.grad_accum_steps
+    return tuple(rank_actions(strategy.pp_schedule, strategy.pp, strategy.virtual_stages, micro_batches, pipeline_rank))
+
+
 def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenario:
     """`stage_proxy` of the pipeline rank holding `stages`."""
     layers = sum(stage.layers for stage in stages)
@@ -79,10 +86,8 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     states = rules.rank_memory(proxy, 0).states
     acts = activations_for(scenario, states.autocast)
     weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
-    actions = rank_actions(
-        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
-    )
-    in_flight_bytes, counts = peak_in_flight(actions, weights)
+    actions = pipeline_rank_actions(scenario, pipeline_rank)
+    in_flight_bytes, counts = peak_in_flight(list(actions), weights)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
     spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
@@ -95,7 +100,7 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
         stages=stages,
         states=states,
         activations=acts,
-        actions=tuple(actions),
+        actions=actions,
         weights=weights,
         in_flight_bytes=in_flight_bytes,
         in_flight=sum(counts.values()),

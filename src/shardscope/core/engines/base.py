@@ -192,6 +192,13 @@ class EngineRules(Protocol):
         """The moments of one pipeline rank's step whose live bytes its peak compares."""
         ...
 
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+    ) -> list[CollectiveRow]:
+        """A pipeline rank's data-parallel collectives of a step, from `rows`, those of the model it holds without
+        a pipeline over the same micro-batches, and its schedule's order (`actions`)."""
+        ...
+
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
@@ -245,6 +252,12 @@ class RulesDefaults:
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The teaching pipeline takes each micro-batch's inputs as it runs it: nothing is held for the step."""
         return 0
+
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+    ) -> list[CollectiveRow]:
+        """A pipeline changes nothing: each micro-batch makes the collectives it makes without one."""
+        return rows
 
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
         """Two moments: the schedule's fullest, where every term is at its largest together (the micro-batches in

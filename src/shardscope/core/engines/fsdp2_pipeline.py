@@ -23,11 +23,14 @@ reduce-scatters, with every unit gathered and every accumulated gradient, and th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from shardscope.core.engines.base import LOSS_GRAD_BYTES, LiveBytes, Moment, PipelineLoad, as_live_bytes
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
+from shardscope.core.pipeline_schedule import Action
+from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes
 from shardscope.specs import Scenario
 
@@ -44,8 +47,9 @@ class _Units(NamedTuple):
     """The root's unsharded gradients as they accumulate (reduce dtype)."""
     block_gradients: int
     """One block's unsharded gradients as they accumulate (reduce dtype)."""
-    block_new_gradients: int
-    """One block's gradients as autograd makes them, before they are accumulated (compute dtype)."""
+    staged: bool
+    """An all-gather has a flat output of its own to copy out of: over one rank (dp 1) FSDPParamGroup.unshard reuses
+    the sharded data and allocates none."""
 
     @property
     def gathered(self) -> int:
@@ -63,7 +67,7 @@ def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
     compute = dtype_bytes(training.precision)
     reduce = 4 if training.is_mixed else compute  # MixedPrecisionPolicy(reduce_dtype=float32) under mixed
     root, block = dim0_unit_sizes(layout_of(scenario, stage), degree)
-    return _Units(stage, root * compute, block * compute, root * reduce, block * reduce, block * compute)
+    return _Units(stage, root * compute, block * compute, root * reduce, block * reduce, degree > 1)
 
 
 def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
@@ -119,7 +123,7 @@ def _forward(load: PipelineLoad, units: _Units, held: int, gathered: bool) -> li
     (FSDPParamGroup.wait_for_unshard), so past the stage's forward. Units still gathered by a backward are not
     gathered again."""
     acts, stage = load.activations, units.stage
-    staged = 0 if gathered else (units.block if stage.layers else units.root)
+    staged = 0 if gathered or not units.staged else (units.block if stage.layers else units.root)
     moments = []
     if stage.layers:  # the top block's output being made, before the head's forward
         made = held - (acts.head_bytes + acts.logits_bytes if stage.head else 0)
@@ -172,19 +176,21 @@ def _backward(
             moments.append((f"{kind}'s backward", (activations, units.gathered, grads + own)))
             continue
         # while a block runs backward FSDP2 has the next block's all-gather in flight (its backward prefetch)
-        prefetched = units.block if j < stage.layers - 1 else 0
+        prefetched = units.block if j < stage.layers - 1 and units.staged else 0
         moments.append((f"{kind}'s backward", (activations, blocks, grads + own + prefetched)))
         before = blocks if stage.head or j else units.block
-        moments.append((f"{kind} gathered", (activations, before, grads + units.block)))
+        moments.append((f"{kind} gathered", (activations, before, grads + units.block * units.staged)))
     if gathered or not units.root:
         return moments
     if stage.head:
         # the loss's backward has made the logits' gradient and freed its log-softmax
         loss = acts.head_gradient_bytes + LOSS_GRAD_BYTES
         grads = accumulated(0) + sending + loss
-        moments.append(("root gathered", (held - acts.log_softmax_bytes, units.root, grads + units.root)))
+        moments.append(
+            ("root gathered", (held - acts.log_softmax_bytes, units.root, grads + units.root * units.staged))
+        )
     else:
-        moments.append(("root gathered", (held, units.root + units.block, accumulated(0) + units.root)))
+        moments.append(("root gathered", (held, units.root + units.block, accumulated(0) + units.root * units.staged)))
     return moments
 
 
@@ -217,3 +223,30 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
         accumulated -= grads
         landed += shard
     return best
+
+
+def fsdp2_pipeline_rows(
+    scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+) -> list[CollectiveRow]:
+    """The rank's data-parallel collectives under the rule of the module docstring, from those of its model without a
+    pipeline (every micro-batch gathering each unit in forward and again in backward, and reduce-scattering it):
+    each reduce-scatter (and hsdp's all-reduce of the shard) once per step; each all-gather as often as the schedule
+    reaches a stage whose units are not gathered, in forward after a forward or at the start, in backward after a
+    forward. The rank's stages are counted together: exact where they gather equally often."""
+    micro_batches = scenario.training.grad_accum_steps
+    gathered: dict[int, bool] = {}
+    gathers = {"forward": 0, "backward": 0}
+    for action in actions:
+        if not gathered.get(action.stage, False):
+            gathers["backward" if action.backward else "forward"] += 1
+        gathered[action.stage] = action.backward
+    calls = len(actions) // 2  # forwards (and backwards) of every stage of the rank
+    result = []
+    for row in rows:
+        count = row.count
+        if row.op == "all_gather" and row.phase in gathers:
+            count = row.count * gathers[row.phase] // calls
+        elif row.phase == "backward" and row.group == "dp" and row.op in ("reduce_scatter", "all_reduce"):
+            count = row.count // micro_batches
+        result.append(replace(row, count=count))
+    return result

@@ -30,7 +30,7 @@ from shardscope.core.engines.base import (
     shared_memory,
 )
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
-from shardscope.core.engines.fsdp2_pipeline import fsdp2_pipeline_moments
+from shardscope.core.engines.fsdp2_pipeline import fsdp2_pipeline_moments, fsdp2_pipeline_rows
 from shardscope.core.model_states import (
     ModelStates,
     dtype_bytes,
@@ -41,6 +41,7 @@ from shardscope.core.model_states import (
 )
 from shardscope.core.params import head_numel, rank_facts, rank_layout
 from shardscope.core.pipeline import PipelineStage
+from shardscope.core.pipeline_schedule import Action
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
@@ -199,6 +200,15 @@ class PyTorchRules(RulesDefaults):
         if runs_on_ddp(scenario):
             return super().pipeline_moments(scenario, load)
         return fsdp2_pipeline_moments(scenario, load)
+
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+    ) -> list[CollectiveRow]:
+        """FSDP2 inside torch's pipelining gathers a unit only where it is not still gathered and reduce-scatters
+        once per step (core.engines.fsdp2_pipeline)."""
+        if runs_on_ddp(scenario):
+            return rows
+        return fsdp2_pipeline_rows(scenario, actions, rows)
 
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once
