@@ -68,8 +68,9 @@ def test_ledger_equals_the_prediction(world_size: int, schedule: str) -> None:
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
 def test_peak_equals_the_prediction(world_size: int, schedule: str) -> None:
-    """Each pipeline rank's peak within 1% of core.pipeline_memory (less its assumed context), which follows the schedule action by action
-    with FSDP2 keeping a stage's units gathered and its gradients unsharded between micro-batches."""
+    """Each pipeline rank's peak within 1% of core.pipeline_memory (less its assumed context), which follows the
+    schedule action by action with FSDP2 keeping a stage's units gathered and its gradients unsharded between
+    micro-batches."""
     predicted = pipeline_memory(_scenario(world_size, schedule)).per_stage
     for entry, expected in zip(_trace(world_size, schedule).per_stage, predicted, strict=True):
         tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes  # the trace has no context

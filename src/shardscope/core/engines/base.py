@@ -14,7 +14,7 @@ An engine adds moments of its own where its mechanism makes one (see its module)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -105,6 +105,16 @@ class PipelineLoad(NamedTuple):
     """Ranks the data-parallel strategy shards each stage over."""
 
 
+class PipelineCalls(NamedTuple):
+    """A pipeline rank's stages and the order its schedule runs them in."""
+
+    stages: tuple[PipelineStage, ...]
+    actions: tuple[Action, ...]
+
+
+StageRows = Callable[[tuple[PipelineStage, ...]], list[CollectiveRow]]
+"""The data-parallel collectives of a step of a model of these stages without a pipeline, every micro-batch's."""
+
 TimePlace = tuple[str, int]
 """(kind of compute task, stage): ('forward', s), ('backward', s), or ('optimizer', -1) for the step."""
 
@@ -193,10 +203,10 @@ class EngineRules(Protocol):
         ...
 
     def pipeline_data_parallel_rows(
-        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
     ) -> list[CollectiveRow]:
-        """A pipeline rank's data-parallel collectives of a step, from `rows`, those of the model it holds without
-        a pipeline over the same micro-batches, and its schedule's order (`actions`)."""
+        """A pipeline rank's data-parallel collectives of a step, from those of models of its stages without a
+        pipeline over the same micro-batches (`rows_of`) and its schedule's order."""
         ...
 
 
@@ -254,10 +264,11 @@ class RulesDefaults:
         return 0
 
     def pipeline_data_parallel_rows(
-        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
     ) -> list[CollectiveRow]:
-        """A pipeline changes nothing: each micro-batch makes the collectives it makes without one."""
-        return rows
+        """A pipeline changes nothing: each micro-batch makes the collectives the model of the rank's stages makes
+        without one."""
+        return rows_of(load.stages)
 
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
         """Two moments: the schedule's fullest, where every term is at its largest together (the micro-batches in

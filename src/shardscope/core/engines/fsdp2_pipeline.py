@@ -26,11 +26,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
-from shardscope.core.engines.base import LOSS_GRAD_BYTES, LiveBytes, Moment, PipelineLoad, as_live_bytes
+from shardscope.core.engines.base import (
+    LOSS_GRAD_BYTES,
+    LiveBytes,
+    Moment,
+    PipelineCalls,
+    PipelineLoad,
+    StageRows,
+    as_live_bytes,
+)
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
-from shardscope.core.pipeline_schedule import Action
-from shardscope.core.result import CollectiveRow
+from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import dim0_unit_sizes
 from shardscope.specs import Scenario
 
@@ -225,28 +232,26 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     return best
 
 
-def fsdp2_pipeline_rows(
-    scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
-) -> list[CollectiveRow]:
-    """The rank's data-parallel collectives under the rule of the module docstring, from those of its model without a
-    pipeline (every micro-batch gathering each unit in forward and again in backward, and reduce-scattering it):
-    each reduce-scatter (and hsdp's all-reduce of the shard) once per step; each all-gather as often as the schedule
-    reaches a stage whose units are not gathered, in forward after a forward or at the start, in backward after a
-    forward. The rank's stages are counted together: exact where they gather equally often."""
+def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageRows) -> list[CollectiveRow]:
+    """The rank's data-parallel collectives under the rule of the module docstring, stage by stage, from those of
+    the stage without a pipeline (every micro-batch gathering each unit in forward and again in backward, and
+    reduce-scattering it): each reduce-scatter (and hsdp's all-reduce of the shard) once per step; each all-gather as
+    often as the schedule reaches the stage with its units not gathered, in forward at the start or after a forward,
+    in backward after a forward."""
     micro_batches = scenario.training.grad_accum_steps
     gathered: dict[int, bool] = {}
-    gathers = {"forward": 0, "backward": 0}
-    for action in actions:
+    gathers = {stage.index: {"forward": 0, "backward": 0} for stage in load.stages}
+    for action in load.actions:
         if not gathered.get(action.stage, False):
-            gathers["backward" if action.backward else "forward"] += 1
+            gathers[action.stage]["backward" if action.backward else "forward"] += 1
         gathered[action.stage] = action.backward
-    calls = len(actions) // 2  # forwards (and backwards) of every stage of the rank
     result = []
-    for row in rows:
-        count = row.count
-        if row.op == "all_gather" and row.phase in gathers:
-            count = row.count * gathers[row.phase] // calls
-        elif row.phase == "backward" and row.group == "dp" and row.op in ("reduce_scatter", "all_reduce"):
-            count = row.count // micro_batches
-        result.append(replace(row, count=count))
-    return result
+    for stage in load.stages:
+        for row in rows_of((stage,)):
+            count = row.count
+            if row.op == "all_gather" and row.phase in ("forward", "backward"):
+                count = row.count * gathers[stage.index][row.phase] // micro_batches
+            elif row.phase == "backward" and row.group == "dp" and row.op in ("reduce_scatter", "all_reduce"):
+                count = row.count // micro_batches
+            result.append(replace(row, count=count))
+    return list(merge_ledger(result))

@@ -23,9 +23,11 @@ from shardscope.core.comm_events import (
 )
 from shardscope.core.engines.base import (
     Moment,
+    PipelineCalls,
     PipelineLoad,
     RankMemory,
     RulesDefaults,
+    StageRows,
     TimePlace,
     shared_memory,
 )
@@ -41,7 +43,6 @@ from shardscope.core.model_states import (
 )
 from shardscope.core.params import head_numel, rank_facts, rank_layout
 from shardscope.core.pipeline import PipelineStage
-from shardscope.core.pipeline_schedule import Action
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
@@ -202,13 +203,13 @@ class PyTorchRules(RulesDefaults):
         return fsdp2_pipeline_moments(scenario, load)
 
     def pipeline_data_parallel_rows(
-        self, scenario: Scenario, actions: tuple[Action, ...], rows: list[CollectiveRow]
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
     ) -> list[CollectiveRow]:
         """FSDP2 inside torch's pipelining gathers a unit only where it is not still gathered and reduce-scatters
         once per step (core.engines.fsdp2_pipeline)."""
         if runs_on_ddp(scenario):
-            return rows
-        return fsdp2_pipeline_rows(scenario, actions, rows)
+            return super().pipeline_data_parallel_rows(scenario, load, rows_of)
+        return fsdp2_pipeline_rows(scenario, load, rows_of)
 
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once
