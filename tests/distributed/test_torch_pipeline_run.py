@@ -98,8 +98,8 @@ def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction() -> None:
 def test_other_schedules_and_the_trace(schedule: str) -> None:
     """GPipe, and interleaved 1F1B with 2 stages a rank (tiny-llama-8); every call of the step equals the trace's
     and the prediction's, data-parallel ones included. Under interleaved 1F1B the buffers' largest size is not yet
-    predicted exactly (2,002,944 bytes measured on pipeline rank 0 against 1,871,872 predicted: the core's moments
-    do not reach every unit of both stages gathered at once), so buffers are left out there."""
+    predicted exactly (2,002,944 bytes measured on pipeline rank 0 against 1,871,872 predicted, the size of the
+    embedding unit gathered, not yet explained), so buffers are left out there."""
     from shardscope.trace.request import TraceRequest
     from shardscope.trace.runner import run_in_subprocess
 
