@@ -129,6 +129,21 @@ def test_interleaved_1f1b_equals_the_prediction() -> None:
         )
 
 
+def test_zero2_keeps_every_unit_gathered_for_the_step() -> None:
+    """fully_shard(reshard_after_forward=False) inside the pipeline: each unit is gathered once, in the step's first
+    forward, and kept to the step's end; ledger equal to the prediction, peak within 1%."""
+    scenario = _scenario(4, "1f1b", strategy="zero2")
+    result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300))
+    for entry, expected in zip(result.per_stage, pipeline_memory(scenario).per_stage, strict=True):
+        traced = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
+        predicted = pipeline_rank_ledger(scenario, entry.pipeline_rank)
+        assert traced == sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in predicted)
+        gathers = {(row.phase, row.count) for row in entry.ledger if row.op == "all_gather"}
+        assert gathers == {("forward", 1)}
+        tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes
+        assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.01)
+
+
 def test_the_busiest_stage_is_reported() -> None:
     """per_rank and the peak are the pipeline rank with the highest peak."""
     result = _trace(2, "gpipe")

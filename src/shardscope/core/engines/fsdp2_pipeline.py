@@ -9,8 +9,9 @@ reduce-scatters its gradients: it keeps them unsharded, accumulated across micro
 (FSDPParam.to_accumulated_grad_if_needed in _fsdp_param.py). Only the schedule's last action,
 PipelineStage.perform_reduce_grad, turns both back on and calls every unit's post_backward once: one reduce-scatter
 per unit per step, then each unit reshards. A forward still reshards each unit after it runs
-(FSDPParamGroup.post_forward, reshard_after_forward=True), so a backward that follows a forward of its stage gathers
-its units again, one at a time from the output down (the head's root first on the last stage), and keeps them.
+(FSDPParamGroup.post_forward, reshard_after_forward=True: zero3, fsdp, hsdp), so a backward that follows a forward of
+its stage gathers its units again, one at a time from the output down (the head's root first on the last stage),
+and keeps them; under zero2 (reshard_after_forward=False) the units stay gathered from the step's first forward.
 
 So, on top of the rank's sharded parameters and optimizer state (its sharded gradients exist only from the step's
 reduce-scatter on: the step starts with them set to None), a backward holds the micro-batches in flight, every
@@ -95,7 +96,7 @@ def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Momen
         else:
             kind_of = "forward"
             held += load.weights[index]
-            made = _forward(load, units[index], held, gathered[index])
+            made = _forward(scenario, load, units[index], held, gathered[index])
         where = f"stage {index} {kind_of} {action.micro_batch}"
         for kind, (activations, buffers, temporary) in made:
             live = _live(load, activations, others + buffers, gradients + temporary)
@@ -104,7 +105,7 @@ def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Momen
         if action.backward:
             held -= load.weights[index]
             backwarded[index] = True
-        gathered[index] = action.backward
+        gathered[index] = action.backward or not _reshards_after_forward(scenario)
     moments = list(found.values())
     moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
     states = load.states
@@ -123,21 +124,32 @@ def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) ->
     )
 
 
-def _forward(load: PipelineLoad, units: _Units, held: int, gathered: bool) -> list[tuple[str, tuple[int, int, int]]]:
+def _reshards_after_forward(scenario: Scenario) -> bool:
+    """fully_shard(reshard_after_forward=True): zero3, fsdp and hsdp; zero2 keeps every unit gathered from its first
+    forward to the step's end (FSDPParamGroup.reshard returns at once in forward)."""
+    strategy = scenario.strategy
+    return strategy.stage == 3 and strategy.reshard_after_forward
+
+
+def _forward(
+    scenario: Scenario, load: PipelineLoad, units: _Units, held: int, gathered: bool
+) -> list[tuple[str, tuple[int, int, int]]]:
     """(kind, (activations, gathered bytes, temporary bytes)) as a forward of the stage ends, `held` the activations
     in flight with its micro-batch's: the root stays gathered through the stage's forward, each block reshards after
-    its own, and with implicit prefetching FSDP2 keeps the last all-gather's flat output until the next copy-out
-    (FSDPParamGroup.wait_for_unshard), so past the stage's forward. Units still gathered by a backward are not
-    gathered again."""
+    its own (zero2's stay gathered), and with implicit prefetching FSDP2 keeps the last all-gather's flat output
+    until the next copy-out (FSDPParamGroup.wait_for_unshard), so past the stage's forward. Units still gathered by
+    a backward are not gathered again."""
     acts, stage = load.activations, units.stage
     staged = 0 if gathered or not units.staged else (units.block if stage.layers else units.root)
+    reshards = _reshards_after_forward(scenario)
     moments = []
     if stage.layers:  # the top block's output being made, before the head's forward
         made = held - (acts.head_bytes + acts.logits_bytes if stage.head else 0)
-        moments.append(("top block's forward", (made, units.root + units.block, staged + acts.hidden_bytes)))
+        kept = units.root + units.block if reshards else units.gathered
+        moments.append(("top block's forward", (made, kept, staged + acts.hidden_bytes)))
     if stage.head:  # the loss's spike beyond the logits, which the weight counts as the stage's cached output
         spike = acts.loss_forward_spike_bytes - acts.logits_bytes
-        moments.append(("loss's forward", (held, units.root, staged + spike)))
+        moments.append(("loss's forward", (held, units.root if reshards else units.gathered, staged + spike)))
     return moments
 
 
@@ -244,7 +256,7 @@ def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageR
     for action in load.actions:
         if not gathered.get(action.stage, False):
             gathers[action.stage]["backward" if action.backward else "forward"] += 1
-        gathered[action.stage] = action.backward
+        gathered[action.stage] = action.backward or not _reshards_after_forward(scenario)
     result = []
     for stage in load.stages:
         for row in rows_of((stage,)):
