@@ -25,6 +25,7 @@ reduce-scatters, with every unit gathered and every accumulated gradient, and th
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from typing import NamedTuple
 
 from shardscope.core.engines.base import (
@@ -38,6 +39,7 @@ from shardscope.core.engines.base import (
 )
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
+from shardscope.core.pipeline_schedule import Action
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.sharding import dim0_unit_sizes
 from shardscope.specs import Scenario
@@ -81,31 +83,23 @@ def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
 def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
     """The moments of the rank's step (see the module docstring), the largest of each kind kept."""
     units = {stage.index: _units(scenario, stage, load.shard_degree) for stage in load.stages}
-    gathered = dict.fromkeys(units, False)
-    backwarded = dict.fromkeys(units, False)
-    held = load.step_activations
     found: dict[str, Moment] = {}
-    for action in load.actions:
-        index = action.stage
-        others = sum(units[i].gathered for i in units if gathered[i] and i != index)
-        gradients = sum(units[i].accumulated for i in units if backwarded[i])
-        if action.backward:
-            kind_of = "backward"
-            made = _backward(scenario, load, units[index], held, gathered[index], backwarded[index])
-            gradients -= units[index].accumulated if backwarded[index] else 0  # _backward counts them
+    fullest = sorted(_fullest_actions(scenario, load).items(), key=lambda item: item[1][2])  # in the step's order
+    for (backward, index, gathered, backwarded), (held, micro_batch, _) in fullest:
+        own = units[index]
+        others = sum(u.gathered for i, u in units.items() if gathered & _bit(i) and i != index)
+        gradients = sum(u.accumulated for i, u in units.items() if backwarded & _bit(i) and i != index)
+        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
+        if backward:
+            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
         else:
-            kind_of = "forward"
-            held += load.weights[index]
-            made = _forward(scenario, load, units[index], held, gathered[index])
-        where = f"stage {index} {kind_of} {action.micro_batch}"
+            gradients += own.accumulated if own_backwarded else 0
+            made = _forward(scenario, load, own, held, own_gathered)
+        where = f"stage {index} {'backward' if backward else 'forward'} {micro_batch}"
         for kind, (activations, buffers, temporary) in made:
             live = _live(load, activations, others + buffers, gradients + temporary)
             if kind not in found or sum(live) > sum(found[kind][1]):
                 found[kind] = (f"{where}: {kind}", live)
-        if action.backward:
-            held -= load.weights[index]
-            backwarded[index] = True
-        gathered[index] = action.backward or not _reshards_after_forward(scenario)
     moments = list(found.values())
     moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
     states = load.states
@@ -113,6 +107,50 @@ def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Momen
     buffers = load.receive_bytes + states.persistent_buffers_bytes
     moments.append(("optimizer step", as_live_bytes((*step, buffers, states.optimizer_temporary_bytes))))
     return moments
+
+
+_ActionState = tuple[bool, int, int, int]
+"""A forward or backward (True) of a stage, with the stages whose units are gathered and those that have run a
+backward as it starts (sets of stages as bits, `_bit`)."""
+
+
+def _bit(stage: int) -> int:
+    """A stage's bit in a set of stages."""
+    return 1 << stage
+
+
+def _fullest_actions(scenario: Scenario, load: PipelineLoad) -> dict[_ActionState, tuple[int, int, int]]:
+    """For each state an action of the schedule starts in, the most activations in flight it meets (its own forward's
+    included), and the micro-batch and place in the step of the first action that meets them: every moment grows
+    with the activations alone, so these actions hold each moment's largest."""
+    fullest: dict[_ActionState, tuple[int, int, int]] = {}
+    for key, counts, micro_batch, place in _action_states(load.actions, _reshards_after_forward(scenario)):
+        held = load.step_activations + sum(count * load.weights[stage] for stage, count in counts)
+        if key not in fullest or held > fullest[key][0]:
+            fullest[key] = (held, micro_batch, place)
+    return fullest
+
+
+@lru_cache(maxsize=4096)  # a planner sweep asks the same few schedules of thousands of scenarios
+def _action_states(
+    actions: tuple[Action, ...], reshards: bool
+) -> tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]:
+    """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
+    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations."""
+    gathered = backwarded = 0
+    in_flight: dict[int, int] = {}
+    seen: dict[tuple[_ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
+    for place, action in enumerate(actions):
+        index = action.stage
+        if not action.backward:
+            in_flight[index] = in_flight.get(index, 0) + 1
+        state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
+        seen.setdefault(state, (action.micro_batch, place))
+        if action.backward:
+            in_flight[index] -= 1
+            backwarded |= _bit(index)
+        gathered = gathered | _bit(index) if action.backward or not reshards else gathered & ~_bit(index)
+    return tuple((key, counts, micro_batch, place) for (key, counts), (micro_batch, place) in seen.items())
 
 
 def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) -> LiveBytes:
