@@ -1,5 +1,6 @@
-"""FSDP2 `fully_shard` inside torch.distributed.pipelining: the moments of a pipeline rank's step, the 'pytorch'
-engine's `pipeline_moments` for the strategies that run on fully_shard.
+"""FSDP2 `fully_shard` inside torch.distributed.pipelining: the moments of a pipeline rank's step and its
+data-parallel calls, the 'pytorch' engine's `pipeline_moments` and `pipeline_data_parallel_rows` for the strategies
+that run on fully_shard.
 
 The rule, from torch 2.13's source. Before each backward of a micro-batch, PipelineStage.backward_maybe_with_nosync
 (torch/distributed/pipelining/stage.py) calls `set_is_last_backward(False)`, `set_reshard_after_backward(False)` and
@@ -17,9 +18,11 @@ So, on top of the rank's sharded parameters and optimizer state (its sharded gra
 reduce-scatter on: the step starts with them set to None), a backward holds the micro-batches in flight, every
 stage's accumulated gradients once its first backward has passed, every unit gathered since the last forward, and,
 at each gather, the all-gather's flat output beside the unit it is copied into (foreach_all_gather_copy_out). The
-moments followed for each backward: each unit's gather at the top and the bottom of the stage, and the top and bottom
-blocks' own backward; with the units still gathered (no forward since), only the blocks' backward. Then the step's
-reduce-scatters, with every unit gathered and every accumulated gradient, and the optimizer step.
+moments followed, for each state of the schedule (which stages are gathered and which have run a backward) at its
+most micro-batches in flight: in a backward, the loss's backward on the last stage, each unit's gather at the top and
+the bottom of the stage and the top and bottom blocks' own backward (with the units still gathered, no forward
+since, only the loss's and the blocks' backward); at a forward's end, the top block's forward and the loss's. Then
+the step's reduce-scatters, with every unit gathered and every accumulated gradient, and the optimizer step.
 """
 
 from __future__ import annotations
