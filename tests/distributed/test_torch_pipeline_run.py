@@ -4,10 +4,9 @@ ends, holds what the pytorch engine's `per_stage` says, and sends what `trace --
 Each case trains tiny-llama in float64 for 3 AdamW steps over pp 2 x dp 2 (fully_shard over the data-parallel
 ranks; parity within 1e-10, DESIGN.md). Every rank's parameters, gradients, optimizer state and buffers (FSDP2's
 gathered units and PipelineStage's receive buffers) equal the prediction for its pipeline rank, its activations are
-within 5% (validate's target), and its sends and receives equal the prediction message for message. The peak is not
-checked against the core: the core adds each term's largest size, where under pipelining FSDP2 keeps a stage gathered
-and its gradients unsharded between micro-batches (docs/trace.md, the pipeline section); the long case checks the
-whole ledger against the trace instead.
+within 5% (validate's target), and its step's calls equal the prediction call for call: sends and receives, and
+FSDP2's all-gathers and its one reduce-scatter per unit for the step (core.engines.fsdp2_pipeline). The 1F1B case
+also holds each rank's peak within 5% of the prediction (validate's target) and 1% of `trace --pp`.
 """
 
 from __future__ import annotations
@@ -38,11 +37,12 @@ STATES = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "buffe
 TOLERANCE = 0.05  # validate's target for activations (validate/compare.py TARGETS)
 
 
-def _messages(rows: Any) -> list[tuple[str, str, int, int, int]]:
+def _calls(rows: Any) -> list[tuple[str, str, str, int, int, int]]:
+    """The step's calls (setup's broadcasts left out)."""
     return sorted(
-        (row["phase"], row["op"], row["group_size"], row["payload_bytes"], row["count"])
+        (row["phase"], row["op"], row["group"], row["group_size"], row["payload_bytes"], row["count"])
         for row in rows
-        if row["op"] in ("send", "recv")
+        if row["phase"] != "setup"
     )
 
 
@@ -65,12 +65,23 @@ def run_and_compare(
         error = abs(expected.activations_bytes - measured["activations_bytes"]) / measured["activations_bytes"]
         assert error <= TOLERANCE, (entry["rank"], expected.activations_bytes, measured["activations_bytes"])
         want = [row.to_json() for row in pipeline_rank_ledger(scenario, pipeline_rank)]
-        assert _messages(entry["ledger"]) == _messages(want), entry["rank"]
+        assert _calls(entry["ledger"]) == _calls(want), entry["rank"]
     return config, ranks
 
 
 def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction() -> None:
-    _, ranks = run_and_compare({})
+    from shardscope.trace.request import TraceRequest
+    from shardscope.trace.runner import run_in_subprocess
+
+    config, ranks = run_and_compare({})
+    scenario = config.scenario()
+    predicted = pipeline_memory(scenario).per_stage
+    traced = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300)).per_stage
+    for entry in ranks:
+        pipeline_rank = entry["rank"] // 2
+        measured = entry["memory"]["peak_bytes"]
+        assert predicted[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=TOLERANCE), entry["rank"]
+        assert traced[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=0.01), entry["rank"]
     # per micro-batch one tokens x hidden message a boundary each way: 2 x 32 x 64 float64 = 32 KiB, 4 of them; a
     # send's phase is its action's (1F1B batches a forward's send with another micro-batch's backward receive)
     sends = {(row["phase"], row["op"]): row["count"] for row in ranks[0]["ledger"] if row["group"] == "pp"}
@@ -85,10 +96,10 @@ def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction() -> None:
 @pytest.mark.long
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
 def test_other_schedules_and_the_trace(schedule: str) -> None:
-    """GPipe, and interleaved 1F1B with 2 stages a rank (tiny-llama-8); every call of the step equals the trace's,
-    data-parallel ones included. Under interleaved 1F1B FSDP2 keeps both of a rank's stages gathered between their
-    micro-batches, where the core counts one unit gathered at a time: buffers 2,002,944 bytes measured on pipeline
-    rank 0 against 1,263,616 predicted, so buffers are left out there (the other states stay exact)."""
+    """GPipe, and interleaved 1F1B with 2 stages a rank (tiny-llama-8); every call of the step equals the trace's
+    and the prediction's, data-parallel ones included. Under interleaved 1F1B the buffers' largest size is not yet
+    predicted exactly (2,002,944 bytes measured on pipeline rank 0 against 1,871,872 predicted, the size of the
+    embedding unit gathered, not yet explained), so buffers are left out there."""
     from shardscope.trace.request import TraceRequest
     from shardscope.trace.runner import run_in_subprocess
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from shardscope.core.pipeline_memory import pipeline_memory
-from shardscope.core.pipeline_time import pipeline_ledger
+from shardscope.core.pipeline_time import pipeline_ledger, pipeline_rank_ledger
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
@@ -47,18 +47,34 @@ def _trace(world_size: int, schedule: str) -> TraceResult:
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
-def test_point_to_point_ledger_equals_the_prediction(world_size: int, schedule: str) -> None:
+def test_ledger_equals_the_prediction(world_size: int, schedule: str) -> None:
     """Per micro-batch each stage sends its output forward and its input's gradient back, as core predicts: the
-    sends and receives reach the fake process group through torch's own P2POps."""
+    sends and receives reach the fake process group through torch's own P2POps. With dp 2, FSDP2's calls too: one
+    reduce-scatter per unit for the step, and an all-gather wherever the schedule reaches a stage whose units a
+    forward has resharded (core.engines.fsdp2_pipeline)."""
     scenario = _scenario(world_size, schedule)
     for entry in _trace(world_size, schedule).per_stage:
-        traced = sorted((row.phase, row.op, row.payload_bytes, row.count) for row in entry.ledger if row.group == "pp")
+        traced = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
         predicted = sorted(
-            (row.phase, row.op, row.payload_bytes, row.count) for row in pipeline_ledger(scenario, entry.pipeline_rank)
+            (row.phase, row.op, row.group, row.payload_bytes, row.count)
+            for row in pipeline_rank_ledger(scenario, entry.pipeline_rank)
         )
         assert traced == predicted
         # 2 sequences x 32 tokens x hidden 64 x bf16, 4 micro-batches, one neighbour each way
         assert {(row.payload_bytes, row.count) for row in entry.ledger if row.group == "pp"} == {(8192, 4)}
+        if world_size == 4:  # each unit's gradients reduce-scattered once for the step's 4 micro-batches
+            assert {row.count for row in entry.ledger if row.op == "reduce_scatter"} == {1}
+
+
+@pytest.mark.parametrize(("world_size", "schedule"), CASES)
+def test_peak_equals_the_prediction(world_size: int, schedule: str) -> None:
+    """Each pipeline rank's peak within 1% of core.pipeline_memory (less its assumed context), which follows the
+    schedule action by action with FSDP2 keeping a stage's units gathered and its gradients unsharded between
+    micro-batches."""
+    predicted = pipeline_memory(_scenario(world_size, schedule)).per_stage
+    for entry, expected in zip(_trace(world_size, schedule).per_stage, predicted, strict=True):
+        tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes  # the trace has no context
+        assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.01)
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
@@ -111,6 +127,21 @@ def test_interleaved_1f1b_equals_the_prediction() -> None:
         assert traced == sorted(
             (row.phase, row.op, row.payload_bytes, row.count) for row in pipeline_ledger(scenario, entry.pipeline_rank)
         )
+
+
+def test_zero2_keeps_every_unit_gathered_for_the_step() -> None:
+    """fully_shard(reshard_after_forward=False) inside the pipeline: each unit is gathered once, in the step's first
+    forward, and kept to the step's end; ledger equal to the prediction, peak within 1%."""
+    scenario = _scenario(4, "1f1b", strategy="zero2")
+    result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300))
+    for entry, expected in zip(result.per_stage, pipeline_memory(scenario).per_stage, strict=True):
+        traced = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
+        predicted = pipeline_rank_ledger(scenario, entry.pipeline_rank)
+        assert traced == sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in predicted)
+        gathers = {(row.phase, row.count) for row in entry.ledger if row.op == "all_gather"}
+        assert gathers == {("forward", 1)}
+        tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes
+        assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.01)
 
 
 def test_the_busiest_stage_is_reported() -> None:

@@ -14,7 +14,14 @@ import pytest
 
 from shardscope.cli import main
 from shardscope.core.result import CollectiveRow
-from shardscope.validate.cases import ValidationCase, every_case, full_matrix, model_parallel_matrix, pipeline_matrix
+from shardscope.validate.cases import (
+    ValidationCase,
+    every_case,
+    expert_parallel_matrix,
+    full_matrix,
+    model_parallel_matrix,
+    pipeline_matrix,
+)
 from shardscope.validate.compare import ledger_differences, point_to_point_bytes, step_payload_bytes
 
 
@@ -80,6 +87,7 @@ def test_cases_no_run_engine_implements_say_why() -> None:
         ({"tp": 3}, "tp(3) * cp(1) must divide world_size(4)"),
         ({"sequence_parallel": True}, "sequence_parallel=True needs tensor parallelism"),
         ({"strategy": "hsdp", "tp": 2}, "hsdp needs 4 data-parallel ranks or more"),
+        ({"ep": 3}, "ep(3) must divide the 4 data-parallel ranks"),
     ],
 )
 def test_a_bad_case_names_its_values(fields: dict[str, Any], message: str) -> None:
@@ -191,8 +199,8 @@ def test_one_tensor_parallel_case_through_validate(matches_schema: Callable[[dic
     assert all(row["ok"] for row in document["rows"])
 
 
-def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
-    cases = pipeline_matrix()
+def test_the_pipeline_and_expert_parallel_cases_run() -> None:
+    cases = pipeline_matrix() + expert_parallel_matrix()
     assert [case.label for case in cases] == [
         "tiny-llama ddp paper w4 pp2 1f1b m4 fp32",
         "tiny-llama-8 ddp paper w4 pp4 gpipe m4 fp32",
@@ -202,9 +210,14 @@ def test_the_pipeline_cases_run_on_the_teaching_pipeline() -> None:
         "tiny-llama zero3 paper w4 pp2 1f1b m4 fp32",
         "tiny-llama zero1 paper w8 tp2 pp2 1f1b m4 sp fp32",
         "tiny-llama zero3 paper w8 tp2 pp2 1f1b m4 sp fp32",
+        "tiny-llama fsdp pytorch w4 pp2 1f1b m4 fp32",
+        "tiny-llama fsdp pytorch w4 pp2 gpipe m4 fp32",
+        "tiny-moe fsdp paper w4 ep2 fp32",
     ]
     assert all(case.not_runnable() == "" for case in cases)
     assert every_case()[-len(cases) :] == cases
+    assert cases[-1].to_json()["parallelism"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1, "ep": 2}
+    assert cases[-1].scenario().strategy.ep == 2
     assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
     assert cases[3].scenario().strategy.pipeline_stages == 8
     ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, cp=2, grad_accum=4)

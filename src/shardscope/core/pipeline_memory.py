@@ -4,7 +4,7 @@ point-to-point receive buffers.
 Model states are the scenario's engine's (`core.engines`) for the rank's own parameters: its stages' blocks, the
 embeddings on the first stage, the final norm and output head on the last, sharded over the data-parallel ranks of
 the pipeline rank (the world divided by pp x tp) as the strategy says; tensor parallelism splits them as it does
-without a pipeline (`core.params`). See `_states` for how the engine's rules are applied to a stage.
+without a pipeline (`core.params`). `rank_proxy` is the model a rank holds, which the engine's rules price.
 
 Activations: one micro-batch's activations of each stage, as the engine's pipeline holds them (its rules'
 `pipeline_stage_activations`: the teaching pipeline's for 'paper', torch's PipelineStage's for 'pytorch'), times the
@@ -13,6 +13,11 @@ what the engine's schedule holds for the whole step (`pipeline_step_activations`
 activation receive buffer (all but the first stage) and one gradient receive buffer (all but the last) per
 micro-batch and keeps them for the step (`_prepare_forward_infra`, `_setup_backward_recv_info` in
 torch/distributed/pipelining/stage.py, torch 2.13): those are the rank's buffers, beside ZeRO-3's gathered unit.
+
+The peak is the largest of the engine's moments of the rank's step (its rules' `pipeline_moments`), and each
+category is its largest over them: for the paper and deepspeed engines, every term at its largest together and the
+optimizer step; for FSDP2 inside torch's pipelining, the schedule followed action by action
+(core.engines.fsdp2_pipeline).
 """
 
 from __future__ import annotations
@@ -22,10 +27,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardscope.core.engines import rules_for
-from shardscope.core.engines.base import activations_for
-from shardscope.core.model_states import ModelStates
+from shardscope.core.engines.base import PipelineLoad, activations_for, peak_of
 from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, rank_stages, stage_model
-from shardscope.core.pipeline_schedule import peak_in_flight, rank_actions
+from shardscope.core.pipeline_schedule import Action, peak_in_flight, rank_actions
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
 from shardscope.specs import Scenario
@@ -58,61 +62,66 @@ def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: b
     )
 
 
+def pipeline_rank_actions(scenario: Scenario, pipeline_rank: int) -> tuple[Action, ...]:
+    """The forwards and backwards pipeline rank `pipeline_rank` runs, in its schedule's order."""
+    strategy = scenario.strategy
+    micro_batches = scenario.training.grad_accum_steps
+    return tuple(rank_actions(strategy.pp_schedule, strategy.pp, strategy.virtual_stages, micro_batches, pipeline_rank))
+
+
 def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenario:
     """`stage_proxy` of the pipeline rank holding `stages`."""
     layers = sum(stage.layers for stage in stages)
     return stage_proxy(scenario, layers, any(stage.embedding for stage in stages), any(stage.head for stage in stages))
 
 
-def _states(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> ModelStates:
-    """The rank's model states: the scenario's engine's for the model the rank holds (`rank_proxy`)."""
-    return rules_for(scenario).rank_memory(rank_proxy(scenario, stages), 0).states
-
-
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
     """One pipeline rank's memory (every rank of its data- and tensor-parallel group holds the same) and its host
-    bytes under offload."""
+    bytes under offload: each category at its largest over the engine's moments (`pipeline_moments`), and the
+    largest moment as the peak."""
     strategy, training, model = scenario.strategy, scenario.training, scenario.model
     stages = rank_stages(scenario, pipeline_rank)
-    states = _states(scenario, stages)
-    gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
-    in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
+    proxy = rank_proxy(scenario, stages)
     rules = rules_for(scenario)
+    states = rules.rank_memory(proxy, 0).states
     acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
     weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
-    actions = rank_actions(
-        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, training.grad_accum_steps, pipeline_rank
-    )
-    in_flight_bytes, counts = peak_in_flight(actions, weights)
-    activations = in_flight_bytes + rules.pipeline_step_activations(scenario, stages)
-    boundary = boundary_bytes(scenario)
+    actions = pipeline_rank_actions(scenario, pipeline_rank)
+    in_flight_bytes, counts = peak_in_flight(list(actions), weights)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
-    p2p = receives * training.grad_accum_steps * boundary
     spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
     # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
     # (its MLP's activation and weight gradients, core.activations) on top of them
     working = acts.block_backward_bytes if any(stage.layers for stage in stages) else 0
     if not working and any(stage.embedding for stage in stages):  # the embedding's backward makes a dense gradient
         working = model.vocab_size // strategy.tp * model.hidden_size * activation_bytes_per_element(training)
-    held = states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes
-    persistent = states.persistent_buffers_bytes
-    temporary = max(spike, working) + in_flight_grads + states.forward_temporary_bytes
-    steady = held + activations + p2p + persistent + gathered + temporary
-    step = held + p2p + persistent + states.optimizer_temporary_bytes
-    in_flight = sum(counts.values())
-    moment = f"{in_flight} micro-batches in flight" if steady >= step else "optimizer step"
-    tensor_peak = max(steady, step)
+    load = PipelineLoad(
+        stages=stages,
+        states=states,
+        activations=acts,
+        actions=actions,
+        weights=weights,
+        in_flight_bytes=in_flight_bytes,
+        in_flight=sum(counts.values()),
+        step_activations=rules.pipeline_step_activations(scenario, stages),
+        receive_bytes=receives * training.grad_accum_steps * boundary_bytes(scenario),
+        working_bytes=max(spike, working),
+        shard_degree=proxy.shard_degree,
+    )
+    moments = rules.pipeline_moments(scenario, load)
+    moment, peak = peak_of(moments)
+    largest = [max(live[index] for _, live in moments) for index in range(len(peak))]
     overhead = scenario.overheads.context_bytes
     per_rank = MemoryBreakdown(
-        parameters_bytes=states.parameters_bytes,
-        gradients_bytes=states.gradients_bytes,
-        optimizer_state_bytes=states.optimizer_state_bytes,
-        activations_bytes=activations,
-        buffers_bytes=p2p + persistent + gathered,
-        temporary_bytes=max(temporary, states.optimizer_temporary_bytes),
+        parameters_bytes=largest[0],
+        gradients_bytes=largest[1],
+        optimizer_state_bytes=largest[2],
+        activations_bytes=largest[3],
+        buffers_bytes=largest[4],
+        temporary_bytes=largest[5],
         overhead_bytes=overhead,
-        peak_bytes=tensor_peak + overhead,
+        peak_bytes=peak.total + overhead,
     )
     stage_memory = StageMemory(
         pipeline_rank=pipeline_rank,

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 from shardscope.core.comm import collective_ledger
 from shardscope.core.compute import compute_model, model_flops_per_step
+from shardscope.core.engines import rules_for
+from shardscope.core.engines.base import PipelineCalls
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, Placement, collective_cost, network_model
 from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
-from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
+from shardscope.core.pipeline_memory import boundary_bytes, pipeline_rank_actions, rank_proxy
 from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.timeline import (
@@ -81,10 +83,16 @@ def pipeline_ledger(scenario: Scenario, pipeline_rank: int) -> list[CollectiveRo
 
 
 def pipeline_rank_ledger(scenario: Scenario, pipeline_rank: int) -> tuple[CollectiveRow, ...]:
-    """One GPU's step on pipeline rank `pipeline_rank`: its data-parallel collectives (the engine's, for the model
-    the rank holds: `rank_proxy`) and its messages to and from its neighbours."""
-    proxy = rank_proxy(scenario, rank_stages(scenario, pipeline_rank))
-    data_parallel = [row for row in collective_ledger(proxy) if row.payload_bytes]  # a rank of no root has no root unit
+    """One GPU's step on pipeline rank `pipeline_rank`: its data-parallel collectives (the engine's, for the models
+    of its stages: `rank_proxy`, as its rules' `pipeline_data_parallel_rows` says) and its messages to and from its
+    neighbours."""
+
+    def rows_of(stages: tuple[PipelineStage, ...]) -> list[CollectiveRow]:
+        ledger = collective_ledger(rank_proxy(scenario, stages))
+        return [row for row in ledger if row.payload_bytes]  # stages without a root have no root unit
+
+    calls = PipelineCalls(rank_stages(scenario, pipeline_rank), pipeline_rank_actions(scenario, pipeline_rank))
+    data_parallel = rules_for(scenario).pipeline_data_parallel_rows(scenario, calls, rows_of)
     return merge_ledger([*data_parallel, *pipeline_ledger(scenario, pipeline_rank)])
 
 

@@ -64,6 +64,8 @@ class ValidationCase:
     """The pipeline's schedule: gpipe, 1f1b or interleaved-1f1b (2 stages a rank)."""
     grad_accum: int = 1
     """Micro-batches per step (a pipeline's)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks of the data-parallel ranks that split a MoE model's experts between them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", parse_choice("ValidationCase.engine", engine_name(self.engine), RUN_ENGINES))
@@ -73,6 +75,8 @@ class ValidationCase:
             raise SpecError(f"ValidationCase: tp({self.tp}) * cp({self.cp}) must divide world_size({self.world_size})")
         if self.pp < 1 or self.world_size % (self.pp * self.tp * self.cp):
             raise SpecError(f"ValidationCase: pp({self.pp}) * tp * cp must divide world_size({self.world_size})")
+        if self.ep < 1 or self.data_ranks % self.ep:
+            raise SpecError(f"ValidationCase: ep({self.ep}) must divide the {self.data_ranks} data-parallel ranks")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError("ValidationCase.sequence_parallel=True needs tensor parallelism (tp > 1), not tp=1")
         if _grouped(self.strategy) and self.data_ranks < 4:
@@ -102,6 +106,7 @@ class ValidationCase:
     def label(self) -> str:
         """A short name for tables."""
         mesh = (f" tp{self.tp}" if self.tp > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
+        mesh += f" ep{self.ep}" if self.ep > 1 else ""
         if self.pp > 1:
             mesh += f" pp{self.pp} {self.pp_schedule} m{self.grad_accum}"
         return (
@@ -133,6 +138,7 @@ class ValidationCase:
                 tp=self.tp,
                 cp=self.cp,
                 sequence_parallel=self.sequence_parallel,
+                ep=self.ep,
                 **self._pipeline_fields(),
             ),
             overheads=NO_OVERHEAD,
@@ -162,6 +168,7 @@ class ValidationCase:
             "tp": self.tp,
             "cp": self.cp,
             "sequence_parallel": self.sequence_parallel,
+            "ep": self.ep,
             **self._pipeline_fields(),
         } | ({"grad_accum": self.grad_accum} if self.pp > 1 else {})
 
@@ -186,7 +193,7 @@ class ValidationCase:
                 "checkpointing": self.checkpointing,
                 "device": self.device,
                 "parallelism": data_parallel_mesh(
-                    self.strategy, self.world_size, self.shard_group, tp=self.tp, cp=self.cp, pp=self.pp
+                    self.strategy, self.world_size, self.shard_group, tp=self.tp, cp=self.cp, pp=self.pp, ep=self.ep
                 ).to_json(),
             }
             | ({"sequence_parallel": self.sequence_parallel} if self.tp > 1 else {})
@@ -267,10 +274,10 @@ def model_parallel_matrix(device: str = "cpu", *, three_d: bool = True) -> tuple
 
 
 def pipeline_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
-    """Issue 20's pipeline cases, run by the teaching pipeline: inside ddp, pp 2 x dp 2 under 1F1B (tiny-llama) and
-    pp 4 under each schedule (tiny-llama-8, whose 8 layers fill 8 interleaved stages); pp 2 x tp 2 (sequence
-    parallel), pp 2 x dp 2 inside zero3, and the 8-rank pp 2 x tp 2 x dp 2 inside zero1 and zero3; 4 micro-batches
-    each."""
+    """Issue 20's pipeline cases, 4 micro-batches each. Run by the teaching pipeline: inside ddp, pp 2 x dp 2 under
+    1F1B (tiny-llama) and pp 4 under each schedule (tiny-llama-8, whose 8 layers fill 8 interleaved stages); pp 2 x
+    tp 2 (sequence parallel), pp 2 x dp 2 inside zero3, and the 8-rank pp 2 x tp 2 x dp 2 inside zero1 and zero3. Run
+    by torch.distributed.pipelining inside fully_shard: pp 2 x dp 2 under 1F1B and GPipe (tiny-llama)."""
     cases = [_llama_pipeline("ddp", world_size=4)]
     cases += [
         ValidationCase(
@@ -280,6 +287,8 @@ def pipeline_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     ]
     cases += [_llama_pipeline("ddp", world_size=4, tp=2), _llama_pipeline("zero3", world_size=4)]
     cases += [_llama_pipeline(strategy, world_size=8, tp=2) for strategy in ("zero1", "zero3")]
+    torch_pipeline = ValidationCase(model="tiny-llama", strategy="fsdp", engine="pytorch", world_size=4, pp=2)
+    cases += [replace(torch_pipeline, pp_schedule=schedule, grad_accum=4) for schedule in ("1f1b", "gpipe")]
     return tuple(replace(case, device=device) for case in cases)
 
 
@@ -297,10 +306,18 @@ def _llama_pipeline(strategy: str, *, world_size: int, tp: int = 1) -> Validatio
     )
 
 
+def expert_parallel_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
+    """Expert parallelism: tiny-moe's experts split over ep 2 inside fsdp on 4 ranks, run by the teaching
+    implementation (all-to-all dispatch and combine)."""
+    return (ValidationCase(model="tiny-moe", strategy="fsdp", engine="paper", world_size=4, ep=2, device=device),)
+
+
 def every_case(device: str = "cpu") -> tuple[ValidationCase, ...]:
     """The whole matrix: issue 6's data-parallel cases, issue 19's tensor- and context-parallel ones, then issue
-    20's pipelines."""
-    return full_matrix(device) + model_parallel_matrix(device) + pipeline_matrix(device)
+    20's pipelines and expert parallelism."""
+    return (
+        full_matrix(device) + model_parallel_matrix(device) + pipeline_matrix(device) + expert_parallel_matrix(device)
+    )
 
 
 def quick_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:

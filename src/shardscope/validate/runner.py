@@ -75,6 +75,9 @@ def _trace(
         result = run_in_subprocess(TraceRequest(scenario=case.scenario(), time_limit_s=300), progress)
     except TraceError as error:
         return None, None, None, f"trace failed: {error}"
+    if result.per_stage:  # a pipeline's rank 0 holds the first stage, whichever stage is the busiest
+        first = result.per_stage[0]
+        return first.per_rank, first.ledger, first.per_rank.peak_bytes, ""
     return result.per_rank, result.ledger, result.per_rank.peak_bytes, ""
 
 

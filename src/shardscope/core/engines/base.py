@@ -14,7 +14,7 @@ An engine adds moments of its own where its mechanism makes one (see its module)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -24,6 +24,7 @@ from shardscope.core.activations import ActivationEstimate, estimate_activations
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.model_states import ModelStates, dtype_bytes
 from shardscope.core.pipeline import PipelineStage
+from shardscope.core.pipeline_schedule import Action
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
@@ -76,6 +77,43 @@ class RankMemory:
     moments: tuple[Moment, ...]
     """In the order the step reaches them; the peak is the first of the largest."""
 
+
+class PipelineLoad(NamedTuple):
+    """What one pipeline rank's step holds besides the moments' own terms (core.pipeline_memory builds it)."""
+
+    stages: tuple[PipelineStage, ...]
+    """The rank's stages."""
+    states: ModelStates
+    """The engine's states of the model the rank holds (its rank proxy)."""
+    activations: ActivationEstimate
+    """One micro-batch's activations of the whole model on one rank."""
+    actions: tuple[Action, ...]
+    """The rank's forwards and backwards in its schedule's order."""
+    weights: dict[int, int]
+    """Activations one micro-batch keeps on each of the rank's stages while in flight (by stage index)."""
+    in_flight_bytes: int
+    """The most activations the schedule keeps in flight at once."""
+    in_flight: int
+    """Micro-batches in flight at that moment, every stage of the rank together."""
+    step_activations: int
+    """Activations held for the whole step (the schedule's token ids and targets)."""
+    receive_bytes: int
+    """The stages' point-to-point receive buffers, kept for the step."""
+    working_bytes: int
+    """The larger of the loss's forward spike (head stage) and one block's backward working set."""
+    shard_degree: int
+    """Ranks the data-parallel strategy shards each stage over."""
+
+
+class PipelineCalls(NamedTuple):
+    """A pipeline rank's stages and the order its schedule runs them in."""
+
+    stages: tuple[PipelineStage, ...]
+    actions: tuple[Action, ...]
+
+
+StageRows = Callable[[tuple[PipelineStage, ...]], list[CollectiveRow]]
+"""The data-parallel collectives of a step of a model of these stages without a pipeline, every micro-batch's."""
 
 TimePlace = tuple[str, int]
 """(kind of compute task, stage): ('forward', s), ('backward', s), or ('optimizer', -1) for the step."""
@@ -160,6 +198,17 @@ class EngineRules(Protocol):
         """Activations a pipeline rank holding `stages` keeps for the whole step, whatever is in flight."""
         ...
 
+    def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+        """The moments of one pipeline rank's step whose live bytes its peak compares."""
+        ...
+
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
+    ) -> list[CollectiveRow]:
+        """A pipeline rank's data-parallel collectives of a step, from those of models of its stages without a
+        pipeline over the same micro-batches (`rows_of`) and its schedule's order."""
+        ...
+
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
@@ -213,6 +262,28 @@ class RulesDefaults:
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The teaching pipeline takes each micro-batch's inputs as it runs it: nothing is held for the step."""
         return 0
+
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
+    ) -> list[CollectiveRow]:
+        """A pipeline changes nothing: each micro-batch makes the collectives the model of the rank's stages makes
+        without one."""
+        return rows_of(load.stages)
+
+    def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+        """Two moments: the schedule's fullest, where every term is at its largest together (the micro-batches in
+        flight, the gathered units and gradients in flight of the rank's model as its engine holds them without a
+        pipeline, the largest of the loss's spike and a block's backward), and the optimizer step."""
+        states = load.states
+        gathered = max(states.forward_buffers_bytes, states.backward_buffers_bytes, states.boundary_buffers_bytes)
+        in_flight_grads = max(states.backward_grads_bytes, states.boundary_grads_bytes)
+        persistent = load.receive_bytes + states.persistent_buffers_bytes
+        temporary = load.working_bytes + in_flight_grads + states.forward_temporary_bytes
+        held = (states.parameters_bytes, states.gradients_bytes, states.optimizer_state_bytes)
+        activations = load.in_flight_bytes + load.step_activations
+        steady = as_live_bytes((*held, activations, persistent + gathered, temporary))
+        step = as_live_bytes((*held, 0, persistent, states.optimizer_temporary_bytes))
+        return [(f"{load.in_flight} micro-batches in flight", steady), ("optimizer step", step)]
 
 
 def activations_for(scenario: Scenario, autocast: bool, regathers_in_backward: bool = False) -> ActivationEstimate:

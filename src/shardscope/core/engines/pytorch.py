@@ -22,12 +22,17 @@ from shardscope.core.comm_events import (
     size_buckets,
 )
 from shardscope.core.engines.base import (
+    Moment,
+    PipelineCalls,
+    PipelineLoad,
     RankMemory,
     RulesDefaults,
+    StageRows,
     TimePlace,
     shared_memory,
 )
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
+from shardscope.core.engines.fsdp2_pipeline import fsdp2_pipeline_moments, fsdp2_pipeline_rows
 from shardscope.core.model_states import (
     ModelStates,
     dtype_bytes,
@@ -189,6 +194,22 @@ class PyTorchRules(RulesDefaults):
         output = acts.logits_bytes if stage.head else acts.hidden_bytes
         received = 0 if stage.embedding else acts.hidden_bytes
         return blocks + shared + output - received + (acts.head_bytes if stage.head else 0)
+
+    def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+        """FSDP2 inside torch's pipelining keeps units gathered and gradients unsharded between micro-batches
+        (core.engines.fsdp2_pipeline); DDP is not run inside a pipeline, so it keeps the shared rule."""
+        if runs_on_ddp(scenario):
+            return super().pipeline_moments(scenario, load)
+        return fsdp2_pipeline_moments(scenario, load)
+
+    def pipeline_data_parallel_rows(
+        self, scenario: Scenario, load: PipelineCalls, rows_of: StageRows
+    ) -> list[CollectiveRow]:
+        """FSDP2 inside torch's pipelining gathers a unit only where it is not still gathered and reduce-scatters
+        once per step (core.engines.fsdp2_pipeline)."""
+        if runs_on_ddp(scenario):
+            return super().pipeline_data_parallel_rows(scenario, load, rows_of)
+        return fsdp2_pipeline_rows(scenario, load, rows_of)
 
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once

@@ -1,0 +1,310 @@
+"""FSDP2 `fully_shard` inside torch.distributed.pipelining: the moments of a pipeline rank's step and its
+data-parallel calls, the 'pytorch' engine's `pipeline_moments` and `pipeline_data_parallel_rows` for the strategies
+that run on fully_shard.
+
+The rule, from torch 2.13's source. Before each backward of a micro-batch, PipelineStage.backward_maybe_with_nosync
+(torch/distributed/pipelining/stage.py) calls `set_is_last_backward(False)`, `set_reshard_after_backward(False)` and
+`set_requires_gradient_sync(False)` on the stage's module, for every unit in it. So FSDPParamGroup.post_backward
+(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) neither reshards a unit after its backward nor
+reduce-scatters its gradients: it keeps them unsharded, accumulated across micro-batches in the reduce dtype
+(FSDPParam.to_accumulated_grad_if_needed in _fsdp_param.py). Only the schedule's last action,
+PipelineStage.perform_reduce_grad, turns both back on and calls every unit's post_backward once: one reduce-scatter
+per unit per step, then each unit reshards. A forward still reshards each unit after it runs
+(FSDPParamGroup.post_forward, reshard_after_forward=True: zero3, fsdp, hsdp), so a backward that follows a forward of
+its stage gathers its units again, one at a time from the output down (the head's root first on the last stage),
+and keeps them; under zero2 (reshard_after_forward=False) the units stay gathered from the step's first forward.
+
+So, on top of the rank's sharded parameters and optimizer state (its sharded gradients exist only from the step's
+reduce-scatter on: the step starts with them set to None), a backward holds the micro-batches in flight, every
+stage's accumulated gradients once its first backward has passed, every unit gathered since the last forward, and,
+at each gather, the all-gather's flat output beside the unit it is copied into (foreach_all_gather_copy_out). The
+moments followed, for each state of the schedule (which stages are gathered and which have run a backward) at its
+most micro-batches in flight: in a backward, the loss's backward on the last stage, each unit's gather at the top and
+the bottom of the stage and the top and bottom blocks' own backward (with the units still gathered, no forward
+since, only the loss's and the blocks' backward); at a forward's end, the top block's forward and the loss's. Then
+the step's reduce-scatters, with every unit gathered and every accumulated gradient, and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from typing import NamedTuple
+
+from shardscope.core.engines.base import (
+    LOSS_GRAD_BYTES,
+    LiveBytes,
+    Moment,
+    PipelineCalls,
+    PipelineLoad,
+    StageRows,
+    as_live_bytes,
+)
+from shardscope.core.model_states import dtype_bytes
+from shardscope.core.pipeline import PipelineStage, layout_of
+from shardscope.core.pipeline_schedule import Action
+from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.sharding import dim0_unit_sizes
+from shardscope.specs import Scenario
+
+
+class _Units(NamedTuple):
+    """One stage's FSDP units, in bytes."""
+
+    stage: PipelineStage
+    root: int
+    """The stage root's parameters gathered (compute dtype): the embeddings, or the final norm and the head."""
+    block: int
+    """One block's parameters gathered."""
+    root_gradients: int
+    """The root's unsharded gradients as they accumulate (reduce dtype)."""
+    block_gradients: int
+    """One block's unsharded gradients as they accumulate (reduce dtype)."""
+    staged: bool
+    """An all-gather has a flat output of its own to copy out of: over one rank (dp 1) FSDPParamGroup.unshard reuses
+    the sharded data and allocates none."""
+
+    @property
+    def gathered(self) -> int:
+        """Every unit of the stage gathered."""
+        return self.root + self.stage.layers * self.block
+
+    @property
+    def accumulated(self) -> int:
+        """All the stage's unsharded gradients."""
+        return self.root_gradients + self.stage.layers * self.block_gradients
+
+
+def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
+    training = scenario.training
+    compute = dtype_bytes(training.precision)
+    reduce = 4 if training.is_mixed else compute  # MixedPrecisionPolicy(reduce_dtype=float32) under mixed
+    root, block = dim0_unit_sizes(layout_of(scenario, stage), degree)
+    return _Units(stage, root * compute, block * compute, root * reduce, block * reduce, degree > 1)
+
+
+def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+    """The moments of the rank's step (see the module docstring), the largest of each kind kept."""
+    units = {stage.index: _units(scenario, stage, load.shard_degree) for stage in load.stages}
+    found: dict[str, Moment] = {}
+    fullest = sorted(_fullest_actions(scenario, load).items(), key=lambda item: item[1][2])  # in the step's order
+    for (backward, index, gathered, backwarded), (held, micro_batch, _) in fullest:
+        own = units[index]
+        others = sum(u.gathered for i, u in units.items() if gathered & _bit(i) and i != index)
+        gradients = sum(u.accumulated for i, u in units.items() if backwarded & _bit(i) and i != index)
+        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
+        if backward:
+            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
+        else:
+            gradients += own.accumulated if own_backwarded else 0
+            made = _forward(scenario, load, own, held, own_gathered)
+        where = f"stage {index} {'backward' if backward else 'forward'} {micro_batch}"
+        for kind, (activations, buffers, temporary) in made:
+            live = _live(load, activations, others + buffers, gradients + temporary)
+            if kind not in found or sum(live) > sum(found[kind][1]):
+                found[kind] = (f"{where}: {kind}", live)
+    moments = list(found.values())
+    moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
+    states = load.states
+    step = (states.parameters_bytes, states.gradients_bytes, states.optimizer_state_bytes, 0)
+    buffers = load.receive_bytes + states.persistent_buffers_bytes
+    moments.append(("optimizer step", as_live_bytes((*step, buffers, states.optimizer_temporary_bytes))))
+    return moments
+
+
+_ActionState = tuple[bool, int, int, int]
+"""A forward or backward (True) of a stage, with the stages whose units are gathered and those that have run a
+backward as it starts (sets of stages as bits, `_bit`)."""
+
+
+def _bit(stage: int) -> int:
+    """A stage's bit in a set of stages."""
+    return 1 << stage
+
+
+def _fullest_actions(scenario: Scenario, load: PipelineLoad) -> dict[_ActionState, tuple[int, int, int]]:
+    """For each state an action of the schedule starts in, the most activations in flight it meets (its own forward's
+    included), and the micro-batch and place in the step of the first action that meets them: every moment grows
+    with the activations alone, so these actions hold each moment's largest."""
+    fullest: dict[_ActionState, tuple[int, int, int]] = {}
+    for key, counts, micro_batch, place in _action_states(load.actions, _reshards_after_forward(scenario)):
+        held = load.step_activations + sum(count * load.weights[stage] for stage, count in counts)
+        if key not in fullest or held > fullest[key][0]:
+            fullest[key] = (held, micro_batch, place)
+    return fullest
+
+
+@lru_cache(maxsize=4096)  # a planner sweep asks the same few schedules of thousands of scenarios
+def _action_states(
+    actions: tuple[Action, ...], reshards: bool
+) -> tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]:
+    """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
+    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations."""
+    gathered = backwarded = 0
+    in_flight: dict[int, int] = {}
+    seen: dict[tuple[_ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
+    for place, action in enumerate(actions):
+        index = action.stage
+        if not action.backward:
+            in_flight[index] = in_flight.get(index, 0) + 1
+        state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
+        seen.setdefault(state, (action.micro_batch, place))
+        if action.backward:
+            in_flight[index] -= 1
+            backwarded |= _bit(index)
+        gathered = gathered | _bit(index) if action.backward or not reshards else gathered & ~_bit(index)
+    return tuple((key, counts, micro_batch, place) for (key, counts), (micro_batch, place) in seen.items())
+
+
+def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) -> LiveBytes:
+    """A backward's moment: the sharded parameters and optimizer state, no sharded gradients yet."""
+    states = load.states
+    persistent = load.receive_bytes + states.persistent_buffers_bytes
+    return as_live_bytes(
+        (states.parameters_bytes, 0, states.optimizer_state_bytes, activations, persistent + buffers, temporary)
+    )
+
+
+def _reshards_after_forward(scenario: Scenario) -> bool:
+    """fully_shard(reshard_after_forward=True): zero3, fsdp and hsdp; zero2 keeps every unit gathered from its first
+    forward to the step's end (FSDPParamGroup.reshard returns at once in forward)."""
+    strategy = scenario.strategy
+    return strategy.stage == 3 and strategy.reshard_after_forward
+
+
+def _forward(
+    scenario: Scenario, load: PipelineLoad, units: _Units, held: int, gathered: bool
+) -> list[tuple[str, tuple[int, int, int]]]:
+    """(kind, (activations, gathered bytes, temporary bytes)) as a forward of the stage ends, `held` the activations
+    in flight with its micro-batch's: the root stays gathered through the stage's forward, each block reshards after
+    its own (zero2's stay gathered), and with implicit prefetching FSDP2 keeps the last all-gather's flat output
+    until the next copy-out (FSDPParamGroup.wait_for_unshard), so past the stage's forward. Units still gathered by
+    a backward are not gathered again."""
+    acts, stage = load.activations, units.stage
+    staged = 0 if gathered or not units.staged else (units.block if stage.layers else units.root)
+    reshards = _reshards_after_forward(scenario)
+    moments = []
+    if stage.layers:  # the top block's output being made, before the head's forward
+        made = held - (acts.head_bytes + acts.logits_bytes if stage.head else 0)
+        kept = units.root + units.block if reshards else units.gathered
+        moments.append(("top block's forward", (made, kept, staged + acts.hidden_bytes)))
+    if stage.head:  # the loss's spike beyond the logits, which the weight counts as the stage's cached output
+        spike = acts.loss_forward_spike_bytes - acts.logits_bytes
+        moments.append(("loss's forward", (held, units.root if reshards else units.gathered, staged + spike)))
+    return moments
+
+
+def _backward(
+    scenario: Scenario, load: PipelineLoad, units: _Units, held: int, gathered: bool, backwarded: bool
+) -> list[tuple[str, tuple[int, int, int]]]:
+    """(kind, (activations, gathered bytes, temporary bytes)) at the moments of one backward of the stage, `held`
+    the activations in flight as it starts. FSDP2's pre-backward hooks run as the gradient reaches each unit's
+    output: the head stage's root first (its output is the logits), then the top block, then, on the other stages,
+    the stage root at once (its output is the top block's)."""
+    acts, stage = load.activations, units.stage
+    stored = acts.stored_block_bytes
+    # the head's backward frees what the loss and the head kept (the logits the stage cached as its output stay)
+    head_freed = acts.head_bytes if stage.head else 0
+    # the previous backward's input gradient, kept by the stage until its send completes
+    sending = acts.hidden_bytes if backwarded and not stage.embedding else 0
+    own = acts.block_backward_bytes
+    if backwarded and not scenario.training.is_mixed:
+        # the gradients stay on the parameters in their own dtype: AccumulateGrad adds the output projection's
+        # weight gradient into them, so the MLP's backward holds no weight gradient of its own
+        model, element = scenario.model, dtype_bytes(scenario.training.precision)
+        own -= model.ffn_hidden_size // scenario.strategy.tp * model.hidden_size * element
+
+    def accumulated(blocks_done: int) -> int:
+        if backwarded:
+            return units.accumulated
+        return blocks_done * units.block_gradients
+
+    # the head's own gradients, made as autograd reaches them, wait in the compute dtype for the root's
+    # post-backward at the end of the stage's backward, unless AccumulateGrad adds them into the accumulated ones
+    head_new = units.root if stage.head and (scenario.training.is_mixed or not backwarded) else 0
+
+    moments = []
+    if stage.head:  # the loss's backward: its fp32 gradients, nothing of the micro-batch freed yet
+        loss = acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES + accumulated(0) + sending
+        moments.append(("loss's backward", (held, units.gathered if gathered else 0, loss)))
+    for j, kind in ((0, "top block"), (stage.layers - 1, "bottom block")) if stage.layers else ():
+        flowing = acts.hidden_bytes + LOSS_GRAD_BYTES if stage.head or j else 0
+        activations = held - head_freed - j * stored
+        grads = accumulated(j) + sending + flowing + head_new
+        blocks = units.root + (j + 1) * units.block
+        if gathered:
+            moments.append((f"{kind}'s backward", (activations, units.gathered, grads + own)))
+            continue
+        # while a block runs backward FSDP2 has the next block's all-gather in flight (its backward prefetch)
+        prefetched = units.block if j < stage.layers - 1 and units.staged else 0
+        moments.append((f"{kind}'s backward", (activations, blocks, grads + own + prefetched)))
+        before = blocks if stage.head or j else units.block
+        moments.append((f"{kind} gathered", (activations, before, grads + units.block * units.staged)))
+    if gathered or not units.root:
+        return moments
+    if stage.head:
+        # the loss's backward has made the logits' gradient and freed its log-softmax
+        loss = acts.head_gradient_bytes + LOSS_GRAD_BYTES
+        grads = accumulated(0) + sending + loss
+        moments.append(
+            ("root gathered", (held - acts.log_softmax_bytes, units.root, grads + units.root * units.staged))
+        )
+    else:
+        moments.append(("root gathered", (held, units.root + units.block, accumulated(0) + units.root * units.staged)))
+    return moments
+
+
+def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units]) -> LiveBytes:
+    """The step's end, PipelineStage.perform_reduce_grad: FSDPParamGroup.post_backward of every unit in turn (each
+    stage's root first, then its blocks in order) reshards the unit, copies its accumulated gradients into the
+    reduce-scatter input and reduce-scatters it (gloo holds a clone of the input: core.engines.fsdp2), and the shard
+    lands as the unit's sharded gradient. The largest of those moments, the step's token ids and targets held."""
+    sizes = [(u.root, u.root_gradients) for u in units]
+    sizes += [(u.block, u.block_gradients) for u in units for _ in range(u.stage.layers)]
+    clone = scenario.cluster.backend == "gloo"
+    gathered = sum(u.gathered for u in units)
+    accumulated = sum(u.accumulated for u in units)
+    states = load.states
+    landed, best = 0, as_live_bytes((0,) * 6)
+    for params, grads in sizes:
+        gathered -= params
+        shard = grads // load.shard_degree
+        live = as_live_bytes(
+            (
+                states.parameters_bytes,
+                landed + shard,
+                states.optimizer_state_bytes,
+                load.step_activations,
+                load.receive_bytes + states.persistent_buffers_bytes + gathered,
+                accumulated + (grads if clone else 0),
+            )
+        )
+        best = max(best, live, key=sum)
+        accumulated -= grads
+        landed += shard
+    return best
+
+
+def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageRows) -> list[CollectiveRow]:
+    """The rank's data-parallel collectives under the rule of the module docstring, stage by stage, from those of
+    the stage without a pipeline (every micro-batch gathering each unit in forward and again in backward, and
+    reduce-scattering it): each reduce-scatter (and hsdp's all-reduce of the shard) once per step; each all-gather as
+    often as the schedule reaches the stage with its units not gathered, in forward at the start or after a forward,
+    in backward after a forward."""
+    micro_batches = scenario.training.grad_accum_steps
+    gathered: dict[int, bool] = {}
+    gathers = {stage.index: {"forward": 0, "backward": 0} for stage in load.stages}
+    for action in load.actions:
+        if not gathered.get(action.stage, False):
+            gathers[action.stage]["backward" if action.backward else "forward"] += 1
+        gathered[action.stage] = action.backward or not _reshards_after_forward(scenario)
+    result = []
+    for stage in load.stages:
+        for row in rows_of((stage,)):
+            count = row.count
+            if row.op == "all_gather" and row.phase in ("forward", "backward"):
+                count = row.count * gathers[stage.index][row.phase] // micro_batches
+            elif row.phase == "backward" and row.group == "dp" and row.op in ("reduce_scatter", "all_reduce"):
+                count = row.count // micro_batches
+            result.append(replace(row, count=count))
+    return list(merge_ledger(result))
