@@ -33,6 +33,8 @@ from shardscope.core.comm_events import (
 from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
     LiveBytes,
+    Moment,
+    PipelineLoad,
     RankMemory,
     RulesDefaults,
     TimePlace,
@@ -44,6 +46,7 @@ from shardscope.core.engines.base import (
     shared_moments,
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
+from shardscope.core.engines.teaching_pipeline import teaching_pipeline_moments
 from shardscope.core.expert_parallel import (
     block_expert_numel,
     expert_bucket_events,
@@ -94,6 +97,14 @@ class PaperRules(RulesDefaults):
             ("reduce-scatter after backward", plus(held(states, True), buffers=after_backward)),
             regathers_in_backward=megatron,
         )
+
+    def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
+        """ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's gradients as its backward lands them: the teaching
+        pipeline's own moments (core.engines.teaching_pipeline); ddp and ZeRO-1 keep whole flat gradients, the
+        shared rule."""
+        if scenario.strategy.stage < 2:
+            return super().pipeline_moments(scenario, load)
+        return teaching_pipeline_moments(scenario, load)
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """One flat bucket per unit reduced over the data-parallel ranks: the blocks in reverse, then the root (under
