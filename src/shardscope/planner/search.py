@@ -138,6 +138,9 @@ class _Search:
                 states_checked = False
                 states_floor: tuple[str, int] | None = None  # (family, bytes) from the setting's first estimate
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
+                    if states_floor is not None and self._hopeless(*states_floor):
+                        self.candidates += len(sizes)  # and it stays so: misses only get closer, families only fit
+                        continue
                     floor = max(
                         (mb for o, c, mb in fitted if o == offload_rank and c <= checkpoint_rank),
                         default=0,
