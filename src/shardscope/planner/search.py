@@ -7,6 +7,8 @@
    settings are not pruned against each other: the time model overlaps the host copies of parameter offload with
    compute but places optimizer offload's after backward, so offloading more can come out faster
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
+   A setting whose model states alone break the budget (read from its first estimate) is left there once its family
+   fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
 2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
    stopping for each plan whose bound cannot beat the plans kept.
 3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
