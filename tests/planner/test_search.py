@@ -9,6 +9,7 @@ import pytest
 
 from shardscope.core.memory import estimate_memory
 from shardscope.planner import PlanRequest, plan, plan_timing
+from shardscope.planner.search import _Search
 from shardscope.planner.space import (
     batch_shapes,
     checkpointing_options,
@@ -72,6 +73,55 @@ def test_pruning_finds_the_exhaustive_best(small_request: PlanRequest) -> None:
     result = plan(small_request)
     assert result.stats.time_evaluations < result.stats.fitting
     assert result.plans[0].timing.step_time_s == pytest.approx(_exhaustive_best(small_request), rel=1e-9)
+
+
+def _settings(request: PlanRequest) -> list[PlanRequest]:
+    """The small space under each engine and objective, with tensor parallelism, and 70B's fewest GPUs."""
+    small = dataclasses.replace(request, tensor_parallel=(1, 2, 4))
+    paper = dataclasses.replace(small.strategy, engine="paper")
+    deepspeed = dataclasses.replace(small.strategy, engine="deepspeed")
+    return [
+        small,
+        dataclasses.replace(small, strategy=paper, rank_by="cost", price_per_gpu_hour=2.0),
+        dataclasses.replace(small, strategy=deepspeed, headroom=0.3),
+        dataclasses.replace(
+            small, model=model_preset("llama-3-70b"), gpu=gpu_preset("h100-80gb"), max_gpus=64, min_gpus=True
+        ),
+    ]
+
+
+def test_settings_whose_states_break_the_budget_are_skipped_without_changing_the_answer(
+    small_request: PlanRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory search skips a setting whose model states alone break the budget once its family fits or has a
+    miss at least as close: plans, family bests, rejections and their closest misses are those of the search that
+    estimates every point (only the count of memory estimates falls)."""
+    hopeless = _Search._hopeless
+    skipped: set[str] = set()
+
+    def recording(search: _Search, family: str, states_floor_bytes: int) -> bool:
+        found = hopeless(search, family, states_floor_bytes)
+        if found:
+            skipped.add(family)
+        return found
+
+    pruned_counts, exhaustive_counts, rejected = [], [], set()
+    for request in _settings(small_request):
+        with monkeypatch.context() as patch:
+            patch.setattr(_Search, "_hopeless", recording)
+            pruned = plan(request)
+        with monkeypatch.context() as patch:
+            patch.setattr(_Search, "_hopeless", lambda *_: False)
+            exhaustive = plan(request)
+        pruned_json, exhaustive_json = pruned.to_json(), exhaustive.to_json()
+        pruned_counts.append(pruned_json.pop("stats").pop("memory_evaluations"))
+        exhaustive_counts.append(exhaustive_json.pop("stats").pop("memory_evaluations"))
+        assert pruned_json == exhaustive_json
+        assert pruned.stats == dataclasses.replace(exhaustive.stats, memory_evaluations=pruned.stats.memory_evaluations)
+        rejected |= {rejection.family for rejection in pruned.rejected}
+    assert all(p < e for p, e in zip(pruned_counts, exhaustive_counts, strict=True)), (pruned_counts, exhaustive_counts)
+    assert skipped & rejected, "a family that fits nowhere had settings skipped: its closest miss is compared"
+    assert skipped - rejected, "a family that fits had settings skipped"
 
 
 def test_cost_ranking_orders_by_cost_and_needs_a_price(small_request: PlanRequest) -> None:

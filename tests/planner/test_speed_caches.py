@@ -9,6 +9,8 @@ import dataclasses
 import pytest
 
 from shardscope.choices import SpecError
+from shardscope.core import comm_events
+from shardscope.core.comm import comm_events as step_calls
 from shardscope.core.engines import fsdp2, pytorch
 from shardscope.core.memory import estimate_memory
 from shardscope.core.model_states import offload
@@ -121,3 +123,42 @@ def test_kept_states_equal_fresh_ones(small_request: PlanRequest) -> None:
             else:
                 kept = pytorch._offloaded_replicated(scenario, rank)
                 assert kept == offload(scenario, pytorch._replicated(scenario, rank))
+
+
+def test_kept_sharded_calls_equal_fresh_ones(small_request: PlanRequest) -> None:
+    """FSDP's calls of a step are kept by what they read (layout, degrees, offload, dtypes, micro-batches), so the
+    planner's bound and simulation of a plan share them: every sharded point of the small space, under each engine,
+    gets the calls a fresh computation gives whichever point came first, and a caller changing its list changes no
+    later answer."""
+    request = dataclasses.replace(small_request, tensor_parallel=(1, 2))
+    search = _Search(request, None)
+    for shape in batch_shapes(request):
+        search.fitting(shape)
+    kinds = {
+        (
+            s.strategy.name,
+            s.strategy.shard_group,
+            s.strategy.offload,
+            s.training.grad_accum_steps,
+            s.cluster.world_size,
+        ): s
+        for s in search.evaluator._memory
+        if s.strategy.stage == 3
+    }
+    points = [
+        dataclasses.replace(scenario, strategy=dataclasses.replace(scenario.strategy, engine=engine))
+        for scenario in kinds.values()
+        for engine in ("pytorch", "paper", "deepspeed")
+    ]
+    assert len(points) > 30 and {s.strategy.offload for s in points} == {"none", "optimizer", "optimizer+params"}
+    fresh = {}
+    for scenario in points:
+        comm_events._sharded_step.cache_clear()
+        fresh[scenario] = step_calls(scenario)
+    for order in (points, points[::-1]):
+        comm_events._sharded_step.cache_clear()
+        for scenario in order:
+            assert step_calls(scenario) == fresh[scenario]
+    kept = comm_events.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)
+    kept.clear()
+    assert comm_events.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)

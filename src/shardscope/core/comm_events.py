@@ -194,11 +194,32 @@ def sharded_events(
     included; `regather_root`: the root is gathered again for backward (else kept from forward); `root_once`: the
     root is gathered for the first micro-batch only and kept whole through the step."""
     strategy = scenario.strategy
-    degree, replicas = scenario.shard_degree, scenario.replica_degree
     group: CommGroup = "shard" if strategy.preset.groups_replicate else "world"
     offload_params = strategy.offload == "optimizer+params"
     reshard = strategy.reshard_after_forward and strategy.stage == 3
-    layout_units = fsdp_units(rank_layout(scenario))
+    shape = (rank_layout(scenario), scenario.shard_degree, scenario.replica_degree, group, offload_params, reshard)
+    steps = scenario.training.grad_accum_steps
+    return list(_sharded_step(*shape, gathered_numels, param_bytes, grad_bytes, regather_root, root_once, steps))
+
+
+@lru_cache(maxsize=8)
+def _sharded_step(
+    layout: ParamLayout,
+    degree: int,
+    replicas: int,
+    group: CommGroup,
+    offload_params: bool,
+    reshard: bool,
+    gathered_numels: tuple[int, int],
+    param_bytes: int,
+    grad_bytes: int,
+    regather_root: bool,
+    root_once: bool,
+    steps: int,
+) -> tuple[CommEvent, ...]:
+    """`sharded_events` from what it reads, kept: the planner's bound of a plan and its simulation ask for the same
+    steps (of one and two micro-batches) one after the other."""
+    layout_units = fsdp_units(layout)
     root_numel, block_numel = gathered_numels
     events: list[CommEvent] = []
 
@@ -223,15 +244,15 @@ def sharded_events(
             events.append(event("backward", "all_reduce", replicas, shard, "replica", at, f"all_reduce {unit.name}"))
         if offload_params:
             events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
-    events = every_micro_batch(events, scenario.training.grad_accum_steps)
+    events = every_micro_batch(events, steps)
     if not root_once:
-        return events
+        return tuple(events)
     root_gathers = ("all_gather root", "h2d root")  # the later micro-batches use micro-batch 0's gathered root
-    return [
+    return tuple(
         call
         for call in events
         if not (call.micro_batch and call.trigger == "before_forward" and call.label in root_gathers)
-    ]
+    )
 
 
 def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[CommEvent]:

@@ -23,6 +23,7 @@ and the running output and log-sum-exp are live only inside one block's attentio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from shardscope.specs import ModelSpec, Scenario, TrainingSpec
 
@@ -69,13 +70,19 @@ def rank_share(scenario: Scenario, megatron: bool = False) -> RankShare:
     strategy = scenario.strategy
     if strategy.tp == 1 and strategy.cp == 1 and strategy.ep == 1:
         return WHOLE
+    return _share(strategy.tp, strategy.cp, strategy.ep, strategy.uses_sequence_parallel, megatron)
+
+
+@cache
+def _share(tp: int, cp: int, ep: int, sequence_parallel: bool, megatron: bool) -> RankShare:
+    """One RankShare per cut (a planner search asks for it at every point it estimates)."""
     return RankShare(
-        tp=strategy.tp,
-        cp=strategy.cp,
-        ep=strategy.ep,
-        sequence_parallel=strategy.uses_sequence_parallel,
-        regathers_in_backward=megatron and strategy.uses_sequence_parallel,
-        vocab_parallel_loss=megatron and strategy.tp > 1,
+        tp=tp,
+        cp=cp,
+        ep=ep,
+        sequence_parallel=sequence_parallel,
+        regathers_in_backward=megatron and sequence_parallel,
+        vocab_parallel_loss=megatron and tp > 1,
     )
 
 

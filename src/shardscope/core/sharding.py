@@ -108,12 +108,17 @@ def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShar
     sizes, counts, largest = list(numels[:first] + idle), [1] * first + list(idle), list(numels[:first] + idle)
     heap = [(sizes[rank], rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest first
     heapq.heapify(heap)
+    # Every rank given one of the first tensors holds one at least as large as any still to come (largest first), so
+    # its largest is settled. Each step grows the smallest rank in place (one heapreplace, not a pop and a push).
+    settled = first == world_size
     for numel in numels[first:]:
-        size, rank = heapq.heappop(heap)
-        sizes[rank] = size + numel
+        size, rank = heap[0]
+        size += numel
+        sizes[rank] = size
         counts[rank] += 1
-        largest[rank] = max(largest[rank], numel)
-        heapq.heappush(heap, (sizes[rank], rank))
+        if not settled:
+            largest[rank] = max(largest[rank], numel)
+        heapq.heapreplace(heap, (size, rank))
     return WholeTensorShards(
         numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts), largest_per_rank=tuple(largest)
     )

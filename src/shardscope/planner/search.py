@@ -7,6 +7,8 @@
    settings are not pruned against each other: the time model overlaps the host copies of parameter offload with
    compute but places optimizer offload's after backward, so offloading more can come out faster
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
+   A setting whose model states alone break the budget (read from its first estimate) is left there once its family
+   fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
 2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
    stopping for each plan whose bound cannot beat the plans kept.
 3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
@@ -83,6 +85,7 @@ class _Search:
         self.evaluator = Evaluator(request)
         self.candidates = 0
         self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
+        self.fitting_families: set[str] = set()
         self.budget_bytes = request.budget_bytes
         self.limits: dict[str, float] = {}
         """Per family, the ranking value a pipeline must beat to enter the top plans or be its family's best (set
@@ -108,6 +111,17 @@ class _Search:
         ways += ["expert"] if request.expert_parallel != (1,) and request.model.family == "moe" else []
         return ", ".join(ways[:-1]) + f" or {ways[-1]} parallelism"
 
+    def _hopeless(self, family: str, states_floor_bytes: int) -> bool:
+        """Whether no point of a setting (a strategy and offload at one shape) can fit or change the answer: the
+        model states its first point holds (every engine's optimizer step holds its parameters, gradients and
+        optimizer state, which no micro-batch, micro-batch count or checkpointing changes; plus the context) break
+        the budget, and the family fits elsewhere (its closest miss is not reported) or already has a miss at least
+        as close (`_note_miss` keeps the first of the closest)."""
+        over = states_floor_bytes - self.budget_bytes
+        if over <= 0:
+            return False
+        return family in self.fitting_families or (family in self.closest and self.closest[family][0] <= over)
+
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
         over = _over_by(memory, self.request, self.budget_bytes)
@@ -124,7 +138,11 @@ class _Search:
             fitted: list[tuple[int, int, int]] = []
             for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
                 states_checked = False
+                states_floor: tuple[str, int] | None = None  # (family, bytes) from the setting's first estimate
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
+                    if states_floor is not None and self._hopeless(*states_floor):
+                        self.candidates += len(sizes)  # and it stays so: misses only get closer, families only fit
+                        continue
                     floor = max(
                         (mb for o, c, mb in fitted if o == offload_rank and c <= checkpoint_rank),
                         default=0,
@@ -139,6 +157,9 @@ class _Search:
                         grad_accum = _grad_accum(request, shape, size)
                         if not variant.allows(grad_accum):
                             continue
+                        if states_floor is not None and self._hopeless(*states_floor):
+                            failed = True
+                            continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
                         if pipelined and self.metric(
                             scenario, self.evaluator.lower_bound_s(scenario)
@@ -149,10 +170,15 @@ class _Search:
                             if busiest_states_bytes(scenario) > self.budget_bytes:
                                 break  # no micro-batch or checkpointing fits the model states
                         memory = self.evaluator.new_memory(scenario)
+                        if states_floor is None and not pipelined:
+                            held = memory.per_rank.model_state_bytes + memory.per_rank.overhead_bytes
+                            states_floor = (family_of(scenario), held)
                         if not _fits(memory, request, self.budget_bytes):
                             failed = True
                             self._note_miss(memory)
-                        elif pipelined:  # every size that fits competes
+                            continue
+                        self.fitting_families.add(family_of(scenario))
+                        if pipelined:  # every size that fits competes
                             fitted.append((offload_rank, checkpoint_rank, size))
                             found.append(memory)
                         else:

@@ -197,16 +197,28 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
         return sums
 
     simulated = min(steps, SIMULATED_MICRO_BATCHES)
-    events = _data_parallel_events(_with_micro_batches(scenario, simulated))
-    busy = per_stream(events)
+    last_micro_batch = simulated - 1
+    # One pass sums each stream's whole step and its edges: the gathers before the first forward (micro-batch 0,
+    # stage 0, 'before_forward') and the reductions after the last backward (the last micro-batch, stage 0,
+    # 'after_backward'), each stream's in the order of its events.
+    busy: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for event in _data_parallel_events(_with_micro_batches(scenario, simulated)):
+        stream = STREAM_OF_GROUP.get(event.group, "comm")
+        time_s = seconds(event)
+        busy[stream] = busy.get(stream, 0.0) + time_s
+        if event.stage != 0:
+            continue
+        if event.micro_batch == 0 and event.trigger == "before_forward":
+            first[stream] = first.get(stream, 0.0) + time_s
+        elif event.micro_batch == last_micro_batch and event.trigger == "after_backward":
+            last[stream] = last.get(stream, 0.0) + time_s
     if steps > simulated:
         one = per_stream(_data_parallel_events(_with_micro_batches(scenario, 1)))
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), busy_s=0.0)
-    first = per_stream([e for e in events if (e.micro_batch, e.stage, e.trigger) == (0, 0, "before_forward")])
-    last_place = (simulated - 1, 0, "after_backward")
-    last = per_stream([e for e in events if (e.micro_batch, e.stage, e.trigger) == last_place])
     return CommunicationFloor(
         edges_s=max(first.values(), default=0.0) + max(last.values(), default=0.0),
         busy_s=max(busy.values(), default=0.0),

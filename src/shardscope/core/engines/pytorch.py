@@ -9,6 +9,8 @@ it); ZeroRedundancyOptimizer gives whole tensors to ranks.
 
 from __future__ import annotations
 
+from functools import cache
+
 from shardscope.choices import EngineName
 from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
 from shardscope.core.comm_events import (
@@ -41,7 +43,7 @@ from shardscope.core.model_states import (
     optimizer_moments,
     step_tensor_bytes,
 )
-from shardscope.core.params import head_numel, rank_facts, rank_layout
+from shardscope.core.params import ParamLayout, head_numel, rank_facts, rank_layout
 from shardscope.core.pipeline import PipelineStage
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
@@ -75,8 +77,9 @@ class PyTorchRules(RulesDefaults):
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
-        sizes = self.optimizer_shard_numels(scenario)
-        return sizes.index(max(sizes)) if sizes else 0
+        if not self.optimizer_shard_numels(scenario):
+            return 0
+        return _most_loaded_rank(rank_layout(scenario), scenario.state_ranks)
 
     def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
         """ZeroRedundancyOptimizer gives whole tensors to ranks, so ranks hold different amounts."""
@@ -216,6 +219,14 @@ class PyTorchRules(RulesDefaults):
         and splits them into views, so they are held for the whole step."""
         held = sum(stage.embedding for stage in stages) + sum(stage.head for stage in stages)
         return held * _token_ids_bytes(scenario) * scenario.training.grad_accum_steps
+
+
+@cache
+def _most_loaded_rank(layout: ParamLayout, ranks: int) -> int:
+    """The first rank holding the most optimizer elements under ZeroRedundancyOptimizer (a planner search asks at
+    every point it estimates; the assignment of thousands of ranks is scanned once)."""
+    sizes = whole_tensor_shards(layout, ranks).numel_per_rank
+    return sizes.index(max(sizes))
 
 
 def _token_ids_bytes(scenario: Scenario) -> int:
