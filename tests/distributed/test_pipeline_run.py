@@ -9,9 +9,9 @@ cases run by default (pp 2 x dp 2, pp 2 x tp 2); the 4-stage ones (tiny-llama-8,
 each), the sharded strategies and the 8-rank pp 2 x tp 2 x dp 2 mesh are long and run under `pytest -m long`, each
 launch with a hard deadline (RunConfig.timeout_s).
 
-The sharded strategies' known gap, measured here: the pipeline's buffers are the receive buffers and gathered units,
-without the shard-sized buffers of ZeRO-1's and ZeRO-2's reduce-scatters and all-gathers (compared where the strategy
-has none). Their peaks are checked on every stage (ZeRO-2 and ZeRO-3 by core/engines/teaching_pipeline.py's moments).
+Inside ZeRO-1, ZeRO-2 and ZeRO-3 the buffers are exact too on pp 2 x dp 2: the receive buffers, the gathered units,
+the flat gradient copies and the shard-sized buffers of the reduce-scatters and all-gathers (core/engines/
+teaching_pipeline.py's moments). The 8-rank mesh compares ZeRO-1's model states only.
 """
 
 from __future__ import annotations
@@ -148,12 +148,10 @@ MODEL_STATES = STATES[:3]
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize(("strategy", "exact"), [("zero1", MODEL_STATES), ("zero2", MODEL_STATES), ("zero3", STATES)])
-def test_pp2_inside_a_sharded_strategy(strategy: str, exact: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_pp2_inside_a_sharded_strategy(strategy: str) -> None:
     # each pipeline rank's units sharded over its 2 data-parallel ranks; ZeRO-2/3 reduce-scatter every micro-batch
-    ranks = run_and_compare(
-        {"model": "tiny-llama", "world_size": 4, "pp": 2, "grad_accum": 4, "strategy": strategy}, states=exact
-    )
+    ranks = run_and_compare({"model": "tiny-llama", "world_size": 4, "pp": 2, "grad_accum": 4, "strategy": strategy})
     scatters = sum(
         row["count"] for row in ranks[0]["ledger"] if (row["phase"], row["op"]) == ("backward", "reduce_scatter")
     )
