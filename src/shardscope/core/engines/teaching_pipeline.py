@@ -14,7 +14,8 @@ first forward to its last backward (`root_held_for_step`) and a block is gathere
 - a block's reduce-scatter: that block's stored activations freed as well, with its per-parameter gradients, their
   flat copy (a buffer: `_landed` makes it inside measured_as('buffers')) and the units gathered there (under ZeRO-3
   the block itself, still gathered, and the root);
-- the root's reduce-scatter on the first stage: the embeddings' dense gradient and its flat copy;
+- the root's reduce-scatter: on the first stage the embeddings' dense gradient and its flat copy, on the head stage
+  (without the embeddings) the final norm's and head's gradients and their flat copy after the head's backward;
 - the optimizer step.
 ZeRO-1 and ZeRO-2 (runtime/teaching/zero.py) make one shard-sized buffer per unit, unit after unit, once a step: ZeRO-1
 the output of each unit's reduce-scatter after the last backward (`reduce_accumulated`), both the send buffer of each
@@ -75,13 +76,18 @@ def teaching_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Mo
         scattering = head_gradients + block * element
         gathered = states.backward_buffers_bytes + block_flat
         moments.append(live("a block's reduce-scatter", after_block, gathered, scattering))
+    root = _root_numel(scenario, load)
+    root_flat = _padded(root, load.shard_degree) * element
     if embedding:
         # the embeddings' dense gradient lands last, after the micro-batch's every block: the root's per-parameter
         # gradients and their flat copy, the micro-batch's activations freed
-        root = _root_numel(scenario, load)
-        root_flat = _padded(root, load.shard_degree) * element
         freed = load.weights[load.stages[0].index] if alone else 0
         moments.append(live("the root's reduce-scatter", in_flight - freed, gathered_root + root_flat, root * element))
+    elif head:
+        # the final norm's weight gradient lands the head stage's root, beside the gradient of the norm's input
+        flowing = acts.hidden_bytes + LOSS_GRAD_BYTES
+        scattering = root * element + flowing
+        moments.append(live("the root's reduce-scatter", in_flight - head_freed, gathered_root + root_flat, scattering))
     moments.append(live("optimizer step", 0, 0, states.optimizer_temporary_bytes))
     return moments
 
