@@ -46,7 +46,7 @@ from shardscope.core.engines.base import (
     shared_moments,
 )
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
-from shardscope.core.engines.teaching_pipeline import teaching_pipeline_moments
+from shardscope.core.engines.teaching_pipeline import shard_buffer_moments, teaching_pipeline_moments
 from shardscope.core.expert_parallel import (
     block_expert_numel,
     expert_bucket_events,
@@ -101,10 +101,10 @@ class PaperRules(RulesDefaults):
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
         """ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's gradients as its backward lands them: the teaching
         pipeline's own moments (core.engines.teaching_pipeline); ddp and ZeRO-1 keep whole flat gradients, the
-        shared rule."""
-        if scenario.strategy.stage < 2:
-            return super().pipeline_moments(scenario, load)
-        return teaching_pipeline_moments(scenario, load)
+        shared rule. ZeRO-1 and ZeRO-2 add the moments of their shard-sized buffers."""
+        stage = scenario.strategy.stage
+        moments = super().pipeline_moments(scenario, load) if stage < 2 else teaching_pipeline_moments(scenario, load)
+        return moments + shard_buffer_moments(scenario, load) if stage in (1, 2) else moments
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """One flat bucket per unit reduced over the data-parallel ranks: the blocks in reverse, then the root (under
