@@ -213,11 +213,15 @@ def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[Pipeli
         send.time_s,
     )
     proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
-    shared: dict[tuple[Scenario, tuple[CommEvent, ...]], tuple[StepRuns, tuple[float, float]]] = {}
+    shared: dict[tuple[Scenario, tuple[CommEvent, ...] | None], tuple[StepRuns, tuple[float, float]]] = {}
+    calls: dict[Scenario, tuple[CommEvent, ...]] = {}
     ranks = []
     for rank, proxy in enumerate(proxies):
         placement = rank_placement(scenario, rank)
-        key = (proxy, placement(proxy, comm_event_parts(proxy)[0]))
+        if proxy not in calls:
+            calls[proxy] = comm_event_parts(proxy)[0]
+        placed = placement(proxy, calls[proxy])
+        key = (proxy, None if placed is calls[proxy] else placed)  # the ranks whose calls are their proxy's share it
         if key not in shared:
             runs = step_runs(proxy, profile, placement)
             shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
