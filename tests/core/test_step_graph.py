@@ -12,14 +12,14 @@ import pytest
 
 from shardscope.core import model_parallel_comm, timeline, timeline_tasks
 from shardscope.core import step_graph as graphs
-from shardscope.core.comm import comm_event_parts, comm_events, with_micro_batches
+from shardscope.core.comm import comm_event_parts, with_micro_batches
 from shardscope.core.compute import compute_model
 from shardscope.core.engines import rules_for
 from shardscope.core.network import network_model
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import rank_proxy
 from shardscope.core.ring_overlap import hidden_exchange
-from shardscope.core.step_graph import StepGraph, step_graph
+from shardscope.core.step_graph import EventPlacement, StepGraph, step_graph
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
 from shardscope.core.timeline_tasks import build_comm_tasks, build_compute_tasks, event_costs, slow_beside_async
 from shardscope.planner import PlanRequest, plan
@@ -33,12 +33,13 @@ SERIAL = dataclasses.replace(  # no overlap, a wait at every blocking call, comp
 )
 
 
-def rebuilt(scenario: Scenario, profile: HardwareProfile) -> StepGraph:
+def rebuilt(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepGraph:
     """The step's task graph with every call and compute task built again, the calls in one run of
-    `comm_events`."""
+    `comm_events` (the data-parallel ones as a pipeline rank's `placement` places them)."""
     model_parallel_comm._calls.clear()
     timeline_tasks._stage_tasks.clear()
-    events = comm_events(scenario)
+    data_parallel, model_parallel, offload = comm_event_parts(scenario)
+    events = (placement(scenario, data_parallel) if placement else data_parallel) + model_parallel + offload
     compute = compute_model(scenario, profile)
     costs = event_costs(scenario, events, network_model(profile))
     compute_tasks, where = build_compute_tasks(scenario, compute, profile)

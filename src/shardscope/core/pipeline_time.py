@@ -14,9 +14,10 @@ GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shardscope.core.comm import collective_ledger
+from shardscope.core.comm import collective_ledger, comm_event_parts
+from shardscope.core.comm_events import CommEvent
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import PipelineCalls
@@ -26,6 +27,7 @@ from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
 from shardscope.core.pipeline_memory import boundary_bytes, pipeline_rank_actions, rank_proxy
 from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
+from shardscope.core.step_graph import EventPlacement
 from shardscope.core.timeline import (
     StepRuns,
     TimeEstimate,
@@ -51,6 +53,12 @@ def stage_times(scenario: Scenario, profile: HardwareProfile) -> tuple[list[floa
         [sum(forward[i] for i in elements(stage)) for stage in stages],
         [sum(recompute[i] + backward[i] for i in elements(stage)) for stage in stages],
     )
+
+
+REPEATED_FROM_END = 7
+"""The last micro-batches of a longer step that its shorter runs stand for (`rank_placement`), so that the micro-batch
+a longer run adds (the 9th) is past 1F1B's warm-up and before its cool-down (at most pp - 1 = 7 micro-batches each
+for pp up to 8): its calls are those of every micro-batch of the steady state."""
 
 
 def send_placement(scenario: Scenario) -> Placement:
@@ -158,9 +166,40 @@ def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
     return _pipeline_step(scenario, profile)[0]
 
 
-def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, dict[Scenario, StepRuns]]:
-    """`pipeline_step`, and the runs of each distinct proxy (ranks that hold the same share them), from which
-    `estimate_pipeline_time` measures the shown rank's whole step without running it again."""
+def rank_placement(scenario: Scenario, pipeline_rank: int) -> EventPlacement:
+    """What pipeline rank `pipeline_rank` makes of its proxy's data-parallel calls: its engine's
+    `pipeline_step_events` for its schedule. A proxy of fewer micro-batches (the time model's runs of a longer step,
+    `core.timeline.step_runs`) stands for the schedule's first ones and its last REPEATED_FROM_END ones, so a run one
+    micro-batch longer adds one from the middle of the schedule, whose calls every further micro-batch repeats."""
+    calls = PipelineCalls(rank_stages(scenario, pipeline_rank), pipeline_rank_actions(scenario, pipeline_rank))
+    rules, micro_batches = rules_for(scenario), scenario.training.grad_accum_steps
+
+    def placement(proxy: Scenario, events: tuple[CommEvent, ...]) -> tuple[CommEvent, ...]:
+        count = proxy.training.grad_accum_steps
+        if count == micro_batches:
+            return rules.pipeline_step_events(scenario, calls, events)
+        head = count - REPEATED_FROM_END
+        step = [k if k < head else micro_batches - (count - k) for k in range(count)]
+        back = {full: k for k, full in enumerate(step)}
+        placed = rules.pipeline_step_events(
+            scenario, calls, tuple(replace(call, micro_batch=step[call.micro_batch]) for call in events)
+        )
+        return tuple(replace(call, micro_batch=back[call.micro_batch]) for call in placed)
+
+    return placement
+
+
+def pipeline_rank_events(scenario: Scenario, pipeline_rank: int) -> tuple[CommEvent, ...]:
+    """The calls the time model runs for pipeline rank `pipeline_rank` besides its messages: its proxy's, the
+    data-parallel ones as `rank_placement` places them."""
+    proxy = rank_proxy(scenario, rank_stages(scenario, pipeline_rank))
+    data_parallel, model_parallel, offload = comm_event_parts(proxy)
+    return rank_placement(scenario, pipeline_rank)(proxy, data_parallel) + model_parallel + offload
+
+
+def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, tuple[StepRuns, ...]]:
+    """`pipeline_step`, and the runs of each pipeline rank's proxy (ranks that make the same calls share them), from
+    which `estimate_pipeline_time` measures the shown rank's whole step without running it again."""
     strategy = scenario.strategy
     forward_s, backward_s = stage_times(scenario, profile)
     send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(profile))
@@ -174,20 +213,27 @@ def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[Pipeli
         send.time_s,
     )
     proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
-    runs: dict[Scenario, StepRuns] = {}
-    after: dict[Scenario, tuple[float, float]] = {}
-    for proxy in proxies:
-        if proxy not in runs:
-            runs[proxy] = step_runs(proxy, profile)
-            after[proxy] = exposed_and_optimizer_s(proxy, runs[proxy])
+    shared: dict[tuple[Scenario, tuple[CommEvent, ...] | None], tuple[StepRuns, tuple[float, float]]] = {}
+    calls: dict[Scenario, tuple[CommEvent, ...]] = {}
+    ranks = []
+    for rank, proxy in enumerate(proxies):
+        placement = rank_placement(scenario, rank)
+        if proxy not in calls:
+            calls[proxy] = comm_event_parts(proxy)[0]
+        placed = placement(proxy, calls[proxy])
+        key = (proxy, None if placed is calls[proxy] else placed)  # the ranks whose calls are their proxy's share it
+        if key not in shared:
+            runs = step_runs(proxy, profile, placement)
+            shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
+        ranks.append(shared[key])
     step = PipelineStep(
         scenario=scenario,
         actions=tuple(tuple(actions) for actions in timeline),
         proxies=proxies,
-        after=tuple(after[proxy] for proxy in proxies),
+        after=tuple(after for _, after in ranks),
         send=send,
     )
-    return step, runs
+    return step, tuple(runs for runs, _ in ranks)
 
 
 def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
@@ -196,7 +242,7 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
     step_of_ranks, runs = _pipeline_step(scenario, profile)
     shown = step_of_ranks.shown_rank
     proxy = step_of_ranks.proxies[shown]
-    step, tail = step_of_ranks.step_time_s, step_calls(proxy, runs[proxy])
+    step, tail = step_of_ranks.step_time_s, step_calls(proxy, runs[shown])
     optimizer = step_of_ranks.after_s(shown)[1]
     send = step_of_ranks.send
     actions = step_of_ranks.actions[shown]
@@ -217,7 +263,7 @@ def estimate_pipeline_time(scenario: Scenario, profile: HardwareProfile) -> Time
     return TimeEstimate(
         scenario=scenario,
         hardware=profile,
-        ledger=merge_ledger([*(row for row in tail.ledger if row.payload_bytes), *messages]),
+        ledger=pipeline_rank_ledger(scenario, shown),
         wire_bytes_per_rank=tail.wire_bytes_per_rank + round(sends * send.wire_bytes),
         comm_time_s=tail.comm_time_s + sends * send.time_s,
         exposed_comm_s=max(0.0, step - busy),

@@ -16,6 +16,7 @@ place of the last one: a call at the same place waits for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from shardscope.core.comm import comm_event_parts
@@ -55,9 +56,15 @@ class StepGraph(NamedTuple):
     """Seconds of each ring-attention call hidden behind its attention, by task index."""
 
 
-def step_graph(scenario: Scenario, profile: HardwareProfile) -> StepGraph:
-    """The scenario's step as tasks for the timeline."""
+EventPlacement = Callable[[Scenario, tuple[CommEvent, ...]], tuple[CommEvent, ...]]
+"""What a pipeline rank makes of the data-parallel calls of its model without a pipeline (`core.pipeline_time`)."""
+
+
+def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepGraph:
+    """The scenario's step as tasks for the timeline, its data-parallel calls as `placement` places them."""
     data_parallel, model_parallel, offload = comm_event_parts(scenario)  # refuses a model without a shape first
+    if placement is not None:
+        data_parallel = placement(scenario, data_parallel)
     compute = compute_model(scenario, profile)
     compute_tasks, where = build_compute_tasks(scenario, compute, profile)
     own = data_parallel + offload

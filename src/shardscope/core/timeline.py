@@ -27,7 +27,7 @@ from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batche
 from shardscope.core.compute import ComputeModel, compute_model, model_flops_per_step
 from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.result import CollectiveRow, merge_ledger
-from shardscope.core.step_graph import step_graph
+from shardscope.core.step_graph import EventPlacement, step_graph
 from shardscope.core.timeline_tasks import (
     INSIDE_STAGE,
     STREAM_OF_GROUP,
@@ -150,9 +150,9 @@ class _Run(NamedTuple):
     finish: list[float]  # end of each task, by index
 
 
-def _run(scenario: Scenario, profile: HardwareProfile) -> _Run:
+def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> _Run:
     """Run the step's tasks through the streams."""
-    graph = step_graph(scenario, profile)
+    graph = step_graph(scenario, profile, placement)
     tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
     # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
     # issued at the same key.
@@ -277,12 +277,13 @@ class StepRuns(NamedTuple):
     last: _Run
 
 
-def step_runs(scenario: Scenario, profile: HardwareProfile) -> StepRuns:
-    """Run the step (a step without a pipeline) as `estimate_time` does, before measuring it."""
+def step_runs(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepRuns:
+    """Run the step (a step without a pipeline) as `estimate_time` does, before measuring it; a pipeline rank's
+    proxy with its data-parallel calls as `placement` places them."""
     if scenario.training.grad_accum_steps <= EXACT_MICRO_BATCHES:
-        return StepRuns(None, _run(scenario, profile))
-    before = _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile)
-    return StepRuns(before, _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile))
+        return StepRuns(None, _run(scenario, profile, placement))
+    before = _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile, placement)
+    return StepRuns(before, _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile, placement))
 
 
 def _extend(scenario: Scenario, earlier: float, later: float) -> float:

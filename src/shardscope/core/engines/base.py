@@ -209,6 +209,14 @@ class EngineRules(Protocol):
         pipeline over the same micro-batches (`rows_of`) and its schedule's order."""
         ...
 
+    def pipeline_step_events(
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+    ) -> tuple[CommEvent, ...]:
+        """A pipeline rank's data-parallel calls of a step as the time model places them, from those of the model
+        of its stages without a pipeline over the same micro-batches (`events`, the proxy's `step_events`): the
+        calls `pipeline_data_parallel_rows` counts."""
+        ...
+
 
 class RulesDefaults:
     """The answers most engines share; a rules object inherits them and overrides what its mechanism changes."""
@@ -269,6 +277,12 @@ class RulesDefaults:
         """A pipeline changes nothing: each micro-batch makes the collectives the model of the rank's stages makes
         without one."""
         return rows_of(load.stages)
+
+    def pipeline_step_events(
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+    ) -> tuple[CommEvent, ...]:
+        """A pipeline changes nothing: each micro-batch makes the calls of the model of the rank's stages."""
+        return events
 
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
         """Two moments: the schedule's fullest, where every term is at its largest together (the micro-batches in

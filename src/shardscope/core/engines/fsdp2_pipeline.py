@@ -31,6 +31,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import NamedTuple
 
+from shardscope.core.comm_events import CommEvent
 from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
     LiveBytes,
@@ -285,26 +286,74 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     return best
 
 
+def _gathers(scenario: Scenario, actions: tuple[Action, ...]) -> frozenset[tuple[int, bool, int]]:
+    """The (stage, backward, micro-batch) of the actions that find their stage's units not gathered: in forward at
+    the start or after a forward, in backward after a forward (zero2's stay gathered from the first forward)."""
+    gathered: dict[int, bool] = {}
+    found = set()
+    for action in actions:
+        if not gathered.get(action.stage, False):
+            found.add((action.stage, action.backward, action.micro_batch))
+        gathered[action.stage] = action.backward or not _reshards_after_forward(scenario)
+    return frozenset(found)
+
+
+def _reduces_once(phase: str, op: str, group: str) -> bool:
+    """A data-parallel gradient reduction (the reduce-scatter, hsdp's all-reduce of the shard): once per step."""
+    return phase == "backward" and group == "dp" and op in ("reduce_scatter", "all_reduce")
+
+
+def _unit_gather(phase: str, op: str, group: str) -> bool:
+    """A unit's all-gather in forward or backward (tensor parallelism's gathers come every micro-batch)."""
+    return phase in ("forward", "backward") and group == "dp" and op == "all_gather"
+
+
 def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageRows) -> list[CollectiveRow]:
     """The rank's data-parallel collectives under the rule of the module docstring, stage by stage, from those of
     the stage without a pipeline (every micro-batch gathering each unit in forward and again in backward, and
     reduce-scattering it): each reduce-scatter (and hsdp's all-reduce of the shard) once per step; each all-gather as
-    often as the schedule reaches the stage with its units not gathered, in forward at the start or after a forward,
-    in backward after a forward."""
+    often as the schedule reaches the stage with its units not gathered (`_gathers`)."""
     micro_batches = scenario.training.grad_accum_steps
-    gathered: dict[int, bool] = {}
-    gathers = {stage.index: {"forward": 0, "backward": 0} for stage in load.stages}
-    for action in load.actions:
-        if not gathered.get(action.stage, False):
-            gathers[action.stage]["backward" if action.backward else "forward"] += 1
-        gathered[action.stage] = action.backward or not _reshards_after_forward(scenario)
+    gathers = _gathers(scenario, load.actions)
     result = []
     for stage in load.stages:
         for row in rows_of((stage,)):
             count = row.count
-            if row.op == "all_gather" and row.phase in ("forward", "backward"):
-                count = row.count * gathers[stage.index][row.phase] // micro_batches
-            elif row.phase == "backward" and row.group == "dp" and row.op in ("reduce_scatter", "all_reduce"):
+            if _unit_gather(row.phase, row.op, row.group):
+                times = sum((stage.index, row.phase == "backward", k) in gathers for k in range(micro_batches))
+                count = row.count * times // micro_batches
+            elif _reduces_once(row.phase, row.op, row.group):
                 count = row.count // micro_batches
             result.append(replace(row, count=count))
     return list(merge_ledger(result))
+
+
+def fsdp2_pipeline_events(
+    scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+) -> tuple[CommEvent, ...]:
+    """The calls `fsdp2_pipeline_rows` counts, from the proxy's (every micro-batch gathering and reduce-scattering
+    each unit, compute stages numbered over the rank's stages in order): a unit's all-gather kept only where the
+    schedule finds its stage not gathered, and the reduce-scatters of the last micro-batch alone, moved after its
+    whole backward, where PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of
+    nothing (the root unit of a stage without one) are not made."""
+    gathers = _gathers(scenario, load.actions)
+    owner: list[int] = []  # the pipeline stage of each compute stage of the proxy
+    for stage in load.stages:
+        owner += [stage.index] * stage.layers
+    root = next((stage.index for stage in load.stages if stage.embedding or stage.head), load.stages[0].index)
+    last = scenario.training.grad_accum_steps - 1
+    placed = []
+    for call in events:
+        row = call.row
+        if not row.payload_bytes and row.group == "dp":
+            continue
+        if _unit_gather(row.phase, row.op, row.group):
+            index = owner[call.stage - 1] if 0 < call.stage <= len(owner) else root
+            if (index, row.phase == "backward", call.micro_batch) not in gathers:
+                continue
+        elif _reduces_once(row.phase, row.op, row.group):
+            if call.micro_batch != last:
+                continue
+            call = replace(call, stage=0, trigger="after_backward")
+        placed.append(call)
+    return tuple(placed)

@@ -34,7 +34,11 @@ from shardscope.core.engines.base import (
     shared_memory,
 )
 from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
-from shardscope.core.engines.fsdp2_pipeline import fsdp2_pipeline_moments, fsdp2_pipeline_rows
+from shardscope.core.engines.fsdp2_pipeline import (
+    fsdp2_pipeline_events,
+    fsdp2_pipeline_moments,
+    fsdp2_pipeline_rows,
+)
 from shardscope.core.model_states import (
     ModelStates,
     dtype_bytes,
@@ -213,6 +217,14 @@ class PyTorchRules(RulesDefaults):
         if runs_on_ddp(scenario):
             return super().pipeline_data_parallel_rows(scenario, load, rows_of)
         return fsdp2_pipeline_rows(scenario, load, rows_of)
+
+    def pipeline_step_events(
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+    ) -> tuple[CommEvent, ...]:
+        """The calls `pipeline_data_parallel_rows` counts, where torch issues them (core.engines.fsdp2_pipeline)."""
+        if runs_on_ddp(scenario):
+            return super().pipeline_step_events(scenario, load, events)
+        return fsdp2_pipeline_events(scenario, load, events)
 
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once
