@@ -15,16 +15,23 @@ Every stage here is built with complete static metadata and no DTensor, so every
 is STATIC: `_static_warm_up` sets that answer instead of voting. It changes the first step only, which is not
 measured (the last step is).
 
+A real process group's send Work (gloo's and nccl's) keeps the tensor it sends alive until the Work object itself is
+dropped, and the schedules keep some of their Works past the wait: Schedule1F1B keeps the last warm-up send's Works
+in `send_work` until its steady phase ends, so the first stage holds that micro-batch's output after its backward.
+The fake process group's Works hold nothing, so `_sends_held_by_their_works` makes each Work the schedule gets hold
+the tensors it sends, as a real one does.
+
 Private torch attributes used (torch 2.13, torch/distributed/pipelining/): PipelineStage._inference_mode,
-_PipelineSchedule._warmup_p2p, and the stage's args_recv_info / grad_recv_info buffers (labelled `buffers`).
+_PipelineSchedule._warmup_p2p, schedules._batch_p2p, and the stage's args_recv_info / grad_recv_info buffers
+(labelled `buffers`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -232,6 +239,36 @@ def _static_warm_up(schedule: Any) -> None:
     schedule._warmup_p2p = warm_up
 
 
+class _SendingWork:
+    """A fake process group's Work with the tensors its batch sends, kept as long as the Work is."""
+
+    def __init__(self, work: Any, sent: list[torch.Tensor]) -> None:
+        self.work, self.sent = work, sent
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
+@contextmanager
+def _sends_held_by_their_works() -> Iterator[None]:
+    """Every Work the pipelining schedules get from a batch of sends and receives holds the batch's sent tensors
+    (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    batch = schedules._batch_p2p
+
+    def holding(p2p_ops: list[Any], desc: str | None = None) -> list[Any]:
+        sent = [op.tensor for op in p2p_ops if op.op is dist.isend]
+        return [_SendingWork(work, sent) for work in batch(p2p_ops, desc)]
+
+    schedules._batch_p2p = holding
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = batch
+
+
 def receive_buffers(stages: list[Any]) -> list[torch.Tensor]:
     """The receive buffers torch's PipelineStages keep for the step (activations and gradients), once made."""
     found = []
@@ -266,6 +303,7 @@ def trace_pipeline_rank(request: TraceRequest, pp_rank: int, progress: Progress)
         stack.enter_context(storage_resize_hook(recorder.on_resize))
         stack.enter_context(dtensor_shape_propagation(recorder.unrecorded))
         stack.enter_context(recorder)
+        stack.enter_context(_sends_held_by_their_works())
         for module in modules:
             module.to_empty(device="cpu")
         torch_stages, schedule = make_schedule(scenario, stages, modules, torch.device("cpu"), mesh.get_group("pp"))
