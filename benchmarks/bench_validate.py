@@ -46,8 +46,9 @@ PIPELINE_TEXT = (
     "unsharded between micro-batches: core/engines/fsdp2_pipeline.py) and `trace --pp` replays. Rank 0 holds the "
     "first stage. Expert parallelism: tiny-moe's experts split over ep 2 inside fsdp on 4 ranks, run by the "
     "teaching implementation. Targets as above; point_to_point_payload is the pipeline's sends and receives. "
-    "The torch pipeline's run holds one micro-batch's hidden states and the step's token ids more activations than "
-    "the trace and the prediction (docs/trace.md, the pipeline section: not yet explained). The MoE router's "
+    "Under 1F1B the torch pipeline's first stage holds one micro-batch's output more than the prediction: "
+    "Schedule1F1B keeps the last warm-up send it fires, and so the tensor it sent, to the end of its steady "
+    "phase (docs/trace.md, the pipeline section); the trace replays that, the core does not yet. The MoE router's "
     "routing is data-dependent: the prediction assumes even all-to-alls, the run's are not."
 )
 SECTION_OPTIONS = {
