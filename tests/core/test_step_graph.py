@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import pytest
+from test_pipeline_speed import scenario as pipeline  # the same 4096-token bf16-mixed pipelines on H100s
 
 from shardscope.core import model_parallel_comm, timeline, timeline_tasks
 from shardscope.core import step_graph as graphs
@@ -25,7 +26,7 @@ from shardscope.core.timeline_tasks import build_comm_tasks, build_compute_tasks
 from shardscope.planner import PlanRequest, plan
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import HardwareProfile, HostOverheads, default_profile
-from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.specs import Scenario, TrainingSpec
 
 H100 = default_profile(gpu_preset("h100-80gb"))
 SERIAL = dataclasses.replace(  # no overlap, a wait at every blocking call, compute slowed beside async calls
@@ -54,21 +55,6 @@ def rebuilt(scenario: Scenario, profile: HardwareProfile, placement: EventPlacem
     waits[optimizer] = [computes + index for index, task in enumerate(built.tasks) if task.key < optimizer]
     hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
     return StepGraph(events, costs, compute, compute_tasks + built.tasks, computes, waits, hidden)
-
-
-def pipeline(model: str, gpus: int, micro_batches: int, checkpointing: str = "full", **strategy: object) -> Scenario:
-    return Scenario(
-        model=model_preset(model),
-        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=gpus, gpus_per_node=8),
-        training=TrainingSpec(
-            micro_batch_size=1,
-            sequence_length=4096,
-            grad_accum_steps=micro_batches,
-            precision="bf16-mixed",
-            checkpointing=checkpointing,
-        ),
-        strategy=Strategy(**strategy),  # type: ignore[arg-type]
-    )
 
 
 CASES = [
