@@ -46,6 +46,7 @@ from __future__ import annotations
 from shardscope.choices import Trigger, checkpoints_block
 from shardscope.core.comm_events import CommEvent, Place, event, every_micro_batch
 from shardscope.core.expert_parallel import expert_parallel_events
+from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.params import held_ends, param_layout, rank_layout
 from shardscope.specs import Scenario
@@ -83,12 +84,12 @@ def model_parallel_calls(
     """`model_parallel_events`, kept per `model_parallel_shape`: the planner asks the same calls of every family,
     offload and GPU count of a shape, and a 405B pipeline rank's step has thousands."""
     shape = model_parallel_shape(scenario, weight_bytes, regathers_in_backward)
-    found = _calls.get(shape)
-    if found is None:
-        if len(_calls) >= CACHED_SHAPES:
-            _calls.clear()
-        found = _calls[shape] = tuple(_model_parallel_events(scenario, weight_bytes, regathers_in_backward))
-    return found
+    return kept(
+        _calls,
+        shape,
+        lambda: tuple(_model_parallel_events(scenario, weight_bytes, regathers_in_backward)),
+        CACHED_SHAPES,
+    )
 
 
 def model_parallel_events(

@@ -7,13 +7,9 @@ makes stays in that engine's module, with the moments it adds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 from shardscope.specs import Scenario
-
-_Kept = TypeVar("_Kept")
 
 STEP_TENSOR_BYTES = 4  # torch's Adam keeps `step` as a float32 scalar tensor per parameter tensor
 
@@ -92,14 +88,3 @@ def offload(scenario: Scenario, states: ModelStates) -> ModelStates:
 
 KEPT_STATES_LIMIT = 4096
 """Entries a states cache holds before it starts over (a planner sweep asks for a few hundred settings)."""
-
-
-def kept_states(cache: dict[tuple[object, ...], _Kept], key: tuple[object, ...], make: Callable[[], _Kept]) -> _Kept:
-    """`make()` kept in `cache` under `key`: an engine's states for the scenario fields they read, so a planner sweep
-    that varies only the micro-batch, checkpointing or micro-batch count prices each setting's states once."""
-    found = cache.get(key)
-    if found is None:
-        if len(cache) >= KEPT_STATES_LIMIT:
-            cache.clear()
-        found = cache[key] = make()
-    return found

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from shardscope.choices import PipelineSchedule
+from shardscope.core.kept import kept
 
 
 class Action(NamedTuple):
@@ -95,12 +96,8 @@ def peak_in_flight(actions: list[Action], weights: dict[int, int]) -> tuple[int,
     hold at once, and how many micro-batches of each stage are in flight at that moment. Kept: the planner's tens of
     thousands of pipeline memory estimates ask a few thousand orders and weights (callers get a copy)."""
     key = (tuple(actions), tuple(weights.items()))
-    found = _peaks.get(key)
-    if found is None:
-        if len(_peaks) >= CACHED_PEAKS:
-            _peaks.clear()
-        found = _peaks[key] = _peak_in_flight(actions, weights)
-    return found[0], dict(found[1])
+    peak, counts = kept(_peaks, key, lambda: _peak_in_flight(actions, weights), CACHED_PEAKS)
+    return peak, dict(counts)
 
 
 CACHED_PEAKS = 16384

@@ -23,6 +23,7 @@ from shardscope.core.comm import comm_event_parts
 from shardscope.core.comm_events import CommEvent, Place
 from shardscope.core.compute import ComputeModel, compute_model
 from shardscope.core.engines import rules_for
+from shardscope.core.kept import kept
 from shardscope.core.model_parallel_comm import CACHED_SHAPES, model_parallel_shape
 from shardscope.core.network import CollectiveCost, network_model
 from shardscope.core.ring_overlap import hidden_exchange
@@ -157,11 +158,7 @@ def model_parallel_tasks(
         profile,
         previous == (opening.micro_batch, opening.stage, opening.trigger),
     )
-    placed = _built.get(key)
-    if placed is None:
-        if len(_built) >= CACHED_SHAPES:
-            _built.clear()
-        placed = _built[key] = {}
+    placed = kept(_built, key, dict, CACHED_SHAPES)
     found = placed.get(first)
     if found is None:
         if placed:

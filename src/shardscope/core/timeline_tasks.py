@@ -12,6 +12,7 @@ from shardscope.core.comm_events import Place
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import TimePlace
+from shardscope.core.kept import kept
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import CACHED_SHAPES
 from shardscope.core.network import CollectiveCost, NetworkModel, event_cost
@@ -48,11 +49,7 @@ def build_compute_tasks(
     rules = rules_for(scenario)
     framework = rules.framework_s(scenario, profile)
     key = (scenario.model, scenario.training, rank_share(scenario), compute, tuple(framework.items()))
-    found = _stage_tasks.get(key)
-    if found is None:
-        if len(_stage_tasks) >= CACHED_SHAPES:
-            _stage_tasks.clear()
-        found = _stage_tasks[key] = _stage_tasks_of(scenario, compute, framework)
+    found = kept(_stage_tasks, key, lambda: _stage_tasks_of(scenario, compute, framework), CACHED_SHAPES)
     tasks, where = list(found[0]), found[1]
     seconds = optimizer_task_s(scenario, compute, profile, framework)
     tasks.append(Task(len(tasks), "optimizer step", "compute", "optimizer", seconds, 0, ()))

@@ -28,10 +28,11 @@ from shardscope.core.engines.base import (
     gradients_in_base,
     shared_moments,
 )
+from shardscope.core.kept import kept
 from shardscope.core.model_states import (
+    KEPT_STATES_LIMIT,
     ModelStates,
     dtype_bytes,
-    kept_states,
     offload,
     optimizer_moments,
     step_tensor_bytes,
@@ -105,7 +106,7 @@ def _offloaded_states(scenario: Scenario, rank: int) -> tuple[ModelStates, _Unit
         states, units = _states(scenario, rank)
         return offload(scenario, states), units
 
-    return kept_states(_STATES_CACHE, key, make)
+    return kept(_STATES_CACHE, key, make, KEPT_STATES_LIMIT)
 
 
 def _moments(scenario: Scenario, states: ModelStates, units: _UnitMoments, acts: ActivationEstimate) -> list[Moment]:

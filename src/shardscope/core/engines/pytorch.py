@@ -39,10 +39,11 @@ from shardscope.core.engines.fsdp2_pipeline import (
     fsdp2_pipeline_moments,
     fsdp2_pipeline_rows,
 )
+from shardscope.core.kept import kept
 from shardscope.core.model_states import (
+    KEPT_STATES_LIMIT,
     ModelStates,
     dtype_bytes,
-    kept_states,
     offload,
     optimizer_moments,
     step_tensor_bytes,
@@ -266,7 +267,7 @@ def _offloaded_replicated(scenario: Scenario, rank: int) -> ModelStates:
         strategy.offload,
         rank,
     )
-    return kept_states(_STATES_CACHE, key, lambda: offload(scenario, _replicated(scenario, rank)))
+    return kept(_STATES_CACHE, key, lambda: offload(scenario, _replicated(scenario, rank)), KEPT_STATES_LIMIT)
 
 
 def _replicated(scenario: Scenario, rank: int) -> ModelStates:
