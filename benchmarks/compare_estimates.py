@@ -2,7 +2,9 @@
 
 A refactor that must change no number (issue 16) is checked with this: the 13 published model presets x 6 strategies x
 3 engines on 8 and 64 GPUs, plus variants that reach the other branches of the core (gloo, checkpointing, gradient
-accumulation, offload, fp32, a bare parameter count). The earlier commit runs from a temporary `git worktree`; every
+accumulation, offload, fp32, a bare parameter count), pipelines of every schedule (with tensor parallelism, and longer
+than the time model's exactly simulated micro-batches), expert parallelism, and two `plan` questions searching
+pipelines. The earlier commit runs from a temporary `git worktree`; every
 value of its documents must equal the current tree's (new keys are allowed, changed or missing ones are not).
 Run: .venv/bin/python benchmarks/compare_estimates.py --against REF      (REF: a commit, e.g. HEAD~3 or main)
 """
@@ -47,6 +49,29 @@ VARIANTS = (
     ("--precision", "fp32", "--optimizer", "sgd-momentum"),
 )
 VARIANT_MODELS = ("gpt2", "llama-3-8b", "mixtral-8x7b", "tiny-gpt2", "tiny-llama", "tiny-moe")
+PIPELINE_MODELS = ("llama-3-8b", "llama-3.1-405b")
+PIPELINES = (
+    ("--gpus", "32", "--pp", "4", "--grad-accum", "8"),
+    ("--gpus", "16", "--pp", "4", "--pp-schedule", "gpipe", "--tp", "2", "--grad-accum", "6"),
+    ("--gpus", "64", "--pp", "8", "--pp-schedule", "interleaved-1f1b", "--grad-accum", "24", "--checkpointing", "full"),
+    ("--gpus", "8", "--pp", "2", "--tp", "2", "--grad-accum", "20", "--micro-batch", "2"),
+)
+EXPERTS = (("mixtral-8x7b", "64", "8", "8"), ("tiny-moe", "4", "2", "2"))
+PLANS = (
+    ("--model", "llama-3-8b", "--max-gpus", "64", "--pp", "1,2,4", "--global-batch-tokens", "1M"),
+    (
+        "--model",
+        "llama-3-8b",
+        "--max-gpus",
+        "32",
+        "--pp",
+        "1,2,4",
+        "--global-batch-tokens",
+        "1M",
+        "--price-per-gpu-hour",
+        "2",
+    ),
+)
 
 
 def _seq_len(model: str, default: list[str]) -> list[str]:
@@ -76,7 +101,38 @@ def cases() -> list[list[str]]:
                     for v in VARIANTS
                 ]
                 out.append(["--params", "7B", *base])  # no shape: memory only
+    for strategy in STRATEGIES:
+        shard = ["--shard-group", "2"] if strategy == "hsdp" else []
+        for engine in ENGINES:
+            out += [
+                [
+                    "--model",
+                    model,
+                    "--seq-len",
+                    "2048",
+                    "--strategy",
+                    strategy,
+                    *shard,
+                    "--engine",
+                    engine,
+                    *p,
+                    "--time",
+                ]
+                for model in PIPELINE_MODELS
+                for p in PIPELINES
+            ]
+            out += [
+                ["--model", model, "--gpus", gpus, "--ep", ep, "--strategy", strategy, "--engine", engine]
+                + (["--shard-group", group] if strategy == "hsdp" else [])
+                + ["--seq-len", "1024", "--time"]
+                for model, gpus, ep, group in EXPERTS
+            ]
     return out
+
+
+def plan_cases() -> list[list[str]]:
+    """The argument lists of every compared `plan` call (their `stats` are the search's own counts, not compared)."""
+    return [list(question) for question in PLANS]
 
 
 def dump() -> dict[str, Any]:
@@ -90,6 +146,13 @@ def dump() -> dict[str, Any]:
             code = main(["estimate", *argv, "--json"])
         key = " ".join(argv)
         results[key] = json.loads(out.getvalue()) if code == 0 else {"exit": code, "error": err.getvalue().strip()}
+    for argv in plan_cases():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["plan", *argv, "--json"])
+        document = json.loads(out.getvalue()) if code == 0 else {"exit": code, "error": err.getvalue().strip()}
+        document.pop("stats", None)
+        results["plan " + " ".join(argv)] = document
     return results
 
 
@@ -147,6 +210,9 @@ def main() -> int:
     groups: dict[str, int] = {}
     for key in changed:
         words = key.split()
+        if "--strategy" not in words:
+            groups["plan"] = groups.get("plan", 0) + 1
+            continue
         group = f"{words[words.index('--strategy') + 1]} {words[words.index('--engine') + 1]}"
         groups[group] = groups.get(group, 0) + 1
     if groups:
