@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardscope.cli.arg_types import positive_int
 from shardscope.cli.errors import CliError
-from shardscope.cli.scenario_args import positive_int
 from shardscope.cli.tables import render_table
 from shardscope.presets.profile_toml import profile_to_toml
 from shardscope.procs.launcher import MAX_LOCAL_WORLD_SIZE, RunError, check_timeout

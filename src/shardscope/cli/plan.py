@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from shardscope.choices import OFFLOADS, PIPELINE_SCHEDULES, Word, parse_choice
+from shardscope.cli.arg_types import positive_int
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
     add_gpu_arguments,
@@ -18,7 +19,6 @@ from shardscope.cli.scenario_args import (
     gpu_from_args,
     model_from_args,
     overheads_from_args,
-    positive_int,
     step_from_args,
 )
 from shardscope.cli.tables import bar, render_table

@@ -15,13 +15,10 @@ from shardscope.choices import (
     PIPELINE_SCHEDULES,
     PRECISIONS,
     STRATEGIES,
-    EngineName,
-    SpecError,
     StrategyName,
-    engine_name,
-    parse_checkpointing,
     parse_choice,
 )
+from shardscope.cli.arg_types import checkpointing_mode, engine_word, layer_list, positive_int
 from shardscope.cli.errors import CliError
 from shardscope.configs.args import add_from_arguments, plans, print_source
 from shardscope.mesh import DATA_PARALLEL_PRESETS, comparable_strategies
@@ -42,33 +39,6 @@ from shardscope.units import parse_bytes, parse_count
 DEFAULT_SEQUENCE_LENGTH = TrainingSpec().sequence_length
 """--seq-len when not given, the same for every command (the TrainingSpec default), or a model's learned positions
 when it has fewer (gpt2: 1024)."""
-
-
-def engine_word(text: str) -> EngineName:
-    """argparse type: an engine, or another word for one ('teaching' is 'paper')."""
-    try:
-        return engine_name(text)
-    except SpecError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def checkpointing_mode(text: str) -> str:
-    """argparse type: a checkpointing mode, including every:N."""
-    try:
-        return parse_checkpointing(text)
-    except SpecError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1 ('8', not '0', '-1' or '2.5')."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -247,14 +217,6 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformer layers of each pipeline stage, first to last (default: torchtitan's split, which counts "
         "the embeddings and the output head as one layer each)",
     )
-
-
-def layer_list(text: str) -> tuple[int, ...]:
-    """--pp-layers: whole numbers of at least 0, comma-separated."""
-    words = text.split(",")
-    if not all(word.strip().isdigit() and word.strip().isascii() for word in words):
-        raise argparse.ArgumentTypeError(f"{text!r} must be whole numbers separated by commas, e.g. 8,8,8,8")
-    return tuple(int(word) for word in words)
 
 
 def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:

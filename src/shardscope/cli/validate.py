@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
+from shardscope.cli.arg_types import positive_int
 from shardscope.cli.errors import CliError
-from shardscope.cli.scenario_args import positive_int
 from shardscope.cli.tables import render_table
 from shardscope.validate.runner import VALIDATE_SCHEMA
 

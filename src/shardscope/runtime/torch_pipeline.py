@@ -34,8 +34,8 @@ class TorchPipeline(TorchFSDP2):
             make_schedule,
             pipeline_mesh,
             shard_stages,
-            watch_messages,
         )
+        from shardscope.trace.pipeline_hooks import watch_messages
 
         self.world_size, self.scenario = dist.get_world_size(), scenario
         broadcast_module(module)  # fully_shard does not broadcast: every rank starts from rank 0's weights
@@ -90,7 +90,7 @@ class TorchPipeline(TorchFSDP2):
         return [buffer for module in self.module for buffer in fsdp_buffers(module)]
 
     def held(self) -> dict[str, list[torch.Tensor]]:
-        from shardscope.trace.pipeline import receive_buffers
+        from shardscope.trace.pipeline_hooks import receive_buffers
 
         held = super().held()
         held["buffers"] = [*held["buffers"], *receive_buffers(self.torch_stages)]
