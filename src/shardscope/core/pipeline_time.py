@@ -14,9 +14,9 @@ GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from shardscope.core.comm import collective_ledger, comm_event_parts
+from shardscope.core.comm import collective_ledger, comm_event_parts, with_micro_batches
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
@@ -29,6 +29,7 @@ from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.step_graph import EventPlacement
 from shardscope.core.timeline import (
+    EXACT_MICRO_BATCHES,
     StepRuns,
     TimeEstimate,
     exposed_and_optimizer_s,
@@ -166,25 +167,24 @@ def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
     return _pipeline_step(scenario, profile)[0]
 
 
+def stands_for(count: int, micro_batches: int) -> tuple[int, ...]:
+    """The step's micro-batch each micro-batch of a proxy of `count` stands for: the step's own when it runs them
+    all; else the schedule's first ones and its last REPEATED_FROM_END ones, so a run one micro-batch longer adds one
+    from the middle of the schedule, whose calls every further micro-batch repeats."""
+    head = count - REPEATED_FROM_END
+    return tuple(k if k < head else micro_batches - (count - k) for k in range(count))
+
+
 def rank_placement(scenario: Scenario, pipeline_rank: int) -> EventPlacement:
     """What pipeline rank `pipeline_rank` makes of its proxy's data-parallel calls: its engine's
-    `pipeline_step_events` for its schedule. A proxy of fewer micro-batches (the time model's runs of a longer step,
-    `core.timeline.step_runs`) stands for the schedule's first ones and its last REPEATED_FROM_END ones, so a run one
-    micro-batch longer adds one from the middle of the schedule, whose calls every further micro-batch repeats."""
+    `pipeline_step_events` for its schedule, the proxy's micro-batches standing for the step's as `stands_for` says
+    (a proxy of fewer micro-batches: the time model's runs of a longer step, `core.timeline.step_runs`)."""
     calls = PipelineCalls(rank_stages(scenario, pipeline_rank), pipeline_rank_actions(scenario, pipeline_rank))
     rules, micro_batches = rules_for(scenario), scenario.training.grad_accum_steps
 
     def placement(proxy: Scenario, events: tuple[CommEvent, ...]) -> tuple[CommEvent, ...]:
         count = proxy.training.grad_accum_steps
-        if count == micro_batches:
-            return rules.pipeline_step_events(scenario, calls, events)
-        head = count - REPEATED_FROM_END
-        step = [k if k < head else micro_batches - (count - k) for k in range(count)]
-        back = {full: k for k, full in enumerate(step)}
-        placed = rules.pipeline_step_events(
-            scenario, calls, tuple(replace(call, micro_batch=step[call.micro_batch]) for call in events)
-        )
-        return tuple(replace(call, micro_batch=back[call.micro_batch]) for call in placed)
+        return rules.pipeline_step_events(scenario, calls, events, stands_for(count, micro_batches))
 
     return placement
 
@@ -195,6 +195,43 @@ def pipeline_rank_events(scenario: Scenario, pipeline_rank: int) -> tuple[CommEv
     proxy = rank_proxy(scenario, rank_stages(scenario, pipeline_rank))
     data_parallel, model_parallel, offload = comm_event_parts(proxy)
     return rank_placement(scenario, pipeline_rank)(proxy, data_parallel) + model_parallel + offload
+
+
+def _run_counts(micro_batches: int) -> tuple[int, ...]:
+    """The micro-batches of the runs `step_runs` makes of a step of `micro_batches`."""
+    if micro_batches <= EXACT_MICRO_BATCHES:
+        return (micro_batches,)
+    return (EXACT_MICRO_BATCHES - 1, EXACT_MICRO_BATCHES)
+
+
+def _placed_runs(placed: dict[int, tuple[CommEvent, ...]]) -> EventPlacement:
+    """The placement that gives each run the calls placed for its count of micro-batches."""
+    return lambda run, _: placed[run.training.grad_accum_steps]
+
+
+def _rank_runs(
+    scenario: Scenario, profile: HardwareProfile, proxies: tuple[Scenario, ...]
+) -> list[tuple[StepRuns, tuple[float, float]]]:
+    """Every pipeline rank's `step_runs` of its proxy and what it does after its last backward; ranks whose proxies
+    and placed calls are equal share them, each rank's calls placed once per run."""
+    counts = _run_counts(scenario.training.grad_accum_steps)
+    shared: dict[tuple[object, ...], tuple[StepRuns, tuple[float, float]]] = {}
+    ranks = []
+    for rank, proxy in enumerate(proxies):
+        placement = rank_placement(scenario, rank)
+        placed: dict[int, tuple[CommEvent, ...]] = {}
+        unchanged = True
+        for count in counts:
+            own = comm_event_parts(with_micro_batches(proxy, count))[0]
+            placed[count] = placement(with_micro_batches(proxy, count), own)
+            unchanged = unchanged and placed[count] is own
+        # the ranks whose calls are their proxy's share its runs
+        key = (proxy,) if unchanged else (proxy, *placed.values())
+        if key not in shared:
+            runs = step_runs(proxy, profile, _placed_runs(placed))
+            shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
+        ranks.append(shared[key])
+    return ranks
 
 
 def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, tuple[StepRuns, ...]]:
@@ -213,19 +250,7 @@ def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[Pipeli
         send.time_s,
     )
     proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
-    shared: dict[tuple[Scenario, tuple[CommEvent, ...] | None], tuple[StepRuns, tuple[float, float]]] = {}
-    calls: dict[Scenario, tuple[CommEvent, ...]] = {}
-    ranks = []
-    for rank, proxy in enumerate(proxies):
-        placement = rank_placement(scenario, rank)
-        if proxy not in calls:
-            calls[proxy] = comm_event_parts(proxy)[0]
-        placed = placement(proxy, calls[proxy])
-        key = (proxy, None if placed is calls[proxy] else placed)  # the ranks whose calls are their proxy's share it
-        if key not in shared:
-            runs = step_runs(proxy, profile, placement)
-            shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
-        ranks.append(shared[key])
+    ranks = _rank_runs(scenario, profile, proxies)
     step = PipelineStep(
         scenario=scenario,
         actions=tuple(tuple(actions) for actions in timeline),

@@ -27,6 +27,7 @@ the step's reduce-scatters, with every unit gathered and every accumulated gradi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -329,13 +330,14 @@ def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageR
 
 
 def fsdp2_pipeline_events(
-    scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+    scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
 ) -> tuple[CommEvent, ...]:
     """The calls `fsdp2_pipeline_rows` counts, from the proxy's (every micro-batch gathering and reduce-scattering
-    each unit, compute stages numbered over the rank's stages in order): a unit's all-gather kept only where the
-    schedule finds its stage not gathered, and the reduce-scatters of the last micro-batch alone, moved after its
-    whole backward, where PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of
-    nothing (the root unit of a stage without one) are not made."""
+    each unit, compute stages numbered over the rank's stages in order; its micro-batch k standing for the step's
+    `micro_batches[k]`): a unit's all-gather kept only where the schedule finds its stage not gathered, and the
+    reduce-scatters of the last micro-batch alone, moved after its whole backward, where
+    PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of nothing (the root unit
+    of a stage without one) are not made."""
     gathers = _gathers(scenario, load.actions)
     owner: list[int] = []  # the pipeline stage of each compute stage of the proxy
     for stage in load.stages:
@@ -349,10 +351,10 @@ def fsdp2_pipeline_events(
             continue
         if _unit_gather(row.phase, row.op, row.group):
             index = owner[call.stage - 1] if 0 < call.stage <= len(owner) else root
-            if (index, row.phase == "backward", call.micro_batch) not in gathers:
+            if (index, row.phase == "backward", micro_batches[call.micro_batch]) not in gathers:
                 continue
         elif _reduces_once(row.phase, row.op, row.group):
-            if call.micro_batch != last:
+            if micro_batches[call.micro_batch] != last:
                 continue
             call = replace(call, stage=0, trigger="after_backward")
         placed.append(call)
