@@ -21,6 +21,7 @@ from shardscope.core.comm_events import CommEvent
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import PipelineCalls
+from shardscope.core.kept import kept
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, Placement, collective_cost, network_model
 from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
@@ -213,25 +214,38 @@ def _rank_runs(
     scenario: Scenario, profile: HardwareProfile, proxies: tuple[Scenario, ...]
 ) -> list[tuple[StepRuns, tuple[float, float]]]:
     """Every pipeline rank's `step_runs` of its proxy and what it does after its last backward; ranks whose proxies
-    and placed calls are equal share them, each rank's calls placed once per run."""
-    counts = _run_counts(scenario.training.grad_accum_steps)
-    shared: dict[tuple[object, ...], tuple[StepRuns, tuple[float, float]]] = {}
+    and placed calls are equal share them (found by comparing: the calls of ranks of one proxy are mostly the same
+    objects, which a tuple compares by identity, where a key would hash every call), each rank's calls placed once
+    per run."""
+    micro_batches = scenario.training.grad_accum_steps
+    counts = _run_counts(micro_batches)
+    shared: list[tuple[Scenario, tuple[tuple[CommEvent, ...], ...] | None, tuple[StepRuns, tuple[float, float]]]] = []
+    own_calls: dict[Scenario, dict[int, tuple[Scenario, tuple[CommEvent, ...]]]] = {}  # per proxy: its runs' calls
     ranks = []
     for rank, proxy in enumerate(proxies):
+        if proxy not in own_calls:
+            runs_of = (proxy if count == micro_batches else with_micro_batches(proxy, count) for count in counts)
+            own_calls[proxy] = {run.training.grad_accum_steps: (run, comm_event_parts(run)[0]) for run in runs_of}
         placement = rank_placement(scenario, rank)
         placed: dict[int, tuple[CommEvent, ...]] = {}
         unchanged = True
-        for count in counts:
-            own = comm_event_parts(with_micro_batches(proxy, count))[0]
-            placed[count] = placement(with_micro_batches(proxy, count), own)
+        for count, (run, own) in own_calls[proxy].items():
+            placed[count] = placement(run, own)
             unchanged = unchanged and placed[count] is own
-        # the ranks whose calls are their proxy's share its runs
-        key = (proxy,) if unchanged else (proxy, *placed.values())
-        if key not in shared:
+        calls = None if unchanged else tuple(placed.values())  # the ranks whose calls are their proxy's share it
+        found = next((made for other, its, made in shared if other == proxy and its == calls), None)
+        if found is None:
             runs = step_runs(proxy, profile, _placed_runs(placed))
-            shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
-        ranks.append(shared[key])
+            found = (runs, exposed_and_optimizer_s(proxy, runs))
+            shared.append((proxy, calls, found))
+        ranks.append(found)
     return ranks
+
+
+CACHED_SCHEDULES = 64
+"""Pipeline schedules simulated (`_pipeline_step`) kept: the planner's plans of one pipeline shape that differ in
+their data-parallel strategy, shard group or offload have the same stage times and messages."""
+_schedules: dict[tuple[object, ...], tuple[tuple[tuple[Action, float, float], ...], ...]] = {}
 
 
 def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, tuple[StepRuns, ...]]:
@@ -240,20 +254,19 @@ def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[Pipeli
     strategy = scenario.strategy
     forward_s, backward_s = stage_times(scenario, profile)
     send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(profile))
-    timeline, _ = simulate_pipeline(
-        strategy.pp_schedule,
-        strategy.pp,
-        strategy.virtual_stages,
-        scenario.training.grad_accum_steps,
-        forward_s,
-        backward_s,
-        send.time_s,
-    )
+    shape = (strategy.pp_schedule, strategy.pp, strategy.virtual_stages, scenario.training.grad_accum_steps)
+    key = (*shape, tuple(forward_s), tuple(backward_s), send.time_s)
+
+    def simulated() -> tuple[tuple[tuple[Action, float, float], ...], ...]:
+        timeline, _ = simulate_pipeline(*shape, forward_s, backward_s, send.time_s)
+        return tuple(tuple(actions) for actions in timeline)
+
+    actions = kept(_schedules, key, simulated, CACHED_SCHEDULES)
     proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
     ranks = _rank_runs(scenario, profile, proxies)
     step = PipelineStep(
         scenario=scenario,
-        actions=tuple(tuple(actions) for actions in timeline),
+        actions=actions,
         proxies=proxies,
         after=tuple(after for _, after in ranks),
         send=send,

@@ -156,7 +156,7 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
     tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
     # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
     # issued at the same key.
-    keys = [task.key for task in tasks]
+    keys = list(map(_KEY, tasks))
     order = sorted(range(len(tasks)), key=keys.__getitem__)
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
@@ -170,8 +170,9 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
         for dep in after:
             if finish[dep] > start:  # max(start, finish[dep]), without the call
                 start = finish[dep]
-        if index in waits:
-            for dep in waits[index]:
+        waited = waits.get(index)
+        if waited is not None:
+            for dep in waited:
                 ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
                 if ready > start:
                     start = ready
@@ -189,6 +190,7 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
     return step, compute_busy, comm, round(sum(map(_WIRE_BYTES, run.costs)))
 
 
+_KEY = itemgetter(0)  # Task.key
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
 

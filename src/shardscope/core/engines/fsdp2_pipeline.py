@@ -344,18 +344,31 @@ def fsdp2_pipeline_events(
         owner += [stage.index] * stage.layers
     root = next((stage.index for stage in load.stages if stage.embedding or stage.head), load.stages[0].index)
     last = scenario.training.grad_accum_steps - 1
+    kinds: dict[int, str] = {}  # by the row's id: every micro-batch's calls share micro-batch 0's rows
     placed = []
     for call in events:
         row = call.row
-        if not row.payload_bytes and row.group == "dp":
-            continue
-        if _unit_gather(row.phase, row.op, row.group):
+        kind = kinds.get(id(row))
+        if kind is None:
+            kind = kinds[id(row)] = _kind(row)
+        if kind == "kept":
+            placed.append(call)
+        elif kind == "gather":
             index = owner[call.stage - 1] if 0 < call.stage <= len(owner) else root
-            if (index, row.phase == "backward", micro_batches[call.micro_batch]) not in gathers:
-                continue
-        elif _reduces_once(row.phase, row.op, row.group):
-            if micro_batches[call.micro_batch] != last:
-                continue
-            call = replace(call, stage=0, trigger="after_backward")
-        placed.append(call)
+            if (index, row.phase == "backward", micro_batches[call.micro_batch]) in gathers:
+                placed.append(call)
+        elif kind == "reduce" and micro_batches[call.micro_batch] == last:
+            placed.append(replace(call, stage=0, trigger="after_backward"))
     return tuple(placed)
+
+
+def _kind(row: CollectiveRow) -> str:
+    """What `fsdp2_pipeline_events` does with a call of `row`: drops it (a call of nothing), keeps it where the
+    schedule finds its unit not gathered ('gather'), on the last micro-batch only ('reduce'), or always ('kept')."""
+    if not row.payload_bytes and row.group == "dp":
+        return "dropped"
+    if _unit_gather(row.phase, row.op, row.group):
+        return "gather"
+    if _reduces_once(row.phase, row.op, row.group):
+        return "reduce"
+    return "kept"
