@@ -42,6 +42,7 @@ from shardscope.core.engines.base import (
     StageRows,
     as_live_bytes,
 )
+from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
 from shardscope.core.pipeline_schedule import Action
@@ -329,6 +330,12 @@ def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageR
     return list(merge_ledger(result))
 
 
+CACHED_GATHERS = 1024
+_kept_gathers: dict[tuple[tuple[Action, ...], bool], frozenset[tuple[int, bool, int]]] = {}
+"""`_gathers` of a rank's actions, kept for `fsdp2_pipeline_events`: the time model places each rank's calls for two
+runs of a long step, and the planner asks the same schedules for many plans."""
+
+
 def fsdp2_pipeline_events(
     scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
 ) -> tuple[CommEvent, ...]:
@@ -338,7 +345,8 @@ def fsdp2_pipeline_events(
     reduce-scatters of the last micro-batch alone, moved after its whole backward, where
     PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of nothing (the root unit
     of a stage without one) are not made."""
-    gathers = _gathers(scenario, load.actions)
+    key = (load.actions, _reshards_after_forward(scenario))
+    gathers = kept(_kept_gathers, key, lambda: _gathers(scenario, load.actions), CACHED_GATHERS)
     owner: list[int] = []  # the pipeline stage of each compute stage of the proxy
     for stage in load.stages:
         owner += [stage.index] * stage.layers
