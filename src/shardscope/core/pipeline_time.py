@@ -30,10 +30,10 @@ from shardscope.core.pipeline_schedule import Action, simulate_pipeline
 from shardscope.core.result import CollectiveRow, merge_ledger
 from shardscope.core.step_graph import EventPlacement
 from shardscope.core.timeline import (
-    EXACT_MICRO_BATCHES,
     StepRuns,
     TimeEstimate,
     exposed_and_optimizer_s,
+    run_micro_batches,
     step_calls,
     step_runs,
 )
@@ -198,13 +198,6 @@ def pipeline_rank_events(scenario: Scenario, pipeline_rank: int) -> tuple[CommEv
     return rank_placement(scenario, pipeline_rank)(proxy, data_parallel) + model_parallel + offload
 
 
-def _run_counts(micro_batches: int) -> tuple[int, ...]:
-    """The micro-batches of the runs `step_runs` makes of a step of `micro_batches`."""
-    if micro_batches <= EXACT_MICRO_BATCHES:
-        return (micro_batches,)
-    return (EXACT_MICRO_BATCHES - 1, EXACT_MICRO_BATCHES)
-
-
 def _placed_runs(placed: dict[int, tuple[CommEvent, ...]]) -> EventPlacement:
     """The placement that gives each run the calls placed for its count of micro-batches."""
     return lambda run, _: placed[run.training.grad_accum_steps]
@@ -218,7 +211,7 @@ def _rank_runs(
     objects, which a tuple compares by identity, where a key would hash every call), each rank's calls placed once
     per run."""
     micro_batches = scenario.training.grad_accum_steps
-    counts = _run_counts(micro_batches)
+    counts = run_micro_batches(micro_batches)
     shared: list[tuple[Scenario, tuple[tuple[CommEvent, ...], ...] | None, tuple[StepRuns, tuple[float, float]]]] = []
     own_calls: dict[Scenario, dict[int, tuple[Scenario, tuple[CommEvent, ...]]]] = {}  # per proxy: its runs' calls
     ranks = []

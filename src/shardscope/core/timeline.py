@@ -279,13 +279,22 @@ class StepRuns(NamedTuple):
     last: _Run
 
 
+def run_micro_batches(micro_batches: int) -> tuple[int, ...]:
+    """The micro-batches of each run `step_runs` makes of a step of `micro_batches`: the whole step's, or
+    EXACT_MICRO_BATCHES - 1 and EXACT_MICRO_BATCHES of a longer one."""
+    if micro_batches <= EXACT_MICRO_BATCHES:
+        return (micro_batches,)
+    return (EXACT_MICRO_BATCHES - 1, EXACT_MICRO_BATCHES)
+
+
 def step_runs(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepRuns:
     """Run the step (a step without a pipeline) as `estimate_time` does, before measuring it; a pipeline rank's
     proxy with its data-parallel calls as `placement` places them."""
-    if scenario.training.grad_accum_steps <= EXACT_MICRO_BATCHES:
+    counts = run_micro_batches(scenario.training.grad_accum_steps)
+    if len(counts) == 1:
         return StepRuns(None, _run(scenario, profile, placement))
-    before = _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile, placement)
-    return StepRuns(before, _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile, placement))
+    before, last = (_run(with_micro_batches(scenario, count), profile, placement) for count in counts)
+    return StepRuns(before, last)
 
 
 def _extend(scenario: Scenario, earlier: float, later: float) -> float:
@@ -367,6 +376,7 @@ __all__ = [
     "estimate_time",
     "exposed_and_optimizer_s",
     "network_model",
+    "run_micro_batches",
     "simulate",
     "step_calls",
     "step_runs",
