@@ -14,13 +14,14 @@ GPU Clusters Using Megatron-LM", Section 2.2: bubble fractions (p - 1)/m and (p 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from shardscope.core.comm import collective_ledger, comm_event_parts
+from shardscope.core.comm import collective_ledger, comm_event_parts, with_micro_batches
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import PipelineCalls
+from shardscope.core.kept import kept
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, Placement, collective_cost, network_model
 from shardscope.core.pipeline import PipelineStage, pipeline_stages, rank_stages
@@ -32,6 +33,7 @@ from shardscope.core.timeline import (
     StepRuns,
     TimeEstimate,
     exposed_and_optimizer_s,
+    run_micro_batches,
     step_calls,
     step_runs,
 )
@@ -166,25 +168,24 @@ def pipeline_step(scenario: Scenario, profile: HardwareProfile) -> PipelineStep:
     return _pipeline_step(scenario, profile)[0]
 
 
+def stands_for(count: int, micro_batches: int) -> tuple[int, ...]:
+    """The step's micro-batch each micro-batch of a proxy of `count` stands for: the step's own when it runs them
+    all; else the schedule's first ones and its last REPEATED_FROM_END ones, so a run one micro-batch longer adds one
+    from the middle of the schedule, whose calls every further micro-batch repeats."""
+    head = count - REPEATED_FROM_END
+    return tuple(k if k < head else micro_batches - (count - k) for k in range(count))
+
+
 def rank_placement(scenario: Scenario, pipeline_rank: int) -> EventPlacement:
     """What pipeline rank `pipeline_rank` makes of its proxy's data-parallel calls: its engine's
-    `pipeline_step_events` for its schedule. A proxy of fewer micro-batches (the time model's runs of a longer step,
-    `core.timeline.step_runs`) stands for the schedule's first ones and its last REPEATED_FROM_END ones, so a run one
-    micro-batch longer adds one from the middle of the schedule, whose calls every further micro-batch repeats."""
+    `pipeline_step_events` for its schedule, the proxy's micro-batches standing for the step's as `stands_for` says
+    (a proxy of fewer micro-batches: the time model's runs of a longer step, `core.timeline.step_runs`)."""
     calls = PipelineCalls(rank_stages(scenario, pipeline_rank), pipeline_rank_actions(scenario, pipeline_rank))
     rules, micro_batches = rules_for(scenario), scenario.training.grad_accum_steps
 
     def placement(proxy: Scenario, events: tuple[CommEvent, ...]) -> tuple[CommEvent, ...]:
         count = proxy.training.grad_accum_steps
-        if count == micro_batches:
-            return rules.pipeline_step_events(scenario, calls, events)
-        head = count - REPEATED_FROM_END
-        step = [k if k < head else micro_batches - (count - k) for k in range(count)]
-        back = {full: k for k, full in enumerate(step)}
-        placed = rules.pipeline_step_events(
-            scenario, calls, tuple(replace(call, micro_batch=step[call.micro_batch]) for call in events)
-        )
-        return tuple(replace(call, micro_batch=back[call.micro_batch]) for call in placed)
+        return rules.pipeline_step_events(scenario, calls, events, stands_for(count, micro_batches))
 
     return placement
 
@@ -197,38 +198,68 @@ def pipeline_rank_events(scenario: Scenario, pipeline_rank: int) -> tuple[CommEv
     return rank_placement(scenario, pipeline_rank)(proxy, data_parallel) + model_parallel + offload
 
 
+def _placed_runs(placed: dict[int, tuple[CommEvent, ...]]) -> EventPlacement:
+    """The placement that gives each run the calls placed for its count of micro-batches."""
+    return lambda run, _: placed[run.training.grad_accum_steps]
+
+
+def _rank_runs(
+    scenario: Scenario, profile: HardwareProfile, proxies: tuple[Scenario, ...]
+) -> list[tuple[StepRuns, tuple[float, float]]]:
+    """Every pipeline rank's `step_runs` of its proxy and what it does after its last backward; ranks whose proxies
+    and placed calls are equal share them (found by comparing: the calls of ranks of one proxy are mostly the same
+    objects, which a tuple compares by identity, where a key would hash every call), each rank's calls placed once
+    per run."""
+    micro_batches = scenario.training.grad_accum_steps
+    counts = run_micro_batches(micro_batches)
+    shared: list[tuple[Scenario, tuple[tuple[CommEvent, ...], ...] | None, tuple[StepRuns, tuple[float, float]]]] = []
+    own_calls: dict[Scenario, dict[int, tuple[Scenario, tuple[CommEvent, ...]]]] = {}  # per proxy: its runs' calls
+    ranks = []
+    for rank, proxy in enumerate(proxies):
+        if proxy not in own_calls:
+            runs_of = (proxy if count == micro_batches else with_micro_batches(proxy, count) for count in counts)
+            own_calls[proxy] = {run.training.grad_accum_steps: (run, comm_event_parts(run)[0]) for run in runs_of}
+        placement = rank_placement(scenario, rank)
+        placed: dict[int, tuple[CommEvent, ...]] = {}
+        unchanged = True
+        for count, (run, own) in own_calls[proxy].items():
+            placed[count] = placement(run, own)
+            unchanged = unchanged and placed[count] is own
+        calls = None if unchanged else tuple(placed.values())  # the ranks whose calls are their proxy's share it
+        found = next((made for other, its, made in shared if other == proxy and its == calls), None)
+        if found is None:
+            runs = step_runs(proxy, profile, _placed_runs(placed))
+            found = (runs, exposed_and_optimizer_s(proxy, runs))
+            shared.append((proxy, calls, found))
+        ranks.append(found)
+    return ranks
+
+
+CACHED_SCHEDULES = 64
+"""Pipeline schedules simulated (`_pipeline_step`) kept: the planner's plans of one pipeline shape that differ in
+their data-parallel strategy, shard group or offload have the same stage times and messages."""
+_schedules: dict[tuple[object, ...], tuple[tuple[tuple[Action, float, float], ...], ...]] = {}
+
+
 def _pipeline_step(scenario: Scenario, profile: HardwareProfile) -> tuple[PipelineStep, tuple[StepRuns, ...]]:
     """`pipeline_step`, and the runs of each pipeline rank's proxy (ranks that make the same calls share them), from
     which `estimate_pipeline_time` measures the shown rank's whole step without running it again."""
     strategy = scenario.strategy
     forward_s, backward_s = stage_times(scenario, profile)
     send = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(profile))
-    timeline, _ = simulate_pipeline(
-        strategy.pp_schedule,
-        strategy.pp,
-        strategy.virtual_stages,
-        scenario.training.grad_accum_steps,
-        forward_s,
-        backward_s,
-        send.time_s,
-    )
+    shape = (strategy.pp_schedule, strategy.pp, strategy.virtual_stages, scenario.training.grad_accum_steps)
+    key = (*shape, tuple(forward_s), tuple(backward_s), send.time_s)
+
+    def simulated() -> tuple[tuple[tuple[Action, float, float], ...], ...]:
+        timeline, _ = simulate_pipeline(*shape, forward_s, backward_s, send.time_s)
+        return tuple(tuple(actions) for actions in timeline)
+
+    actions = kept(_schedules, key, simulated, CACHED_SCHEDULES)
     proxies = tuple(rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(strategy.pp))
-    shared: dict[tuple[Scenario, tuple[CommEvent, ...] | None], tuple[StepRuns, tuple[float, float]]] = {}
-    calls: dict[Scenario, tuple[CommEvent, ...]] = {}
-    ranks = []
-    for rank, proxy in enumerate(proxies):
-        placement = rank_placement(scenario, rank)
-        if proxy not in calls:
-            calls[proxy] = comm_event_parts(proxy)[0]
-        placed = placement(proxy, calls[proxy])
-        key = (proxy, None if placed is calls[proxy] else placed)  # the ranks whose calls are their proxy's share it
-        if key not in shared:
-            runs = step_runs(proxy, profile, placement)
-            shared[key] = (runs, exposed_and_optimizer_s(proxy, runs))
-        ranks.append(shared[key])
+    ranks = _rank_runs(scenario, profile, proxies)
     step = PipelineStep(
         scenario=scenario,
-        actions=tuple(tuple(actions) for actions in timeline),
+        actions=actions,
         proxies=proxies,
         after=tuple(after for _, after in ranks),
         send=send,

@@ -156,7 +156,7 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
     tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
     # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
     # issued at the same key.
-    keys = [task.key for task in tasks]
+    keys = list(map(_KEY, tasks))
     order = sorted(range(len(tasks)), key=keys.__getitem__)
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
@@ -170,8 +170,9 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
         for dep in after:
             if finish[dep] > start:  # max(start, finish[dep]), without the call
                 start = finish[dep]
-        if index in waits:
-            for dep in waits[index]:
+        waited = waits.get(index)
+        if waited is not None:
+            for dep in waited:
                 ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
                 if ready > start:
                     start = ready
@@ -189,6 +190,7 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
     return step, compute_busy, comm, round(sum(map(_WIRE_BYTES, run.costs)))
 
 
+_KEY = itemgetter(0)  # Task.key
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
 
@@ -277,13 +279,22 @@ class StepRuns(NamedTuple):
     last: _Run
 
 
+def run_micro_batches(micro_batches: int) -> tuple[int, ...]:
+    """The micro-batches of each run `step_runs` makes of a step of `micro_batches`: the whole step's, or
+    EXACT_MICRO_BATCHES - 1 and EXACT_MICRO_BATCHES of a longer one."""
+    if micro_batches <= EXACT_MICRO_BATCHES:
+        return (micro_batches,)
+    return (EXACT_MICRO_BATCHES - 1, EXACT_MICRO_BATCHES)
+
+
 def step_runs(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepRuns:
     """Run the step (a step without a pipeline) as `estimate_time` does, before measuring it; a pipeline rank's
     proxy with its data-parallel calls as `placement` places them."""
-    if scenario.training.grad_accum_steps <= EXACT_MICRO_BATCHES:
+    counts = run_micro_batches(scenario.training.grad_accum_steps)
+    if len(counts) == 1:
         return StepRuns(None, _run(scenario, profile, placement))
-    before = _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES - 1), profile, placement)
-    return StepRuns(before, _run(with_micro_batches(scenario, EXACT_MICRO_BATCHES), profile, placement))
+    before, last = (_run(with_micro_batches(scenario, count), profile, placement) for count in counts)
+    return StepRuns(before, last)
 
 
 def _extend(scenario: Scenario, earlier: float, later: float) -> float:
@@ -365,6 +376,7 @@ __all__ = [
     "estimate_time",
     "exposed_and_optimizer_s",
     "network_model",
+    "run_micro_batches",
     "simulate",
     "step_calls",
     "step_runs",

@@ -137,6 +137,17 @@ def _placement(
     return optimizer + 0.5, (optimizer,), None
 
 
+_Placed = tuple[float, tuple[int, ...], int | None]
+_placements: dict[int, tuple[dict[tuple[str, int, int], int], dict[Place, _Placed]]] = {}
+
+
+def _placements_of(where: dict[tuple[str, int, int], int]) -> dict[Place, _Placed]:
+    """`_placement` of every place asked so far among the compute tasks `where` places (a step's calls share a few
+    hundred places, and the steps of a shape share `where`: `build_compute_tasks`). Kept by the id of `where`, which
+    the entry holds, so no other dict can take that id while the entry lasts."""
+    return kept(_placements, id(where), lambda: (where, {}), CACHED_SHAPES)[1]
+
+
 def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
     """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
     kind and op) hundreds of times."""
@@ -184,7 +195,7 @@ def build_comm_tasks(
     and the skew between the ranks is absorbed once, by the first."""
     optimizer = where[("optimizer", 0, -1)]
     tasks: list[Task] = []
-    placed: dict[Place, tuple[float, tuple[int, ...], int | None]] = {}  # a step's calls share a few hundred places
+    placed = _placements_of(where)
     for position, (event, cost, issued_async) in enumerate(zip(events, costs, asynchronous, strict=True), first):
         place = (event.micro_batch, event.stage, event.trigger)
         found = placed.get(place)

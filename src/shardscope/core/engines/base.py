@@ -210,11 +210,12 @@ class EngineRules(Protocol):
         ...
 
     def pipeline_step_events(
-        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
     ) -> tuple[CommEvent, ...]:
         """A pipeline rank's data-parallel calls of a step as the time model places them, from those of the model
-        of its stages without a pipeline over the same micro-batches (`events`, the proxy's `step_events`): the
-        calls `pipeline_data_parallel_rows` counts."""
+        of its stages without a pipeline (`events`, the proxy's `step_events`), whose micro-batch k stands for the
+        step's micro-batch `micro_batches[k]` (a proxy may run fewer: `core.pipeline_time.rank_placement`): the
+        calls `pipeline_data_parallel_rows` counts, numbered as the proxy's."""
         ...
 
 
@@ -279,9 +280,10 @@ class RulesDefaults:
         return rows_of(load.stages)
 
     def pipeline_step_events(
-        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
     ) -> tuple[CommEvent, ...]:
-        """A pipeline changes nothing: each micro-batch makes the calls of the model of the rank's stages."""
+        """A pipeline changes nothing: each micro-batch makes the calls of the model of the rank's stages (the very
+        tuple given, so a caller can tell by identity)."""
         return events
 
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:

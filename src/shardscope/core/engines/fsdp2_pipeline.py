@@ -27,6 +27,7 @@ the step's reduce-scatters, with every unit gathered and every accumulated gradi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -41,6 +42,7 @@ from shardscope.core.engines.base import (
     StageRows,
     as_live_bytes,
 )
+from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
 from shardscope.core.pipeline_schedule import Action
@@ -328,32 +330,53 @@ def fsdp2_pipeline_rows(scenario: Scenario, load: PipelineCalls, rows_of: StageR
     return list(merge_ledger(result))
 
 
+CACHED_GATHERS = 1024
+_kept_gathers: dict[tuple[tuple[Action, ...], bool], frozenset[tuple[int, bool, int]]] = {}
+"""`_gathers` of a rank's actions, kept for `fsdp2_pipeline_events`: the time model places each rank's calls for two
+runs of a long step, and the planner asks the same schedules for many plans."""
+
+
 def fsdp2_pipeline_events(
-    scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+    scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
 ) -> tuple[CommEvent, ...]:
     """The calls `fsdp2_pipeline_rows` counts, from the proxy's (every micro-batch gathering and reduce-scattering
-    each unit, compute stages numbered over the rank's stages in order): a unit's all-gather kept only where the
-    schedule finds its stage not gathered, and the reduce-scatters of the last micro-batch alone, moved after its
-    whole backward, where PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of
-    nothing (the root unit of a stage without one) are not made."""
-    gathers = _gathers(scenario, load.actions)
+    each unit, compute stages numbered over the rank's stages in order; its micro-batch k standing for the step's
+    `micro_batches[k]`): a unit's all-gather kept only where the schedule finds its stage not gathered, and the
+    reduce-scatters of the last micro-batch alone, moved after its whole backward, where
+    PipelineStage.perform_reduce_grad issues them after the schedule's last action. Calls of nothing (the root unit
+    of a stage without one) are not made."""
+    key = (load.actions, _reshards_after_forward(scenario))
+    gathers = kept(_kept_gathers, key, lambda: _gathers(scenario, load.actions), CACHED_GATHERS)
     owner: list[int] = []  # the pipeline stage of each compute stage of the proxy
     for stage in load.stages:
         owner += [stage.index] * stage.layers
     root = next((stage.index for stage in load.stages if stage.embedding or stage.head), load.stages[0].index)
     last = scenario.training.grad_accum_steps - 1
+    kinds: dict[int, str] = {}  # by the row's id: every micro-batch's calls share micro-batch 0's rows
     placed = []
     for call in events:
         row = call.row
-        if not row.payload_bytes and row.group == "dp":
-            continue
-        if _unit_gather(row.phase, row.op, row.group):
+        kind = kinds.get(id(row))
+        if kind is None:
+            kind = kinds[id(row)] = _kind(row)
+        if kind == "kept":
+            placed.append(call)
+        elif kind == "gather":
             index = owner[call.stage - 1] if 0 < call.stage <= len(owner) else root
-            if (index, row.phase == "backward", call.micro_batch) not in gathers:
-                continue
-        elif _reduces_once(row.phase, row.op, row.group):
-            if call.micro_batch != last:
-                continue
-            call = replace(call, stage=0, trigger="after_backward")
-        placed.append(call)
+            if (index, row.phase == "backward", micro_batches[call.micro_batch]) in gathers:
+                placed.append(call)
+        elif kind == "reduce" and micro_batches[call.micro_batch] == last:
+            placed.append(replace(call, stage=0, trigger="after_backward"))
     return tuple(placed)
+
+
+def _kind(row: CollectiveRow) -> str:
+    """What `fsdp2_pipeline_events` does with a call of `row`: drops it (a call of nothing), keeps it where the
+    schedule finds its unit not gathered ('gather'), on the last micro-batch only ('reduce'), or always ('kept')."""
+    if not row.payload_bytes and row.group == "dp":
+        return "dropped"
+    if _unit_gather(row.phase, row.op, row.group):
+        return "gather"
+    if _reduces_once(row.phase, row.op, row.group):
+        return "reduce"
+    return "kept"

@@ -9,6 +9,7 @@ it); ZeroRedundancyOptimizer gives whole tensors to ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 
 from shardscope.choices import EngineName
@@ -220,12 +221,12 @@ class PyTorchRules(RulesDefaults):
         return fsdp2_pipeline_rows(scenario, load, rows_of)
 
     def pipeline_step_events(
-        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...]
+        self, scenario: Scenario, load: PipelineCalls, events: tuple[CommEvent, ...], micro_batches: Sequence[int]
     ) -> tuple[CommEvent, ...]:
         """The calls `pipeline_data_parallel_rows` counts, where torch issues them (core.engines.fsdp2_pipeline)."""
         if runs_on_ddp(scenario):
-            return super().pipeline_step_events(scenario, load, events)
-        return fsdp2_pipeline_events(scenario, load, events)
+            return super().pipeline_step_events(scenario, load, events, micro_batches)
+        return fsdp2_pipeline_events(scenario, load, events, micro_batches)
 
     def pipeline_step_activations(self, scenario: Scenario, stages: tuple[PipelineStage, ...]) -> int:
         """The schedule's `step` takes every micro-batch's token ids (first stage) and targets (last stage) at once
