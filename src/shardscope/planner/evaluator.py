@@ -3,12 +3,21 @@ bounds of many points (every family, shard group and offload of a shape share th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from shardscope.core.memory import estimate_memory
 from shardscope.core.pipeline_time import stage_times
 from shardscope.core.result import MemoryEstimate
-from shardscope.planner.pipeline import pipeline_bound_s, pipeline_timing, tail_floor_s
+from shardscope.planner.pipeline import (
+    pipeline_bound_s,
+    pipeline_timing,
+    rank_end_s,
+    schedule_ends_s,
+    tail_floor_s,
+)
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import (
+    ROUNDING_MARGIN,
     PlanTiming,
     communication_floor,
     micro_batch_compute_s,
@@ -17,6 +26,9 @@ from shardscope.planner.timing import (
 )
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
+
+RANKS_TRIED = 2
+"""Pipeline ranks whose exact end `Evaluator.pipeline_rank_ends_s` works out before a plan is simulated whole."""
 
 
 class Evaluator:
@@ -34,6 +46,8 @@ class Evaluator:
         self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
         self._pipeline_bound: dict[tuple[int, int, int, int, str, int, int, int, str, int], float] = {}
         self._stage_times: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+        self._rank_floors: dict[Scenario, list[float]] = {}
+        self._backward_ends: dict[Scenario, list[float]] = {}
 
     def memory(self, scenario: Scenario) -> MemoryEstimate:
         found = self._memory.get(scenario)
@@ -123,26 +137,44 @@ class Evaluator:
         return found
 
     def _pipeline_tight_bound_s(self, scenario: Scenario) -> float:
-        """`pipeline_bound_s` with the floor under what each pipeline rank does after its last backward
-        (`planner.pipeline.tail_floor_s`): it depends on the data-parallel degrees too, so it is asked only of a
-        plan about to be simulated."""
-        after_s = tail_floor_s(scenario, self.hardware)
-        if not any(after_s):
-            return self.pipeline_bound_s(scenario)
-        strategy = scenario.strategy
-        stage_key = (
-            strategy.tp,
-            strategy.cp,
-            strategy.pp,
-            strategy.pp_schedule,
-            strategy.virtual_stages,
-            strategy.ep,
-            scenario.training.micro_batch_size,
-            scenario.training.checkpointing,
-            False,
-        )
-        self.pipeline_bound_s(scenario)  # the stage times, kept per pipeline shape
-        return pipeline_bound_s(scenario, self.hardware, self._stage_times[stage_key], after_s)
+        """The latest of the pipeline ranks' floors (`pipeline_rank_floors_s`)."""
+        return max(self.pipeline_rank_floors_s(scenario)) * (1.0 - ROUNDING_MARGIN)
+
+    def pipeline_rank_floors_s(self, scenario: Scenario) -> list[float]:
+        """Per pipeline rank, a floor under when it finishes: the end of its last backward as the schedule places
+        it (`planner.pipeline.schedule_ends_s`) plus the floor under what it does after it
+        (`planner.pipeline.tail_floor_s`, which depends on the data-parallel degrees too); kept, asked only of a
+        plan the cheap bound did not prune."""
+        found = self._rank_floors.get(scenario)
+        if found is None:
+            strategy = scenario.strategy
+            stage_key = (
+                strategy.tp,
+                strategy.cp,
+                strategy.pp,
+                strategy.pp_schedule,
+                strategy.virtual_stages,
+                strategy.ep,
+                scenario.training.micro_batch_size,
+                scenario.training.checkpointing,
+                False,
+            )
+            self.pipeline_bound_s(scenario)  # the stage times, kept per pipeline shape
+            ends = schedule_ends_s(scenario, self.hardware, self._stage_times[stage_key])
+            after_s = tail_floor_s(scenario, self.hardware)
+            found = self._rank_floors[scenario] = [end + after for end, after in zip(ends, after_s, strict=True)]
+            self._backward_ends[scenario] = ends
+        return found
+
+    def pipeline_rank_ends_s(self, scenario: Scenario) -> Iterator[float]:
+        """When the pipeline ranks most likely to finish last finish, exactly (`planner.pipeline.rank_end_s`), in
+        the order of their floors, at most RANKS_TRIED of them: each is a lower bound under the step at the cost of
+        one rank's runs, so a plan one of them already puts out of the running is never simulated whole."""
+        floors = self.pipeline_rank_floors_s(scenario)
+        ends = self._backward_ends[scenario]
+        latest_first = sorted(range(len(floors)), key=lambda rank: -floors[rank])
+        for rank in latest_first[:RANKS_TRIED]:
+            yield rank_end_s(scenario, self.hardware, rank, ends[rank])
 
     def _tight_bound_s(self, scenario: Scenario) -> float:
         training, strategy = scenario.training, scenario.strategy
