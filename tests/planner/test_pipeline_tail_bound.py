@@ -12,12 +12,12 @@ from shardscope.core.pipeline_time import pipeline_step
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
 from shardscope.planner import PlanRequest
 from shardscope.planner.evaluator import RANKS_TRIED, Evaluator
-from shardscope.planner.pipeline import pipeline_bound_s, schedule_ends_s, tail_floor_s
+from shardscope.planner.pipeline import pipeline_bound_s, tail_floor_s
 from shardscope.planner.space import Variant, make_scenario
 from shardscope.planner.timing import ROUNDING_MARGIN
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
-from shardscope.specs import Scenario, TrainingSpec
+from shardscope.specs import TrainingSpec
 
 REQUEST = PlanRequest(
     model=model_preset("llama-3-70b"),
@@ -55,11 +55,12 @@ def test_the_tail_floor_is_under_each_ranks_exposed_time_and_the_step(
     assert pipeline_bound_s(scenario, hardware, after_s=floors) <= tight <= step_s
     assert tight > loose + 0.9 * min(floors)  # each rank's bound grew by its floor
     ends = [actions[-1][2] for actions in step.actions]
-    assert schedule_ends_s(scenario, hardware, evaluator._stage_times[_stage_key(scenario)]) == ends
+    assert evaluator.backward_ends_s(scenario) == ends  # planner.pipeline.schedule_ends_s
+    assert loose <= evaluator.schedule_bound_s(scenario) <= tight
     assert tight == max(end + floor for end, floor in zip(ends, floors, strict=True)) * (1.0 - ROUNDING_MARGIN)
-    exact = list(evaluator.pipeline_rank_ends_s(scenario))
-    assert len(exact) == min(RANKS_TRIED, len(floors))
-    assert all(end_s in [step.end_s(rank) for rank in range(4)] and end_s <= step_s for end_s in exact)
+    exact = [evaluator.pipeline_rank_end_s(scenario, nth) for nth in range(RANKS_TRIED)]
+    assert evaluator.pipeline_rank_end_s(scenario, RANKS_TRIED) is None
+    assert all(end_s in [step.end_s(rank) for rank in range(4)] and end_s <= step_s for end_s in exact)  # type: ignore[operator]
     latest = max(range(4), key=lambda rank: evaluator.pipeline_rank_floors_s(scenario)[rank])
     assert exact[0] == step.end_s(latest)
 
@@ -76,10 +77,3 @@ def test_a_step_extended_from_a_shorter_run_gets_its_optimizer_step_as_tail_floo
         pipeline_bound_s(scenario, hardware, after_s=floors) <= tight <= estimate_time(scenario, hardware).step_time_s
     )
     assert pipeline_bound_s(scenario, hardware) < tight
-
-
-def _stage_key(scenario: Scenario) -> tuple[object, ...]:
-    """The evaluator's key of a pipeline shape's stage times."""
-    strategy, training = scenario.strategy, scenario.training
-    shape = (strategy.tp, strategy.cp, strategy.pp, strategy.pp_schedule, strategy.virtual_stages, strategy.ep)
-    return (*shape, training.micro_batch_size, training.checkpointing, False)

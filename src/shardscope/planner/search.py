@@ -154,9 +154,7 @@ class _Search:
                             failed = True
                             continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
-                        if pipelined and self.metric(
-                            scenario, self.evaluator.lower_bound_s(scenario)
-                        ) >= self.limits.get(variant.family, math.inf):
+                        if pipelined and self._out_of_reach(scenario, self.limits.get(variant.family, math.inf)):
                             continue  # cannot enter the top plans nor beat its family's best
                         if pipelined and not states_checked:
                             states_checked = True
@@ -183,6 +181,14 @@ class _Search:
                         continue
                     break  # the states do not fit: neither does any checkpointing of this offload
         return found
+
+    def _out_of_reach(self, scenario: Scenario, limit: float) -> bool:
+        """Whether a pipeline's bounds already reach `limit`: the cheap one, then its schedule's (shared by every
+        family and offload of its shape)."""
+        evaluator = self.evaluator
+        if self.metric(scenario, evaluator.lower_bound_s(scenario)) >= limit:
+            return True
+        return self.metric(scenario, evaluator.schedule_bound_s(scenario)) >= limit
 
     def optimistic(self, shape: BatchShape) -> float:
         """The least ranking value any plan of a pipeline shape can have: its lower bound at the cheapest
@@ -219,10 +225,10 @@ class _Search:
     def rank(self, fitting: list[MemoryEstimate], best_only: bool = False) -> list[Ranked]:
         """Simulate what can enter the top plans or beat its family's best (with `best_only`, what can beat the best
         plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its tight bound,
-        then (a pipeline) the exact end of its likeliest last ranks, each asked only when the one before leaves the
-        plan first in line, so the limits fall as soon as they can and the costlier bounds are asked least. The
-        answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the order of
-        the simulations."""
+        then (a pipeline) the exact ends of its likeliest last ranks one by one, each asked only when the one before
+        leaves the plan first in line, so the limits fall as soon as they can and the costlier bounds are asked
+        least. The answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the
+        order of the simulations."""
         evaluator, top = self.evaluator, 1 if best_only else self.request.top
         queue = [
             (bound, 0, bound, index)
@@ -245,9 +251,11 @@ class _Search:
             if checked == 0:
                 heapq.heappush(queue, (self.metric(scenario, evaluator.tight_bound_s(scenario)), 1, bound, index))
                 continue
-            if checked == 1 and scenario.strategy.pp > 1:
-                heapq.heappush(queue, (self._latest_end(scenario, key, limit), 2, bound, index))
-                continue
+            if scenario.strategy.pp > 1:
+                end_s = evaluator.pipeline_rank_end_s(scenario, checked - 1)
+                if end_s is not None:  # one more pipeline rank's exact end, then back in line
+                    heapq.heappush(queue, (max(key, self.metric(scenario, end_s)), checked + 1, bound, index))
+                    continue
             timing = evaluator.timing(scenario)
             value = self.metric(scenario, timing.step_time_s)
             kept.append((value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing)))
@@ -257,17 +265,6 @@ class _Search:
             if self.progress is not None:
                 self.progress("simulating", resolved, len(fitting))
         return [item[4] for item in kept]
-
-    def _latest_end(self, scenario: Scenario, tight: float, limit: float) -> float:
-        """The ranking value of the latest exact end of a pipeline's likeliest last ranks
-        (`Evaluator.pipeline_rank_ends_s`), no lower than its tight bound; it stops at the first that reaches
-        `limit`."""
-        latest = tight
-        for end_s in self.evaluator.pipeline_rank_ends_s(scenario):
-            latest = max(latest, self.metric(scenario, end_s))
-            if latest >= limit:
-                break
-        return latest
 
     def best_of(self, fitting: list[MemoryEstimate]) -> Ranked | None:
         """The best of `fitting` by the request's ranking, None when it is empty."""
