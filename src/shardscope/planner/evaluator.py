@@ -132,7 +132,7 @@ class Evaluator:
 
     def tight_bound_s(self, scenario: Scenario) -> float:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
-        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
+        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.best_of`)
         asks again."""
         found = self._tight.get(scenario)
         if found is None:

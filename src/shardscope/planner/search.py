@@ -9,13 +9,16 @@
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
    A setting whose model states alone break the budget (read from its first estimate) is left there once its family
    fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
-2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
-   stopping for each plan whose bound cannot beat the plans kept.
+2. Simulate what fits best bound first (`_Search.rank`): a plan's compute bound, then its tight bound (the
+   communication floor; for a pipeline its schedule's backward ends plus a floor under each rank's tail), then for a
+   pipeline the exact end of its likeliest last ranks, each asked only when the bound before puts the plan first in
+   line; a plan whose bound cannot beat the plans kept is never simulated.
 3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
    possible ranking value: every micro-batch that fits competes (a smaller one runs more micro-batches, so a smaller
    bubble), a setting whose busiest stage's model states exceed the budget is dropped before any memory estimate, and
-   a point whose lower bound (`planner.pipeline.pipeline_bound_s`) cannot enter the top plans nor beat its family's
-   best is never estimated. Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
+   a point whose lower bounds (`planner.pipeline.pipeline_bound_s`, then its schedule's backward ends, shared by
+   every family and offload of its shape) cannot enter the top plans nor beat its family's best is never estimated.
+   Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
 """
 
 from __future__ import annotations
