@@ -2,7 +2,9 @@
 llama-3.1-405b at 8192 tokens over up to 8192 GPUs (issue 19: its 16M-token batch is 2048 sequences, so data
 parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor or context parallelism, under 2 s),
 and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s), and the two
-405B questions again searching pipelines too (`--pp 1,2,4,8,16`, 1F1B and interleaved 1F1B: issue 20).
+405B questions again searching pipelines too (`--pp 1,2,4,8,16`, 1F1B and interleaved 1F1B: issue 20), and the 70B cost
+question searching pipelines (`--pp 1,2,4,8`: cost-ranked pipelines on few GPUs run many micro-batches, the
+planner's slowest kind of question).
 
 Each figure is the median of fresh processes, so every cache starts cold, as it does for a user's command:
 - plan(): the search alone, imports excluded;
@@ -39,6 +41,7 @@ QUESTIONS = {
     "405b-cost": [*WIDE_405B, "--max-gpus", "16384", "--price-per-gpu-hour", "2.5"],
     "405b-pp": [*WIDE_405B, "--max-gpus", "8192", "--pp", "1,2,4,8,16"],
     "405b-16k-pp": [*WIDE_405B, "--max-gpus", "16384", "--pp", "1,2,4,8,16"],
+    "cost-pp": [*BASE, "--global-batch-tokens", "4M", "--price-per-gpu-hour", "2.5", "--pp", "1,2,4,8"],
 }
 
 IN_PROCESS = """

@@ -90,3 +90,8 @@ def test_pruned_search_returns_the_exhaustive_ranking(small_request: PlanRequest
     for _, _, i in ranked:
         best.setdefault(family_of(fittings[i].scenario), fittings[i].scenario)
     assert [entry.scenario for entry in result.best_per_family] == list(best.values())
+    unsplit = [m for m in fittings if m.scenario.strategy.tp == 1]
+    found = exhaustive.best_of(unsplit)  # what a mesh reason compares a split plan with
+    assert found is not None and found[1].scenario == next(
+        fittings[i].scenario for _, _, i in ranked if fittings[i] in unsplit
+    )

@@ -1,7 +1,8 @@
-"""The planner's tight bound of a pipeline counts what each pipeline rank does after its last backward: its optimizer
-step and, in a tensor-parallel step simulated whole, its tensor-parallel calls; it stays under the step
-`estimate --time` gives and is tighter than the bound without them, and a step extended from a shorter run gets its
-optimizer step alone."""
+"""The planner's tight bound of a pipeline takes each pipeline rank's last backward where the schedule puts it and
+counts what the rank does after it: its optimizer step and, in a tensor-parallel step simulated whole, its
+tensor-parallel calls; it stays under the step `estimate --time` gives and is tighter than the bound without them, and
+a step extended from a shorter run gets its optimizer step alone. One pipeline rank's exact end, which the search asks
+before it simulates every rank, is that rank's end in the whole simulation."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from shardscope.core.pipeline_time import pipeline_step
 from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
 from shardscope.planner import PlanRequest
-from shardscope.planner.evaluator import Evaluator
+from shardscope.planner.evaluator import RANKS_TRIED, Evaluator
 from shardscope.planner.pipeline import pipeline_bound_s, tail_floor_s
 from shardscope.planner.space import Variant, make_scenario
+from shardscope.planner.timing import ROUNDING_MARGIN
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import TrainingSpec
@@ -47,10 +49,20 @@ def test_the_tail_floor_is_under_each_ranks_exposed_time_and_the_step(
         exposed, optimizer = step.after_s(rank)
         assert optimizer < floor <= exposed + optimizer
     loose = pipeline_bound_s(scenario, hardware)
-    tight = Evaluator(REQUEST).tight_bound_s(scenario)
-    assert tight == pipeline_bound_s(scenario, hardware, after_s=floors)
-    assert loose < tight <= estimate_time(scenario, hardware).step_time_s
+    evaluator = Evaluator(REQUEST)
+    tight = evaluator.tight_bound_s(scenario)
+    step_s = estimate_time(scenario, hardware).step_time_s
+    assert pipeline_bound_s(scenario, hardware, after_s=floors) <= tight <= step_s
     assert tight > loose + 0.9 * min(floors)  # each rank's bound grew by its floor
+    ends = [actions[-1][2] for actions in step.actions]
+    assert evaluator.backward_ends_s(scenario) == ends  # planner.pipeline.schedule_ends_s
+    assert loose <= evaluator.schedule_bound_s(scenario) <= tight
+    assert tight == max(end + floor for end, floor in zip(ends, floors, strict=True)) * (1.0 - ROUNDING_MARGIN)
+    exact = [evaluator.pipeline_rank_end_s(scenario, nth) for nth in range(RANKS_TRIED)]
+    assert evaluator.pipeline_rank_end_s(scenario, RANKS_TRIED) is None
+    assert all(end_s in [step.end_s(rank) for rank in range(4)] and end_s <= step_s for end_s in exact)  # type: ignore[operator]
+    latest = max(range(4), key=lambda rank: evaluator.pipeline_rank_floors_s(scenario)[rank])
+    assert exact[0] == step.end_s(latest)
 
 
 def test_a_step_extended_from_a_shorter_run_gets_its_optimizer_step_as_tail_floor() -> None:
@@ -61,5 +73,7 @@ def test_a_step_extended_from_a_shorter_run_gets_its_optimizer_step_as_tail_floo
     floors = tail_floor_s(scenario, hardware)
     assert floors == [step.after_s(rank)[1] for rank in range(4)] and min(floors) > 0
     tight = Evaluator(REQUEST).tight_bound_s(scenario)
-    assert tight == pipeline_bound_s(scenario, hardware, after_s=floors)
-    assert pipeline_bound_s(scenario, hardware) < tight <= estimate_time(scenario, hardware).step_time_s
+    assert (
+        pipeline_bound_s(scenario, hardware, after_s=floors) <= tight <= estimate_time(scenario, hardware).step_time_s
+    )
+    assert pipeline_bound_s(scenario, hardware) < tight

@@ -6,9 +6,16 @@ from __future__ import annotations
 from shardscope.core.memory import estimate_memory
 from shardscope.core.pipeline_time import stage_times
 from shardscope.core.result import MemoryEstimate
-from shardscope.planner.pipeline import pipeline_bound_s, pipeline_timing, tail_floor_s
+from shardscope.planner.pipeline import (
+    pipeline_bound_s,
+    pipeline_timing,
+    rank_end_s,
+    schedule_ends_s,
+    tail_floor_s,
+)
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import (
+    ROUNDING_MARGIN,
     PlanTiming,
     communication_floor,
     micro_batch_compute_s,
@@ -17,6 +24,9 @@ from shardscope.planner.timing import (
 )
 from shardscope.presets.hardware import default_profile
 from shardscope.specs import Scenario
+
+RANKS_TRIED = 2
+"""Pipeline ranks whose exact end `Evaluator.pipeline_rank_end_s` works out before a plan is simulated whole."""
 
 
 class Evaluator:
@@ -32,8 +42,11 @@ class Evaluator:
         self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
         self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
         self._tp_floor_at: dict[tuple[str, int, int, bool, int], float] = {}
-        self._pipeline_bound: dict[tuple[int, int, int, int, str, int, int, int, str, int], float] = {}
+        self._pipeline_bound: dict[tuple[object, ...], float] = {}
         self._stage_times: dict[tuple[object, ...], tuple[list[float], list[float]]] = {}
+        self._rank_floors: dict[Scenario, list[float]] = {}
+        self._rank_ends: dict[Scenario, dict[int, float]] = {}
+        self._backward_ends: dict[tuple[object, ...], list[float]] = {}
 
     def memory(self, scenario: Scenario) -> MemoryEstimate:
         found = self._memory.get(scenario)
@@ -58,28 +71,34 @@ class Evaluator:
     def pipeline_bound_s(self, scenario: Scenario) -> float:
         """`planner.pipeline.pipeline_bound_s`, kept per pipeline shape: it reads the stages' compute and the
         messages between them, the same for every data-parallel family, shard group and offload."""
-        training, strategy = scenario.training, scenario.strategy
-        key = (
-            scenario.cluster.world_size,
-            strategy.tp,
-            strategy.cp,
-            strategy.pp,
-            strategy.pp_schedule,
-            strategy.virtual_stages,
-            strategy.ep,
-            training.micro_batch_size,
-            training.checkpointing,
-            training.grad_accum_steps,
-        )
+        key = _pipeline_shape(scenario)
         found = self._pipeline_bound.get(key)
         if found is None:
-            # the stages' compute is that of one micro-batch, whatever the GPU count and micro-batch count
-            stage_key = (*key[1:-1], False)
-            stage_s = self._stage_times.get(stage_key)
-            if stage_s is None:
-                stage_s = self._stage_times[stage_key] = stage_times(scenario, self.hardware)
-            found = self._pipeline_bound[key] = pipeline_bound_s(scenario, self.hardware, stage_s)
+            found = self._pipeline_bound[key] = pipeline_bound_s(scenario, self.hardware, self._stage_s(key, scenario))
         return found
+
+    def _stage_s(self, key: tuple[object, ...], scenario: Scenario) -> tuple[list[float], list[float]]:
+        """The stages' compute, that of one micro-batch whatever the GPU count and micro-batch count, kept."""
+        stage_key = (*key[1:-1], False)
+        found = self._stage_times.get(stage_key)
+        if found is None:
+            found = self._stage_times[stage_key] = stage_times(scenario, self.hardware)
+        return found
+
+    def backward_ends_s(self, scenario: Scenario) -> list[float]:
+        """`planner.pipeline.schedule_ends_s`, kept per pipeline shape (the same for every data-parallel family,
+        shard group and offload, as `pipeline_bound_s`)."""
+        key = _pipeline_shape(scenario)
+        found = self._backward_ends.get(key)
+        if found is None:
+            found = self._backward_ends[key] = schedule_ends_s(scenario, self.hardware, self._stage_s(key, scenario))
+        return found
+
+    def schedule_bound_s(self, scenario: Scenario) -> float:
+        """The latest pipeline rank's last backward as the schedule places it: a lower bound under the step between
+        `pipeline_bound_s` (which it never falls below) and the tight bound, shared by every family and offload of
+        a pipeline shape, so the search asks it before it estimates their memory."""
+        return max(self.backward_ends_s(scenario)) * (1.0 - ROUNDING_MARGIN)
 
     def lower_bound_s(self, scenario: Scenario) -> float:
         if scenario.strategy.pp > 1:
@@ -113,7 +132,7 @@ class Evaluator:
 
     def tight_bound_s(self, scenario: Scenario) -> float:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
-        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.mesh_reasons`)
+        asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.best_of`)
         asks again."""
         found = self._tight.get(scenario)
         if found is None:
@@ -123,26 +142,34 @@ class Evaluator:
         return found
 
     def _pipeline_tight_bound_s(self, scenario: Scenario) -> float:
-        """`pipeline_bound_s` with the floor under what each pipeline rank does after its last backward
-        (`planner.pipeline.tail_floor_s`): it depends on the data-parallel degrees too, so it is asked only of a
-        plan about to be simulated."""
-        after_s = tail_floor_s(scenario, self.hardware)
-        if not any(after_s):
-            return self.pipeline_bound_s(scenario)
-        strategy = scenario.strategy
-        stage_key = (
-            strategy.tp,
-            strategy.cp,
-            strategy.pp,
-            strategy.pp_schedule,
-            strategy.virtual_stages,
-            strategy.ep,
-            scenario.training.micro_batch_size,
-            scenario.training.checkpointing,
-            False,
-        )
-        self.pipeline_bound_s(scenario)  # the stage times, kept per pipeline shape
-        return pipeline_bound_s(scenario, self.hardware, self._stage_times[stage_key], after_s)
+        """The latest of the pipeline ranks' floors (`pipeline_rank_floors_s`)."""
+        return max(self.pipeline_rank_floors_s(scenario)) * (1.0 - ROUNDING_MARGIN)
+
+    def pipeline_rank_floors_s(self, scenario: Scenario) -> list[float]:
+        """Per pipeline rank, a floor under when it finishes: the end of its last backward as the schedule places
+        it (`planner.pipeline.schedule_ends_s`) plus the floor under what it does after it
+        (`planner.pipeline.tail_floor_s`, which depends on the data-parallel degrees too); kept, asked only of a
+        plan the cheap bound did not prune."""
+        found = self._rank_floors.get(scenario)
+        if found is None:
+            ends, after_s = self.backward_ends_s(scenario), tail_floor_s(scenario, self.hardware)
+            found = self._rank_floors[scenario] = [end + after for end, after in zip(ends, after_s, strict=True)]
+        return found
+
+    def pipeline_rank_end_s(self, scenario: Scenario, nth: int) -> float | None:
+        """When the `nth` likeliest pipeline rank to finish last (by its floor, `pipeline_rank_floors_s`) finishes,
+        exactly (`planner.pipeline.rank_end_s`), kept; None past the RANKS_TRIED likeliest. Each is a lower bound
+        under the step at the cost of one rank's runs, so a plan one of them already puts out of the running is
+        never simulated whole."""
+        floors = self.pipeline_rank_floors_s(scenario)
+        if nth >= min(RANKS_TRIED, len(floors)):
+            return None
+        ends = self._rank_ends.setdefault(scenario, {})
+        found = ends.get(nth)
+        if found is None:
+            rank = sorted(range(len(floors)), key=lambda rank: -floors[rank])[nth]
+            found = ends[nth] = rank_end_s(scenario, self.hardware, rank, self.backward_ends_s(scenario)[rank])
+        return found
 
     def _tight_bound_s(self, scenario: Scenario) -> float:
         training, strategy = scenario.training, scenario.strategy
@@ -161,3 +188,21 @@ class Evaluator:
     @property
     def time_evaluations(self) -> int:
         return len(self._timing)
+
+
+def _pipeline_shape(scenario: Scenario) -> tuple[object, ...]:
+    """What a pipeline's schedule reads of a scenario (the GPU count, the degrees, the schedule, the micro-batch and
+    its count, the checkpointing): every family, shard group and offload of it shares its bounds."""
+    training, strategy = scenario.training, scenario.strategy
+    return (
+        scenario.cluster.world_size,
+        strategy.tp,
+        strategy.cp,
+        strategy.pp,
+        strategy.pp_schedule,
+        strategy.virtual_stages,
+        strategy.ep,
+        training.micro_batch_size,
+        training.checkpointing,
+        training.grad_accum_steps,
+    )

@@ -13,8 +13,9 @@ from shardscope.core.engines import rules_for
 from shardscope.core.network import collective_cost, network_model
 from shardscope.core.pipeline import rank_stages
 from shardscope.core.pipeline_memory import boundary_bytes, rank_proxy
-from shardscope.core.pipeline_time import send_placement, stage_times
-from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time
+from shardscope.core.pipeline_schedule import simulate_pipeline
+from shardscope.core.pipeline_time import rank_placement, send_placement, stage_times
+from shardscope.core.timeline import EXACT_MICRO_BATCHES, estimate_time, exposed_and_optimizer_s, step_runs
 from shardscope.core.timeline_tasks import optimizer_task_s
 from shardscope.planner.timing import ROUNDING_MARGIN, PlanTiming, tensor_parallel_floor_s
 from shardscope.presets.hardware import HardwareProfile
@@ -63,6 +64,39 @@ def pipeline_bound_s(
         busy = sum(forward_s[stage.index] + backward_s[stage.index] for stage in rank_stages(scenario, rank))
         best = max(best, before + m * busy + (after_s[rank] if after_s else 0.0))
     return best * (1.0 - ROUNDING_MARGIN)
+
+
+def schedule_ends_s(
+    scenario: Scenario, hardware: HardwareProfile, stage_s: tuple[list[float], list[float]]
+) -> list[float]:
+    """Per pipeline rank, the end of its last backward exactly as `core.pipeline_time` schedules it
+    (`core.pipeline_schedule.simulate_pipeline` of the same stage times and message, without the ranks'
+    data-parallel runs). The step is the latest rank's end plus its exposed communication and optimizer step, so
+    each end plus a floor under those (`tail_floor_s`) is a lower bound tighter than `pipeline_bound_s`; it costs a
+    schedule simulation (milliseconds), so it is asked only of a plan the cheaper bound did not prune."""
+    strategy = scenario.strategy
+    forward_s, backward_s = stage_s
+    send_s = collective_cost("send", boundary_bytes(scenario), send_placement(scenario), network_model(hardware)).time_s
+    timeline, _ = simulate_pipeline(
+        strategy.pp_schedule,
+        strategy.pp,
+        strategy.virtual_stages,
+        scenario.training.grad_accum_steps,
+        forward_s,
+        backward_s,
+        send_s,
+    )
+    return [actions[-1][2] for actions in timeline]
+
+
+def rank_end_s(scenario: Scenario, hardware: HardwareProfile, rank: int, backward_end_s: float) -> float:
+    """When pipeline rank `rank` finishes its step, exactly as `core.pipeline_time.PipelineStep.end_s` (the end of
+    its last backward, `schedule_ends_s`, plus its proxy's exposed communication and optimizer step, from the same
+    runs): a lower bound under the step, which is the latest rank's end, at the cost of one rank's runs instead of
+    every rank's."""
+    proxy = rank_proxy(scenario, rank_stages(scenario, rank))
+    exposed, optimizer = exposed_and_optimizer_s(proxy, step_runs(proxy, hardware, rank_placement(scenario, rank)))
+    return backward_end_s + exposed + optimizer
 
 
 def tail_floor_s(scenario: Scenario, hardware: HardwareProfile) -> list[float]:

@@ -9,18 +9,22 @@
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
    A setting whose model states alone break the budget (read from its first estimate) is left there once its family
    fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
-2. Sort what fits by a lower bound of the ranking metric (the compute stream's busy time) and simulate in that order,
-   stopping for each plan whose bound cannot beat the plans kept.
+2. Simulate what fits best bound first (`_Search.rank`): a plan's compute bound, then its tight bound (the
+   communication floor; for a pipeline its schedule's backward ends plus a floor under each rank's tail), then for a
+   pipeline the exact end of its likeliest last ranks, each asked only when the bound before puts the plan first in
+   line; a plan whose bound cannot beat the plans kept is never simulated.
 3. Pipelines (pp > 1, when the request searches them) come after the rest, shape by shape in the order of their least
    possible ranking value: every micro-batch that fits competes (a smaller one runs more micro-batches, so a smaller
    bubble), a setting whose busiest stage's model states exceed the budget is dropped before any memory estimate, and
-   a point whose lower bound (`planner.pipeline.pipeline_bound_s`) cannot enter the top plans nor beat its family's
-   best is never estimated. Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
+   a point whose lower bounds (`planner.pipeline.pipeline_bound_s`, then its schedule's backward ends, shared by
+   every family and offload of its shape) cannot enter the top plans nor beat its family's best is never estimated.
+   Their step is `core.pipeline_time`'s simulation of the schedule, as `estimate --time`.
 """
 
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +32,7 @@ from contextlib import contextmanager
 from shardscope.core.result import CATEGORIES, MemoryEstimate
 from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
+from shardscope.planner.mesh_reason import Ranked, mesh_reasons
 from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
@@ -91,7 +96,7 @@ class _Search:
         """Per family, the ranking value a pipeline must beat to enter the top plans or be its family's best (set
         from the plans without a pipeline, `_Search.set_limits`); a family missing has no limit."""
 
-    def set_limits(self, ranked: list[tuple[float, MemoryEstimate, PlanTiming]]) -> None:
+    def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` leaves: a pipeline whose lower bound reaches both the top plans' last
         value and its family's best would be skipped by `rank` (whose values only fall as it keeps more plans), so
         its memory need not be estimated."""
@@ -101,15 +106,6 @@ class _Search:
         for value, memory, _ in ranked:
             best.setdefault(family_of(memory.scenario), value)
         self.limits = {family: max(top_value, best.get(family, math.inf)) for family in self.request.families}
-
-    @property
-    def splitting(self) -> str:
-        """The ways of splitting the model the request searches, as the reasons name them."""
-        request = self.request
-        ways = ["tensor", "context"]
-        ways += ["pipeline"] if request.pipeline_parallel != (1,) else []
-        ways += ["expert"] if request.expert_parallel != (1,) and request.model.family == "moe" else []
-        return ", ".join(ways[:-1]) + f" or {ways[-1]} parallelism"
 
     def _hopeless(self, family: str, states_floor_bytes: int) -> bool:
         """Whether no point of a setting (a strategy and offload at one shape) can fit or change the answer: the
@@ -161,9 +157,7 @@ class _Search:
                             failed = True
                             continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
-                        if pipelined and self.metric(
-                            scenario, self.evaluator.lower_bound_s(scenario)
-                        ) >= self.limits.get(variant.family, math.inf):
+                        if pipelined and self._out_of_reach(scenario, self.limits.get(variant.family, math.inf)):
                             continue  # cannot enter the top plans nor beat its family's best
                         if pipelined and not states_checked:
                             states_checked = True
@@ -190,6 +184,14 @@ class _Search:
                         continue
                     break  # the states do not fit: neither does any checkpointing of this offload
         return found
+
+    def _out_of_reach(self, scenario: Scenario, limit: float) -> bool:
+        """Whether a pipeline's bounds already reach `limit`: the cheap one, then its schedule's (shared by every
+        family and offload of its shape)."""
+        evaluator = self.evaluator
+        if self.metric(scenario, evaluator.lower_bound_s(scenario)) >= limit:
+            return True
+        return self.metric(scenario, evaluator.schedule_bound_s(scenario)) >= limit
 
     def optimistic(self, shape: BatchShape) -> float:
         """The least ranking value any plan of a pipeline shape can have: its lower bound at the cheapest
@@ -223,31 +225,54 @@ class _Search:
             return None
         return price * scenario.cluster.world_size / SECONDS_PER_HOUR / tokens_per_s * 1e6
 
-    def rank(self, fitting: list[MemoryEstimate]) -> list[tuple[float, MemoryEstimate, PlanTiming]]:
-        """Simulate in order of the bound; skip what cannot enter the top plans or beat its family's best."""
-        evaluator, top = self.evaluator, self.request.top
-        bounded = sorted(
-            ((self.metric(m.scenario, evaluator.lower_bound_s(m.scenario)), index) for index, m in enumerate(fitting)),
-        )
-        kept: list[tuple[float, MemoryEstimate, PlanTiming]] = []
+    def rank(self, fitting: list[MemoryEstimate], best_only: bool = False) -> list[Ranked]:
+        """Simulate what can enter the top plans or beat its family's best (with `best_only`, what can beat the best
+        plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its tight bound,
+        then (a pipeline) the exact ends of its likeliest last ranks one by one, each asked only when the one before
+        leaves the plan first in line, so the limits fall as soon as they can and the costlier bounds are asked
+        least. The answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the
+        order of the simulations."""
+        evaluator, top = self.evaluator, 1 if best_only else self.request.top
+        queue = [
+            (bound, 0, bound, index)
+            for index, m in enumerate(fitting)
+            for bound in (self.metric(m.scenario, evaluator.lower_bound_s(m.scenario)),)
+        ]
+        heapq.heapify(queue)
+        kept: list[tuple[float, int, float, int, Ranked]] = []
         family_best: dict[str, float] = {}
-        for done, (bound, index) in enumerate(bounded):
-            memory = fitting[index]
-            family = family_of(memory.scenario)
+        resolved = 0
+        while queue:
+            key, checked, bound, index = heapq.heappop(queue)
+            scenario = fitting[index].scenario
+            family = family_of(scenario)
             top_value = kept[top - 1][0] if len(kept) >= top else math.inf
-            if bound >= top_value and bound >= family_best.get(family, math.inf):
+            limit = top_value if best_only else max(top_value, family_best.get(family, math.inf))
+            if key >= limit:
+                resolved += 1
+                continue  # the limits only fall: it stays out
+            if checked == 0:
+                heapq.heappush(queue, (self.metric(scenario, evaluator.tight_bound_s(scenario)), 1, bound, index))
                 continue
-            tight = self.metric(memory.scenario, evaluator.tight_bound_s(memory.scenario))
-            if tight >= top_value and tight >= family_best.get(family, math.inf):
-                continue
-            timing = evaluator.timing(memory.scenario)
-            value = self.metric(memory.scenario, timing.step_time_s)
-            kept.append((value, memory, timing))
-            kept.sort(key=lambda item: (item[0], item[1].scenario.cluster.world_size))
+            if scenario.strategy.pp > 1:
+                end_s = evaluator.pipeline_rank_end_s(scenario, checked - 1)
+                if end_s is not None:  # one more pipeline rank's exact end, then back in line
+                    heapq.heappush(queue, (max(key, self.metric(scenario, end_s)), checked + 1, bound, index))
+                    continue
+            timing = evaluator.timing(scenario)
+            value = self.metric(scenario, timing.step_time_s)
+            kept.append((value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing)))
+            kept.sort(key=lambda item: item[:4])
             family_best[family] = min(value, family_best.get(family, math.inf))
+            resolved += 1
             if self.progress is not None:
-                self.progress("simulating", done + 1, len(bounded))
-        return kept
+                self.progress("simulating", resolved, len(fitting))
+        return [item[4] for item in kept]
+
+    def best_of(self, fitting: list[MemoryEstimate]) -> Ranked | None:
+        """The best of `fitting` by the request's ranking, None when it is empty."""
+        ranked = self.rank(fitting, best_only=True)
+        return ranked[0] if ranked else None
 
     def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming, reason: str = "") -> Plan:
         evaluator = self.evaluator
@@ -261,34 +286,6 @@ class _Search:
             mesh_reason=reason,
         )
 
-    def mesh_reasons(
-        self, fitting: list[MemoryEstimate], ranked: list[tuple[float, MemoryEstimate, PlanTiming]]
-    ) -> dict[Scenario, str]:
-        """Why each ranked plan that splits the model does: nothing fits without it, or the best plan without it
-        and how much slower that is (and where data parallelism alone stops, when it stops at fewer GPUs)."""
-        split = [item for item in ranked if _model_parallel(item[1].scenario) > 1]
-        if not split:
-            return {}
-        unsplit = self.rank([memory for memory in fitting if _model_parallel(memory.scenario) == 1])
-        reasons = {}
-        for _, memory, timing in split:
-            scenario = memory.scenario
-            degrees = _degrees_text(scenario)
-            if not unsplit:
-                reasons[scenario] = f"{degrees}: without {self.splitting} nothing fits in the space"
-                continue
-            _, other, other_timing = unsplit[0]
-            gpus = other.scenario.cluster.world_size
-            text = (
-                f"{degrees}: the best plan without it ({other.scenario.strategy.label} on {gpus} GPUs) takes "
-                f"{other_timing.step_time_s:.3f} s a step against {timing.step_time_s:.3f} s"
-            )
-            if gpus < scenario.cluster.world_size:
-                widest = max(m.scenario.cluster.world_size for m in fitting if _model_parallel(m.scenario) == 1)
-                text += f"; data parallelism alone reaches at most {widest} GPUs at this batch"
-            reasons[scenario] = text
-        return reasons
-
 
 def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
     """Micro-batches per step of micro-batch `size`: the rank's sequences in micro-batches, or, without a target
@@ -296,27 +293,6 @@ def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
     if request.global_batch_tokens is None:
         return shape.pp
     return max(1, shape.sequences_per_rank // size)
-
-
-def _model_parallel(scenario: Scenario) -> int:
-    strategy = scenario.strategy
-    return strategy.tp * strategy.cp * strategy.pp * strategy.ep
-
-
-def _degrees_text(scenario: Scenario) -> str:
-    """'TP 8 inside the node', 'CP 2', 'TP 4 x CP 2'."""
-    strategy, per_node = scenario.strategy, scenario.cluster.gpus_per_node
-    parts = []
-    if strategy.tp > 1:
-        parts.append(f"TP {strategy.tp}" + (" inside the node" if strategy.tp <= per_node else " across nodes"))
-    if strategy.cp > 1:
-        parts.append(f"CP {strategy.cp}")
-    if strategy.pp > 1:
-        virtual = f", {strategy.virtual_stages} stages a rank" if strategy.virtual_stages > 1 else ""
-        parts.append(f"PP {strategy.pp} ({strategy.pp_schedule}{virtual})")
-    if strategy.ep > 1:
-        parts.append(f"EP {strategy.ep}")
-    return " x ".join(parts)
 
 
 def _fewest_gpus(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
@@ -388,10 +364,10 @@ def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     shapes = batch_shapes(request)
     fitting = _fewest_gpus(search, shapes) if request.min_gpus else _fitting_with_pipelines(search, shapes)
     ranked = search.rank(fitting)
-    best: dict[str, tuple[float, MemoryEstimate, PlanTiming]] = {}
+    best: dict[str, Ranked] = {}
     for item in ranked:
         best.setdefault(family_of(item[1].scenario), item)
-    reasons = search.mesh_reasons(fitting, ranked[: request.top] + list(best.values()))
+    reasons = mesh_reasons(request, fitting, ranked[: request.top] + list(best.values()), search.best_of)
     plans = tuple(search.plan(*item, reasons.get(item[1].scenario, "")) for item in ranked[: request.top])
     by_scenario = {plan.scenario: plan for plan in plans}
     best_plans = tuple(
