@@ -28,7 +28,6 @@ the step's reduce-scatters, with every unit gathered and every accumulated gradi
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 from typing import NamedTuple
 
 from shardscope.core.comm_events import CommEvent
@@ -36,11 +35,10 @@ from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
     LiveBytes,
     Moment,
-    PipelineCalls,
-    PipelineLoad,
-    StageRows,
     as_live_bytes,
 )
+from shardscope.core.engines.pipeline_load import CACHED_ORDERS, PipelineCalls, PipelineLoad, RankSchedule, StageRows
+from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
 from shardscope.core.pipeline_schedule import Action
@@ -87,30 +85,74 @@ def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
 def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
     """The moments of the rank's step (see the module docstring), the largest of each kind kept."""
     units = {stage.index: _units(scenario, stage, load.shard_degree) for stage in load.stages}
-    found: dict[str, Moment] = {}
-    fullest = sorted(_fullest_actions(scenario, load).items(), key=lambda item: item[1][2])  # in the step's order
-    for (backward, index, gathered, backwarded), (held, micro_batch, _) in fullest:
-        own = units[index]
-        others = sum(u.gathered for i, u in units.items() if gathered & _bit(i) and i != index)
-        gradients = sum(u.accumulated for i, u in units.items() if backwarded & _bit(i) and i != index)
-        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
-        if backward:
-            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
-        else:
-            gradients += own.accumulated if own_backwarded else 0
-            made = _forward(scenario, load, own, held, own_gathered)
-        where = f"stage {index} {'backward' if backward else 'forward'} {micro_batch}"
-        for kind, (activations, buffers, temporary) in made:
-            live = _live(load, activations, others + buffers, gradients + temporary)
-            if kind not in found or sum(live) > sum(found[kind][1]):
-                found[kind] = (f"{where}: {kind}", live)
-    moments = list(found.values())
+    moments = [(name, _live(load, *terms)) for name, terms in _action_moments(scenario, load, units)]
     moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
     states = load.states
     step = (states.parameters_bytes, states.gradients_bytes, states.optimizer_state_bytes, 0)
     buffers = load.receive_bytes + states.persistent_buffers_bytes
     moments.append(("optimizer step", as_live_bytes((*step, buffers, states.optimizer_temporary_bytes))))
     return moments
+
+
+_Terms = tuple[int, int, int]
+"""(activations, buffers, temporary) of a moment of a forward or backward, beside what `_live` adds."""
+
+
+def _action_moments(scenario: Scenario, load: PipelineLoad, units: dict[int, _Units]) -> tuple[tuple[str, _Terms], ...]:
+    """The largest moment of each kind the schedule's forwards and backwards meet (the first of them), named by
+    where it falls. Kept by everything it reads: a planner's scenarios that differ only in the rank's sharded
+    states (the zero stage, offload, the world beyond the shard group), which every moment holds alike, share it."""
+    model, training = scenario.model, scenario.training
+    key = (
+        load.schedule,
+        _reshards_after_forward(scenario),
+        load.weights,
+        tuple(units.values()),
+        load.activations,
+        load.step_activations,
+        training.precision,
+        model.ffn_hidden_size,
+        model.hidden_size,
+        scenario.strategy.tp,
+    )
+    return kept(_moments_kept, key, lambda: _walk_action_moments(scenario, load, units), CACHED_ACTION_MOMENTS)
+
+
+CACHED_ACTION_MOMENTS = 16384
+_moments_kept: dict[tuple[object, ...], tuple[tuple[str, _Terms], ...]] = {}
+
+
+def _walk_action_moments(
+    scenario: Scenario, load: PipelineLoad, units: dict[int, _Units]
+) -> tuple[tuple[str, _Terms], ...]:
+    """`_action_moments`, computed."""
+    # each kind's largest (the first of them): its bytes beside what every moment of a backward holds
+    # (`_live`), the action's stage, direction and micro-batch, and (activations, buffers, temporary)
+    found: dict[str, tuple[int, int, bool, int, _Terms]] = {}
+    fullest = _fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights)
+    for (backward, index, gathered, backwarded), in_flight, micro_batch in fullest:
+        held = load.step_activations + in_flight
+        own = units[index]
+        others = gradients = 0
+        for i, other in units.items():
+            if i != index:
+                others += other.gathered if gathered & _bit(i) else 0
+                gradients += other.accumulated if backwarded & _bit(i) else 0
+        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
+        if backward:
+            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
+        else:
+            gradients += own.accumulated if own_backwarded else 0
+            made = _forward(scenario, load, own, held, own_gathered)
+        for kind, (activations, buffers, temporary) in made:
+            terms = (activations, others + buffers, gradients + temporary)
+            total = sum(terms)
+            if kind not in found or total > found[kind][0]:
+                found[kind] = (total, index, backward, micro_batch, terms)
+    return tuple(
+        (f"stage {index} {'backward' if backward else 'forward'} {micro_batch}: {kind}", terms)
+        for kind, (_, index, backward, micro_batch, terms) in found.items()
+    )
 
 
 _ActionState = tuple[bool, int, int, int]
@@ -123,28 +165,55 @@ def _bit(stage: int) -> int:
     return 1 << stage
 
 
-def _fullest_actions(scenario: Scenario, load: PipelineLoad) -> dict[_ActionState, tuple[int, int, int]]:
-    """For each state an action of the schedule starts in, the most activations in flight it meets (its own forward's
-    included), and the micro-batch and place in the step of the first action that meets them: every moment grows
-    with the activations alone, so these actions hold each moment's largest."""
+_Fullest = tuple[tuple[_ActionState, int, int], ...]
+
+
+def _fullest_actions(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> _Fullest:
+    """For each state an action of the schedule starts in, in the step's order: the most activations in flight it
+    meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not), and the
+    micro-batch of the first action that meets them: every moment grows with the activations alone, so these actions
+    hold each moment's largest. Kept per shape and weights: the planner's scenarios that differ in how the
+    data-parallel ranks shard their states share them."""
+    return kept(
+        _fullest_kept, (schedule, reshards, weights), lambda: _walk_fullest(schedule, reshards, weights), CACHED_FULLEST
+    )
+
+
+CACHED_FULLEST = 16384
+_fullest_kept: dict[tuple[RankSchedule, bool, tuple[tuple[int, int], ...]], _Fullest] = {}
+
+
+def _walk_fullest(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> _Fullest:
+    """`_fullest_actions`, computed."""
+    per_stage = dict(weights)
     fullest: dict[_ActionState, tuple[int, int, int]] = {}
-    for key, counts, micro_batch, place in _action_states(load.actions, _reshards_after_forward(scenario)):
-        held = load.step_activations + sum(count * load.weights[stage] for stage, count in counts)
+    for key, counts, micro_batch, place in _action_states(schedule, reshards):
+        held = sum(count * per_stage[stage] for stage, count in counts)
         if key not in fullest or held > fullest[key][0]:
             fullest[key] = (held, micro_batch, place)
-    return fullest
+    in_order = sorted(fullest.items(), key=lambda item: item[1][2])
+    return tuple((key, held, micro_batch) for key, (held, micro_batch, _) in in_order)
 
 
-@lru_cache(maxsize=4096)  # a planner sweep asks the same few schedules of thousands of scenarios
-def _action_states(
-    actions: tuple[Action, ...], reshards: bool
-) -> tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]:
+_StatesMet = tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]
+
+
+def _action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
     """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
-    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations."""
+    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations. Kept
+    per shape: one walk of the order (a few hundred actions at most) serves every scenario of the shape."""
+    return kept(_states_kept, (schedule, reshards), lambda: _walk_action_states(schedule, reshards), CACHED_ORDERS)
+
+
+_states_kept: dict[tuple[RankSchedule, bool], _StatesMet] = {}
+
+
+def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
+    """`_action_states`, computed."""
     gathered = backwarded = 0
     in_flight: dict[int, int] = {}
     seen: dict[tuple[_ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
-    for place, action in enumerate(actions):
+    for place, action in enumerate(schedule.actions):
         index = action.stage
         if not action.backward:
             in_flight[index] = in_flight.get(index, 0) + 1
@@ -259,30 +328,36 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     """The step's end, PipelineStage.perform_reduce_grad: FSDPParamGroup.post_backward of every unit in turn (each
     stage's root first, then its blocks in order) reshards the unit, copies its accumulated gradients into the
     reduce-scatter input and reduce-scatters it (gloo holds a clone of the input: core.engines.fsdp2), and the shard
-    lands as the unit's sharded gradient. The largest of those moments, the step's token ids and targets held."""
-    sizes = [(u.root, u.root_gradients) for u in units]
-    sizes += [(u.block, u.block_gradients) for u in units for _ in range(u.stage.layers)]
+    lands as the unit's sharded gradient. The largest of those moments (the first of them), the step's token ids and
+    targets held.
+
+    A stage's blocks are alike, so along them each moment differs from the one before by the same bytes (a shard
+    landed, a unit and its gradients freed): the first of the largest of a stage's blocks is its first or its last,
+    and only those two are weighed, whatever the layers."""
+    runs = [(u.root, u.root_gradients, 1) for u in units]  # (unit, its gradients, how many in a row)
+    runs += [(u.block, u.block_gradients, u.stage.layers) for u in units if u.stage.layers]
     clone = scenario.cluster.backend == "gloo"
     gathered = sum(u.gathered for u in units)
     accumulated = sum(u.accumulated for u in units)
     states = load.states
     landed, best = 0, as_live_bytes((0,) * 6)
-    for params, grads in sizes:
-        gathered -= params
+    for params, grads, count in runs:
         shard = grads // load.shard_degree
-        live = as_live_bytes(
-            (
-                states.parameters_bytes,
-                landed + shard,
-                states.optimizer_state_bytes,
-                load.step_activations,
-                load.receive_bytes + states.persistent_buffers_bytes + gathered,
-                accumulated + (grads if clone else 0),
+        for j in (0, count - 1) if count > 1 else (0,):  # the run's first unit and its last
+            live = as_live_bytes(
+                (
+                    states.parameters_bytes,
+                    landed + (j + 1) * shard,
+                    states.optimizer_state_bytes,
+                    load.step_activations,
+                    load.receive_bytes + states.persistent_buffers_bytes + gathered - (j + 1) * params,
+                    accumulated - j * grads + (grads if clone else 0),
+                )
             )
-        )
-        best = max(best, live, key=sum)
-        accumulated -= grads
-        landed += shard
+            best = max(best, live, key=sum)
+        gathered -= count * params
+        accumulated -= count * grads
+        landed += count * shard
     return best
 
 
