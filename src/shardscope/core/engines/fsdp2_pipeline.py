@@ -331,9 +331,9 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     lands as the unit's sharded gradient. The largest of those moments (the first of them), the step's token ids and
     targets held.
 
-    A stage's blocks are alike, so along them each moment differs from the one before by the same bytes (a shard
-    landed, a unit and its gradients freed): the first of the largest of a stage's blocks is its first or its last,
-    and only those two are weighed, whatever the layers."""
+    Along a stage's alike blocks each moment holds what the one before held less the block's gathered parameters and
+    its gradients plus their shard, no larger than them: the first block's is the largest of them (the first of the
+    largest), so it alone is weighed, whatever the layers."""
     runs = [(u.root, u.root_gradients, 1) for u in units]  # (unit, its gradients, how many in a row)
     runs += [(u.block, u.block_gradients, u.stage.layers) for u in units if u.stage.layers]
     clone = scenario.cluster.backend == "gloo"
@@ -343,18 +343,17 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     landed, best = 0, as_live_bytes((0,) * 6)
     for params, grads, count in runs:
         shard = grads // load.shard_degree
-        for j in (0, count - 1) if count > 1 else (0,):  # the run's first unit and its last
-            live = as_live_bytes(
-                (
-                    states.parameters_bytes,
-                    landed + (j + 1) * shard,
-                    states.optimizer_state_bytes,
-                    load.step_activations,
-                    load.receive_bytes + states.persistent_buffers_bytes + gathered - (j + 1) * params,
-                    accumulated - j * grads + (grads if clone else 0),
-                )
+        live = as_live_bytes(
+            (
+                states.parameters_bytes,
+                landed + shard,
+                states.optimizer_state_bytes,
+                load.step_activations,
+                load.receive_bytes + states.persistent_buffers_bytes + gathered - params,
+                accumulated + (grads if clone else 0),
             )
-            best = max(best, live, key=sum)
+        )
+        best = max(best, live, key=sum)
         gathered -= count * params
         accumulated -= count * grads
         landed += count * shard
