@@ -11,13 +11,23 @@ import pytest
 from shardscope.core.engines import fsdp2_pipeline
 from shardscope.core.engines.fsdp2_pipeline import _reduce_scatter, _Units
 from shardscope.core.engines.pipeline_load import PipelineLoad, _orders
-from shardscope.core.pipeline_memory import _in_flight_peaks, pipeline_memory, pipeline_rank_memory
+from shardscope.core.pipeline_memory import (
+    _clusters,
+    _in_flight_peaks,
+    _stage_models,
+    _strategies,
+    pipeline_memory,
+    pipeline_rank_memory,
+)
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
 KEPT = (
     _orders,
     _in_flight_peaks,
+    _stage_models,
+    _clusters,
+    _strategies,
     fsdp2_pipeline._fullest_kept,
     fsdp2_pipeline._states_kept,
     fsdp2_pipeline._moments_kept,

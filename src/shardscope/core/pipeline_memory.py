@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from shardscope.core.activations import ActivationEstimate
@@ -33,11 +33,12 @@ from shardscope.core.engines.base import EngineRules, activations_for, peak_of
 from shardscope.core.engines.pipeline_load import PipelineLoad, RankSchedule
 from shardscope.core.kept import kept
 from shardscope.core.model_states import ModelStates
+from shardscope.core.params import StageModel
 from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, pipeline_stages, rank_stages, stage_model
 from shardscope.core.pipeline_schedule import Action, peak_in_flight
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
-from shardscope.specs import Scenario
+from shardscope.specs import ClusterSpec, ModelSpec, Scenario, Strategy
 
 
 def boundary_bytes(scenario: Scenario) -> int:
@@ -59,12 +60,35 @@ def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: b
     if world > per_node and world % per_node:
         per_node = math.gcd(world, per_node)
     return Scenario(
-        model=stage_model(scenario.model, layers, embedding, head),
-        cluster=replace(cluster, world_size=world, gpus_per_node=per_node),
+        model=kept(
+            _stage_models,
+            (scenario.model, layers, embedding, head),
+            partial(stage_model, scenario.model, layers, embedding, head),
+            KEPT_PARTS,
+        ),
+        cluster=kept(_clusters, (cluster, world, per_node), partial(_cluster, cluster, world, per_node), KEPT_PARTS),
         training=scenario.training,
-        strategy=replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=()),
+        strategy=kept(_strategies, strategy, partial(_without_pipeline, strategy), KEPT_PARTS),
         overheads=scenario.overheads,
     )
+
+
+KEPT_PARTS = 4096
+"""Proxies' parts kept: the planner's scenarios share a few models, clusters and strategies, and replacing a field
+of each anew (validation included) cost more than the rest of a proxy."""
+_stage_models: dict[tuple[ModelSpec, int, bool, bool], StageModel] = {}
+_clusters: dict[tuple[ClusterSpec, int, int], ClusterSpec] = {}
+_strategies: dict[Strategy, Strategy] = {}
+
+
+def _cluster(cluster: ClusterSpec, world: int, per_node: int) -> ClusterSpec:
+    """The GPUs of one pipeline rank."""
+    return replace(cluster, world_size=world, gpus_per_node=per_node)
+
+
+def _without_pipeline(strategy: Strategy) -> Strategy:
+    """The strategy over one pipeline stage."""
+    return replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=())
 
 
 def pipeline_rank_actions(scenario: Scenario, pipeline_rank: int) -> tuple[Action, ...]:
