@@ -1,14 +1,16 @@
 """The shortcuts that make pipeline memory fast give the numbers of the plain computation, to the last bit: what is
 kept per schedule shape, weights and the moments' own inputs (an answer computed after many others of similar
-scenarios equals the one computed with every cache empty), and the step's reduce-scatters weighed at the ends of
-each stage's alike blocks (equal to walking every unit)."""
+scenarios equals the one computed with every cache empty), and the step's reduce-scatters weighed at each stage's
+first block (equal to walking every unit)."""
 
 import contextlib
+import dataclasses
 import itertools
 
 import pytest
+from test_pipeline_speed import scenario as pipeline  # the same 4096-token bf16-mixed pipelines on H100s
 
-from shardscope.core.engines import fsdp2_pipeline
+from shardscope.core.engines import fsdp2_pipeline, fsdp2_pipeline_states
 from shardscope.core.engines.fsdp2_pipeline import _reduce_scatter, _Units
 from shardscope.core.engines.pipeline_load import PipelineLoad, _orders
 from shardscope.core.pipeline_memory import (
@@ -19,8 +21,7 @@ from shardscope.core.pipeline_memory import (
     pipeline_memory,
     pipeline_rank_memory,
 )
-from shardscope.presets import gpu_preset, model_preset
-from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.specs import Scenario, Strategy
 
 KEPT = (
     _orders,
@@ -28,25 +29,17 @@ KEPT = (
     _stage_models,
     _clusters,
     _strategies,
-    fsdp2_pipeline._fullest_kept,
-    fsdp2_pipeline._states_kept,
+    fsdp2_pipeline_states._fullest_kept,
+    fsdp2_pipeline_states._states_kept,
     fsdp2_pipeline._moments_kept,
 )
 
 
 def scenario(strategy: Strategy, micro_batches: int, checkpointing: str, backend: str, gpus: int = 64) -> Scenario:
-    return Scenario(
-        model=model_preset("llama-3-8b"),
-        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=gpus, gpus_per_node=8, backend=backend),
-        training=TrainingSpec(
-            micro_batch_size=1,
-            sequence_length=2048,
-            grad_accum_steps=micro_batches,
-            precision="bf16-mixed",
-            checkpointing=checkpointing,
-        ),
-        strategy=strategy,
-    )
+    """llama-3-8b's 4096-token bf16-mixed pipelines on H100s (test_pipeline_speed's), over `backend`."""
+    case = pipeline("llama-3-8b", gpus, micro_batches, checkpointing, name="ddp")
+    cluster = dataclasses.replace(case.cluster, backend=backend)
+    return dataclasses.replace(case, cluster=cluster, strategy=strategy)
 
 
 def strategies() -> list[Strategy]:

@@ -37,7 +37,8 @@ from shardscope.core.engines.base import (
     Moment,
     as_live_bytes,
 )
-from shardscope.core.engines.pipeline_load import CACHED_ORDERS, PipelineCalls, PipelineLoad, RankSchedule, StageRows
+from shardscope.core.engines.fsdp2_pipeline_states import fullest_actions, stage_bit
+from shardscope.core.engines.pipeline_load import PipelineCalls, PipelineLoad, StageRows
 from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
@@ -129,16 +130,16 @@ def _walk_action_moments(
     # each kind's largest (the first of them): its bytes beside what every moment of a backward holds
     # (`_live`), the action's stage, direction and micro-batch, and (activations, buffers, temporary)
     found: dict[str, tuple[int, int, bool, int, _Terms]] = {}
-    fullest = _fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights)
+    fullest = fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights)
     for (backward, index, gathered, backwarded), in_flight, micro_batch in fullest:
         held = load.step_activations + in_flight
         own = units[index]
         others = gradients = 0
         for i, other in units.items():
             if i != index:
-                others += other.gathered if gathered & _bit(i) else 0
-                gradients += other.accumulated if backwarded & _bit(i) else 0
-        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
+                others += other.gathered if gathered & stage_bit(i) else 0
+                gradients += other.accumulated if backwarded & stage_bit(i) else 0
+        own_gathered, own_backwarded = bool(gathered & stage_bit(index)), bool(backwarded & stage_bit(index))
         if backward:
             made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
         else:
@@ -153,77 +154,6 @@ def _walk_action_moments(
         (f"stage {index} {'backward' if backward else 'forward'} {micro_batch}: {kind}", terms)
         for kind, (_, index, backward, micro_batch, terms) in found.items()
     )
-
-
-_ActionState = tuple[bool, int, int, int]
-"""A forward or backward (True) of a stage, with the stages whose units are gathered and those that have run a
-backward as it starts (sets of stages as bits, `_bit`)."""
-
-
-def _bit(stage: int) -> int:
-    """A stage's bit in a set of stages."""
-    return 1 << stage
-
-
-_Fullest = tuple[tuple[_ActionState, int, int], ...]
-
-
-def _fullest_actions(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> _Fullest:
-    """For each state an action of the schedule starts in, in the step's order: the most activations in flight it
-    meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not), and the
-    micro-batch of the first action that meets them: every moment grows with the activations alone, so these actions
-    hold each moment's largest. Kept per shape and weights: the planner's scenarios that differ in how the
-    data-parallel ranks shard their states share them."""
-    return kept(
-        _fullest_kept, (schedule, reshards, weights), lambda: _walk_fullest(schedule, reshards, weights), CACHED_FULLEST
-    )
-
-
-CACHED_FULLEST = 16384
-_fullest_kept: dict[tuple[RankSchedule, bool, tuple[tuple[int, int], ...]], _Fullest] = {}
-
-
-def _walk_fullest(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> _Fullest:
-    """`_fullest_actions`, computed."""
-    per_stage = dict(weights)
-    fullest: dict[_ActionState, tuple[int, int, int]] = {}
-    for key, counts, micro_batch, place in _action_states(schedule, reshards):
-        held = sum(count * per_stage[stage] for stage, count in counts)
-        if key not in fullest or held > fullest[key][0]:
-            fullest[key] = (held, micro_batch, place)
-    in_order = sorted(fullest.items(), key=lambda item: item[1][2])
-    return tuple((key, held, micro_batch) for key, (held, micro_batch, _) in in_order)
-
-
-_StatesMet = tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]
-
-
-def _action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
-    """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
-    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations. Kept
-    per shape: one walk of the order (a few hundred actions at most) serves every scenario of the shape."""
-    return kept(_states_kept, (schedule, reshards), lambda: _walk_action_states(schedule, reshards), CACHED_ORDERS)
-
-
-_states_kept: dict[tuple[RankSchedule, bool], _StatesMet] = {}
-
-
-def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
-    """`_action_states`, computed."""
-    gathered = backwarded = 0
-    in_flight: dict[int, int] = {}
-    seen: dict[tuple[_ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
-    for place, action in enumerate(schedule.actions):
-        index = action.stage
-        if not action.backward:
-            in_flight[index] = in_flight.get(index, 0) + 1
-        state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
-        seen.setdefault(state, (action.micro_batch, place))
-        if action.backward:
-            in_flight[index] -= 1
-            backwarded |= _bit(index)
-        gathered = gathered | _bit(index) if action.backward or not reshards else gathered & ~_bit(index)
-    return tuple((key, counts, micro_batch, place) for (key, counts), (micro_batch, place) in seen.items())
 
 
 def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) -> LiveBytes:
