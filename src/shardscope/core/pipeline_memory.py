@@ -24,15 +24,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import NamedTuple
 
+from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines import rules_for
-from shardscope.core.engines.base import PipelineLoad, activations_for, peak_of
-from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, rank_stages, stage_model
-from shardscope.core.pipeline_schedule import Action, peak_in_flight, rank_actions
+from shardscope.core.engines.base import EngineRules, activations_for, peak_of
+from shardscope.core.engines.pipeline_load import PipelineLoad, RankSchedule
+from shardscope.core.kept import kept
+from shardscope.core.model_states import ModelStates
+from shardscope.core.params import StageModel
+from shardscope.core.pipeline import PipelineStage, pipeline_rank_of, pipeline_stages, rank_stages, stage_model
+from shardscope.core.pipeline_schedule import Action, peak_in_flight
 from shardscope.core.rank_share import activation_bytes_per_element, rank_share
 from shardscope.core.result import MemoryBreakdown, MemoryEstimate, StageMemory
-from shardscope.specs import Scenario
+from shardscope.specs import ClusterSpec, ModelSpec, Scenario, Strategy
 
 
 def boundary_bytes(scenario: Scenario) -> int:
@@ -54,19 +60,48 @@ def stage_proxy(scenario: Scenario, layers: int, embedding: bool = True, head: b
     if world > per_node and world % per_node:
         per_node = math.gcd(world, per_node)
     return Scenario(
-        model=stage_model(scenario.model, layers, embedding, head),
-        cluster=replace(cluster, world_size=world, gpus_per_node=per_node),
+        model=kept(
+            _stage_models,
+            (scenario.model, layers, embedding, head),
+            partial(stage_model, scenario.model, layers, embedding, head),
+            KEPT_PARTS,
+        ),
+        cluster=kept(_clusters, (cluster, world, per_node), partial(_cluster, cluster, world, per_node), KEPT_PARTS),
         training=scenario.training,
-        strategy=replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=()),
+        strategy=kept(_strategies, strategy, partial(_without_pipeline, strategy), KEPT_PARTS),
         overheads=scenario.overheads,
     )
 
 
+KEPT_PARTS = 4096
+"""Proxies' parts kept: the planner's scenarios share a few models, clusters and strategies, and replacing a field
+of each anew (validation included) cost more than the rest of a proxy."""
+_stage_models: dict[tuple[ModelSpec, int, bool, bool], StageModel] = {}
+_clusters: dict[tuple[ClusterSpec, int, int], ClusterSpec] = {}
+_strategies: dict[Strategy, Strategy] = {}
+
+
+def _cluster(cluster: ClusterSpec, world: int, per_node: int) -> ClusterSpec:
+    """The GPUs of one pipeline rank."""
+    return replace(cluster, world_size=world, gpus_per_node=per_node)
+
+
+def _without_pipeline(strategy: Strategy) -> Strategy:
+    """The strategy over one pipeline stage."""
+    return replace(strategy, pp=1, pp_schedule="1f1b", pp_virtual_stages=0, pp_layers=())
+
+
 def pipeline_rank_actions(scenario: Scenario, pipeline_rank: int) -> tuple[Action, ...]:
     """The forwards and backwards pipeline rank `pipeline_rank` runs, in its schedule's order."""
+    return rank_schedule(scenario, pipeline_rank).actions
+
+
+def rank_schedule(scenario: Scenario, pipeline_rank: int) -> RankSchedule:
+    """The shape of pipeline rank `pipeline_rank`'s order of forwards and backwards."""
     strategy = scenario.strategy
-    micro_batches = scenario.training.grad_accum_steps
-    return tuple(rank_actions(strategy.pp_schedule, strategy.pp, strategy.virtual_stages, micro_batches, pipeline_rank))
+    return RankSchedule(
+        strategy.pp_schedule, strategy.pp, strategy.virtual_stages, scenario.training.grad_accum_steps, pipeline_rank
+    )
 
 
 def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenario:
@@ -75,43 +110,83 @@ def rank_proxy(scenario: Scenario, stages: tuple[PipelineStage, ...]) -> Scenari
     return stage_proxy(scenario, layers, any(stage.embedding for stage in stages), any(stage.head for stage in stages))
 
 
+def in_flight_peak(schedule: RankSchedule, weights: tuple[tuple[int, int], ...]) -> tuple[int, tuple[int, ...]]:
+    """The most activations the rank's order keeps in flight (`weights`: bytes per micro-batch of each of its
+    stages) and the micro-batches of each stage in flight then, in the order of `weights`. Kept per shape and
+    weights: scenarios that differ only in how the data-parallel ranks shard their states share both."""
+
+    def walk() -> tuple[int, tuple[int, ...]]:
+        peak, counts = peak_in_flight(list(schedule.actions), dict(weights))
+        return peak, tuple(counts[stage] for stage, _ in weights)
+
+    return kept(_in_flight_peaks, (schedule, weights), walk, CACHED_IN_FLIGHT_PEAKS)
+
+
+CACHED_IN_FLIGHT_PEAKS = 16384
+_in_flight_peaks: dict[tuple[RankSchedule, tuple[tuple[int, int], ...]], tuple[int, tuple[int, ...]]] = {}
+
+
+class _RankModel(NamedTuple):
+    """What the engine makes of the model one pipeline rank holds: shared by the ranks holding as many layers and the
+    same ends of the model."""
+
+    proxy: Scenario
+    states: ModelStates
+    activations: ActivationEstimate
+
+
 def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageMemory, int]:
     """One pipeline rank's memory (every rank of its data- and tensor-parallel group holds the same) and its host
     bytes under offload: each category at its largest over the engine's moments (`pipeline_moments`), and the
     largest moment as the peak."""
+    return _rank_memory(scenario, rules_for(scenario), pipeline_rank, rank_stages(scenario, pipeline_rank), {})
+
+
+def _rank_memory(
+    scenario: Scenario,
+    rules: EngineRules,
+    pipeline_rank: int,
+    stages: tuple[PipelineStage, ...],
+    models: dict[tuple[int, bool, bool], _RankModel],
+) -> tuple[StageMemory, int]:
+    """`pipeline_rank_memory`, with `models` the rank models of the scenario made so far (by layers and ends held)."""
     strategy, training, model = scenario.strategy, scenario.training, scenario.model
-    stages = rank_stages(scenario, pipeline_rank)
-    proxy = rank_proxy(scenario, stages)
-    rules = rules_for(scenario)
-    states = rules.rank_memory(proxy, 0).states
-    acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
-    weights = {stage.index: rules.pipeline_stage_activations(scenario, acts, stage) for stage in stages}
-    actions = pipeline_rank_actions(scenario, pipeline_rank)
-    in_flight_bytes, counts = peak_in_flight(list(actions), weights)
+    layers = sum(stage.layers for stage in stages)
+    embedding, head = any(stage.embedding for stage in stages), any(stage.head for stage in stages)
+    held = models.get((layers, embedding, head))
+    if held is None:
+        proxy = stage_proxy(scenario, layers, embedding, head)
+        states = rules.rank_memory(proxy, 0).states
+        acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
+        held = models[layers, embedding, head] = _RankModel(proxy, states, acts)
+    states, acts = held.states, held.activations
+    weights = tuple((stage.index, rules.pipeline_stage_activations(scenario, acts, stage)) for stage in stages)
+    schedule = rank_schedule(scenario, pipeline_rank)
+    in_flight_bytes, counts = in_flight_peak(schedule, weights)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
-    spike = acts.loss_forward_spike_bytes if any(stage.head for stage in stages) else 0
+    spike = acts.loss_forward_spike_bytes if head else 0
     # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
     # (its MLP's activation and weight gradients, core.activations) on top of them
-    working = acts.block_backward_bytes if any(stage.layers for stage in stages) else 0
-    if not working and any(stage.embedding for stage in stages):  # the embedding's backward makes a dense gradient
+    working = acts.block_backward_bytes if layers else 0
+    if not working and embedding:  # the embedding's backward makes a dense gradient
         working = model.vocab_size // strategy.tp * model.hidden_size * activation_bytes_per_element(training)
     load = PipelineLoad(
         stages=stages,
         states=states,
         activations=acts,
-        actions=actions,
+        schedule=schedule,
         weights=weights,
         in_flight_bytes=in_flight_bytes,
-        in_flight=sum(counts.values()),
+        in_flight=sum(counts),
         step_activations=rules.pipeline_step_activations(scenario, stages),
         receive_bytes=receives * training.grad_accum_steps * boundary_bytes(scenario),
         working_bytes=max(spike, working),
-        shard_degree=proxy.shard_degree,
+        shard_degree=held.proxy.shard_degree,
     )
     moments = rules.pipeline_moments(scenario, load)
     moment, peak = peak_of(moments)
-    largest = [max(live[index] for _, live in moments) for index in range(len(peak))]
+    largest = [max(category) for category in zip(*(live for _, live in moments), strict=True)]
     overhead = scenario.overheads.context_bytes
     per_rank = MemoryBreakdown(
         parameters_bytes=largest[0],
@@ -126,8 +201,8 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     stage_memory = StageMemory(
         pipeline_rank=pipeline_rank,
         stages=tuple(stage.described for stage in stages),
-        layers=sum(stage.layers for stage in stages),
-        in_flight=tuple(counts[stage.index] for stage in stages),
+        layers=layers,
+        in_flight=counts,
         per_rank=per_rank,
         peak_moment=moment,
     )
@@ -152,7 +227,12 @@ class PipelineMemory:
 
 def pipeline_memory(scenario: Scenario) -> PipelineMemory:
     """The memory of every pipeline rank of the scenario."""
-    entries = [pipeline_rank_memory(scenario, rank) for rank in range(scenario.strategy.pp)]
+    rules, pp = rules_for(scenario), scenario.strategy.pp
+    by_rank: list[list[PipelineStage]] = [[] for _ in range(pp)]
+    for stage in pipeline_stages(scenario):
+        by_rank[stage.rank].append(stage)
+    models: dict[tuple[int, bool, bool], _RankModel] = {}  # the scenario's own: at most one per rank
+    entries = [_rank_memory(scenario, rules, rank, tuple(stages), models) for rank, stages in enumerate(by_rank)]
     return PipelineMemory(per_stage=tuple(entry for entry, _ in entries), host_bytes=tuple(host for _, host in entries))
 
 

@@ -20,7 +20,7 @@ from shardscope.core.comm import collective_ledger, comm_event_parts, with_micro
 from shardscope.core.comm_events import CommEvent
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
-from shardscope.core.engines.base import PipelineCalls
+from shardscope.core.engines.pipeline_load import PipelineCalls
 from shardscope.core.kept import kept
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.network import CollectiveCost, Placement, collective_cost, network_model

@@ -14,7 +14,7 @@ An engine adds moments of its own where its mechanism makes one (see its module)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -22,9 +22,9 @@ from typing import NamedTuple, Protocol
 from shardscope.choices import EngineName
 from shardscope.core.activations import ActivationEstimate, estimate_activations
 from shardscope.core.comm_events import CommEvent
+from shardscope.core.engines.pipeline_load import PipelineCalls, PipelineLoad, StageRows
 from shardscope.core.model_states import ModelStates, dtype_bytes
 from shardscope.core.pipeline import PipelineStage
-from shardscope.core.pipeline_schedule import Action
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
 from shardscope.presets.hardware import HardwareProfile
@@ -77,43 +77,6 @@ class RankMemory:
     moments: tuple[Moment, ...]
     """In the order the step reaches them; the peak is the first of the largest."""
 
-
-class PipelineLoad(NamedTuple):
-    """What one pipeline rank's step holds besides the moments' own terms (core.pipeline_memory builds it)."""
-
-    stages: tuple[PipelineStage, ...]
-    """The rank's stages."""
-    states: ModelStates
-    """The engine's states of the model the rank holds (its rank proxy)."""
-    activations: ActivationEstimate
-    """One micro-batch's activations of the whole model on one rank."""
-    actions: tuple[Action, ...]
-    """The rank's forwards and backwards in its schedule's order."""
-    weights: dict[int, int]
-    """Activations one micro-batch keeps on each of the rank's stages while in flight (by stage index)."""
-    in_flight_bytes: int
-    """The most activations the schedule keeps in flight at once."""
-    in_flight: int
-    """Micro-batches in flight at that moment, every stage of the rank together."""
-    step_activations: int
-    """Activations held for the whole step (the schedule's token ids and targets)."""
-    receive_bytes: int
-    """The stages' point-to-point receive buffers, kept for the step."""
-    working_bytes: int
-    """The larger of the loss's forward spike (head stage) and one block's backward working set."""
-    shard_degree: int
-    """Ranks the data-parallel strategy shards each stage over."""
-
-
-class PipelineCalls(NamedTuple):
-    """A pipeline rank's stages and the order its schedule runs them in."""
-
-    stages: tuple[PipelineStage, ...]
-    actions: tuple[Action, ...]
-
-
-StageRows = Callable[[tuple[PipelineStage, ...]], list[CollectiveRow]]
-"""The data-parallel collectives of a step of a model of these stages without a pipeline, every micro-batch's."""
 
 TimePlace = tuple[str, int]
 """(kind of compute task, stage): ('forward', s), ('backward', s), or ('optimizer', -1) for the step."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import lru_cache
 from typing import NamedTuple
 
 from shardscope.core.comm_events import CommEvent
@@ -37,11 +36,10 @@ from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
     LiveBytes,
     Moment,
-    PipelineCalls,
-    PipelineLoad,
-    StageRows,
     as_live_bytes,
 )
+from shardscope.core.engines.fsdp2_pipeline_states import fullest_actions, stage_bit
+from shardscope.core.engines.pipeline_load import PipelineCalls, PipelineLoad, StageRows
 from shardscope.core.kept import kept
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import PipelineStage, layout_of
@@ -89,24 +87,7 @@ def _units(scenario: Scenario, stage: PipelineStage, degree: int) -> _Units:
 def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Moment]:
     """The moments of the rank's step (see the module docstring), the largest of each kind kept."""
     units = {stage.index: _units(scenario, stage, load.shard_degree) for stage in load.stages}
-    found: dict[str, Moment] = {}
-    fullest = sorted(_fullest_actions(scenario, load).items(), key=lambda item: item[1][2])  # in the step's order
-    for (backward, index, gathered, backwarded), (held, micro_batch, _) in fullest:
-        own = units[index]
-        others = sum(u.gathered for i, u in units.items() if gathered & _bit(i) and i != index)
-        gradients = sum(u.accumulated for i, u in units.items() if backwarded & _bit(i) and i != index)
-        own_gathered, own_backwarded = bool(gathered & _bit(index)), bool(backwarded & _bit(index))
-        if backward:
-            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
-        else:
-            gradients += own.accumulated if own_backwarded else 0
-            made = _forward(scenario, load, own, held, own_gathered)
-        where = f"stage {index} {'backward' if backward else 'forward'} {micro_batch}"
-        for kind, (activations, buffers, temporary) in made:
-            live = _live(load, activations, others + buffers, gradients + temporary)
-            if kind not in found or sum(live) > sum(found[kind][1]):
-                found[kind] = (f"{where}: {kind}", live)
-    moments = list(found.values())
+    moments = [(name, _live(load, *terms)) for name, terms in _action_moments(scenario, load, units)]
     moments.append(("the step's reduce-scatters", _reduce_scatter(scenario, load, list(units.values()))))
     states = load.states
     step = (states.parameters_bytes, states.gradients_bytes, states.optimizer_state_bytes, 0)
@@ -115,48 +96,65 @@ def fsdp2_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Momen
     return moments
 
 
-_ActionState = tuple[bool, int, int, int]
-"""A forward or backward (True) of a stage, with the stages whose units are gathered and those that have run a
-backward as it starts (sets of stages as bits, `_bit`)."""
+_Terms = tuple[int, int, int]
+"""(activations, buffers, temporary) of a moment of a forward or backward, beside what `_live` adds."""
 
 
-def _bit(stage: int) -> int:
-    """A stage's bit in a set of stages."""
-    return 1 << stage
+def _action_moments(scenario: Scenario, load: PipelineLoad, units: dict[int, _Units]) -> tuple[tuple[str, _Terms], ...]:
+    """The largest moment of each kind the schedule's forwards and backwards meet (the first of them), named by
+    where it falls. Kept by everything it reads: a planner's scenarios that differ only in the rank's sharded
+    states (the zero stage, offload, the world beyond the shard group), which every moment holds alike, share it."""
+    model, training = scenario.model, scenario.training
+    key = (
+        load.schedule,
+        _reshards_after_forward(scenario),
+        load.weights,
+        tuple(units.values()),
+        load.activations,
+        load.step_activations,
+        training.precision,
+        model.ffn_hidden_size,
+        model.hidden_size,
+        scenario.strategy.tp,
+    )
+    return kept(_moments_kept, key, lambda: _walk_action_moments(scenario, load, units), CACHED_ACTION_MOMENTS)
 
 
-def _fullest_actions(scenario: Scenario, load: PipelineLoad) -> dict[_ActionState, tuple[int, int, int]]:
-    """For each state an action of the schedule starts in, the most activations in flight it meets (its own forward's
-    included), and the micro-batch and place in the step of the first action that meets them: every moment grows
-    with the activations alone, so these actions hold each moment's largest."""
-    fullest: dict[_ActionState, tuple[int, int, int]] = {}
-    for key, counts, micro_batch, place in _action_states(load.actions, _reshards_after_forward(scenario)):
-        held = load.step_activations + sum(count * load.weights[stage] for stage, count in counts)
-        if key not in fullest or held > fullest[key][0]:
-            fullest[key] = (held, micro_batch, place)
-    return fullest
+CACHED_ACTION_MOMENTS = 16384
+_moments_kept: dict[tuple[object, ...], tuple[tuple[str, _Terms], ...]] = {}
 
 
-@lru_cache(maxsize=4096)  # a planner sweep asks the same few schedules of thousands of scenarios
-def _action_states(
-    actions: tuple[Action, ...], reshards: bool
-) -> tuple[tuple[_ActionState, tuple[tuple[int, int], ...], int, int], ...]:
-    """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
-    micro-batch and place of the first action there: what `_fullest_actions` weighs, whatever the activations."""
-    gathered = backwarded = 0
-    in_flight: dict[int, int] = {}
-    seen: dict[tuple[_ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
-    for place, action in enumerate(actions):
-        index = action.stage
-        if not action.backward:
-            in_flight[index] = in_flight.get(index, 0) + 1
-        state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
-        seen.setdefault(state, (action.micro_batch, place))
-        if action.backward:
-            in_flight[index] -= 1
-            backwarded |= _bit(index)
-        gathered = gathered | _bit(index) if action.backward or not reshards else gathered & ~_bit(index)
-    return tuple((key, counts, micro_batch, place) for (key, counts), (micro_batch, place) in seen.items())
+def _walk_action_moments(
+    scenario: Scenario, load: PipelineLoad, units: dict[int, _Units]
+) -> tuple[tuple[str, _Terms], ...]:
+    """`_action_moments`, computed."""
+    # each kind's largest (the first of them): its bytes beside what every moment of a backward holds
+    # (`_live`), the action's stage, direction and micro-batch, and (activations, buffers, temporary)
+    found: dict[str, tuple[int, int, bool, int, _Terms]] = {}
+    fullest = fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights)
+    for (backward, index, gathered, backwarded), in_flight, micro_batch in fullest:
+        held = load.step_activations + in_flight
+        own = units[index]
+        others = gradients = 0
+        for i, other in units.items():
+            if i != index:
+                others += other.gathered if gathered & stage_bit(i) else 0
+                gradients += other.accumulated if backwarded & stage_bit(i) else 0
+        own_gathered, own_backwarded = bool(gathered & stage_bit(index)), bool(backwarded & stage_bit(index))
+        if backward:
+            made = _backward(scenario, load, own, held, own_gathered, own_backwarded)
+        else:
+            gradients += own.accumulated if own_backwarded else 0
+            made = _forward(scenario, load, own, held, own_gathered)
+        for kind, (activations, buffers, temporary) in made:
+            terms = (activations, others + buffers, gradients + temporary)
+            total = sum(terms)
+            if kind not in found or total > found[kind][0]:
+                found[kind] = (total, index, backward, micro_batch, terms)
+    return tuple(
+        (f"stage {index} {'backward' if backward else 'forward'} {micro_batch}: {kind}", terms)
+        for kind, (_, index, backward, micro_batch, terms) in found.items()
+    )
 
 
 def _live(load: PipelineLoad, activations: int, buffers: int, temporary: int) -> LiveBytes:
@@ -261,16 +259,20 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     """The step's end, PipelineStage.perform_reduce_grad: FSDPParamGroup.post_backward of every unit in turn (each
     stage's root first, then its blocks in order) reshards the unit, copies its accumulated gradients into the
     reduce-scatter input and reduce-scatters it (gloo holds a clone of the input: core.engines.fsdp2), and the shard
-    lands as the unit's sharded gradient. The largest of those moments, the step's token ids and targets held."""
-    sizes = [(u.root, u.root_gradients) for u in units]
-    sizes += [(u.block, u.block_gradients) for u in units for _ in range(u.stage.layers)]
+    lands as the unit's sharded gradient. The largest of those moments (the first of them), the step's token ids and
+    targets held.
+
+    Along a stage's alike blocks each moment holds what the one before held less the block's gathered parameters and
+    its gradients plus their shard, no larger than them: the first block's is the largest of them (the first of the
+    largest), so it alone is weighed, whatever the layers."""
+    runs = [(u.root, u.root_gradients, 1) for u in units]  # (unit, its gradients, how many in a row)
+    runs += [(u.block, u.block_gradients, u.stage.layers) for u in units if u.stage.layers]
     clone = scenario.cluster.backend == "gloo"
     gathered = sum(u.gathered for u in units)
     accumulated = sum(u.accumulated for u in units)
     states = load.states
     landed, best = 0, as_live_bytes((0,) * 6)
-    for params, grads in sizes:
-        gathered -= params
+    for params, grads, count in runs:
         shard = grads // load.shard_degree
         live = as_live_bytes(
             (
@@ -278,13 +280,14 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
                 landed + shard,
                 states.optimizer_state_bytes,
                 load.step_activations,
-                load.receive_bytes + states.persistent_buffers_bytes + gathered,
+                load.receive_bytes + states.persistent_buffers_bytes + gathered - params,
                 accumulated + (grads if clone else 0),
             )
         )
         best = max(best, live, key=sum)
-        accumulated -= grads
-        landed += shard
+        gathered -= count * params
+        accumulated -= count * grads
+        landed += count * shard
     return best
 
 

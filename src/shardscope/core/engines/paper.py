@@ -34,7 +34,6 @@ from shardscope.core.engines.base import (
     LOSS_GRAD_BYTES,
     LiveBytes,
     Moment,
-    PipelineLoad,
     RankMemory,
     RulesDefaults,
     TimePlace,
@@ -45,6 +44,7 @@ from shardscope.core.engines.base import (
     shared_memory,
     shared_moments,
 )
+from shardscope.core.engines.pipeline_load import PipelineLoad
 from shardscope.core.engines.python_ops import bookkeeping_ops, hook_calls
 from shardscope.core.engines.teaching_pipeline import shard_buffer_moments, teaching_pipeline_moments
 from shardscope.core.expert_parallel import (

@@ -26,11 +26,8 @@ from shardscope.core.comm_events import (
 )
 from shardscope.core.engines.base import (
     Moment,
-    PipelineCalls,
-    PipelineLoad,
     RankMemory,
     RulesDefaults,
-    StageRows,
     TimePlace,
     shared_memory,
 )
@@ -40,6 +37,7 @@ from shardscope.core.engines.fsdp2_pipeline import (
     fsdp2_pipeline_moments,
     fsdp2_pipeline_rows,
 )
+from shardscope.core.engines.pipeline_load import PipelineCalls, PipelineLoad, StageRows
 from shardscope.core.kept import kept
 from shardscope.core.model_states import (
     KEPT_STATES_LIMIT,

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from shardscope.core.engines.base import LOSS_GRAD_BYTES, Moment, PipelineLoad, as_live_bytes
+from shardscope.core.engines.base import LOSS_GRAD_BYTES, Moment, as_live_bytes
+from shardscope.core.engines.pipeline_load import PipelineLoad
 from shardscope.core.model_states import dtype_bytes
 from shardscope.core.pipeline import layout_of
 from shardscope.core.sharding import flat_shard_numel
@@ -81,7 +82,7 @@ def teaching_pipeline_moments(scenario: Scenario, load: PipelineLoad) -> list[Mo
     if embedding:
         # the embeddings' dense gradient lands last, after the micro-batch's every block: the root's per-parameter
         # gradients and their flat copy, the micro-batch's activations freed
-        freed = load.weights[load.stages[0].index] if alone else 0
+        freed = load.weights[0][1] if alone else 0
         moments.append(live("the root's reduce-scatter", in_flight - freed, gathered_root + root_flat, root * element))
     elif head:
         # the final norm's weight gradient lands the head stage's root, beside the gradient of the norm's input

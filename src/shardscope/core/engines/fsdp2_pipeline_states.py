@@ -1,0 +1,82 @@
+"""Which of a pipeline rank's stages have their FSDP units gathered and which have run a backward as each action of
+its schedule starts, and the most activations in flight each such state meets: FSDP2's moments inside torch's
+pipelining (core.engines.fsdp2_pipeline) are weighed at these actions. They depend on the schedule's shape, whether
+a forward reshards its units, and each stage's activations per micro-batch alone, so they are kept per shape: the
+planner's scenarios of one shape share them whatever their sharding, and a walk of the order is made once.
+"""
+
+from __future__ import annotations
+
+from shardscope.core.engines.pipeline_load import CACHED_ORDERS, RankSchedule
+from shardscope.core.kept import kept
+
+ActionState = tuple[bool, int, int, int]
+"""A forward or backward (True) of a stage, with the stages whose units are gathered and those that have run a
+backward as it starts (sets of stages as bits, `stage_bit`)."""
+
+
+def stage_bit(stage: int) -> int:
+    """A stage's bit in a set of stages."""
+    return 1 << stage
+
+
+FullestActions = tuple[tuple[ActionState, int, int], ...]
+"""(state, most activations in flight there, the micro-batch of the first action meeting them), in the step's order."""
+
+
+def fullest_actions(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> FullestActions:
+    """For each state an action of the schedule starts in, in the step's order: the most activations in flight it
+    meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not), and the
+    micro-batch of the first action that meets them: every moment grows with the activations alone, so these actions
+    hold each moment's largest. Kept per shape and weights: the planner's scenarios that differ in how the
+    data-parallel ranks shard their states share them."""
+    return kept(
+        _fullest_kept, (schedule, reshards, weights), lambda: _walk_fullest(schedule, reshards, weights), CACHED_FULLEST
+    )
+
+
+CACHED_FULLEST = 16384
+_fullest_kept: dict[tuple[RankSchedule, bool, tuple[tuple[int, int], ...]], FullestActions] = {}
+
+
+def _walk_fullest(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> FullestActions:
+    """`fullest_actions`, computed."""
+    per_stage = dict(weights)
+    fullest: dict[ActionState, tuple[int, int, int]] = {}
+    for key, counts, micro_batch, place in _action_states(schedule, reshards):
+        held = sum(count * per_stage[stage] for stage, count in counts)
+        if key not in fullest or held > fullest[key][0]:
+            fullest[key] = (held, micro_batch, place)
+    in_order = sorted(fullest.items(), key=lambda item: item[1][2])
+    return tuple((key, held, micro_batch) for key, (held, micro_batch, _) in in_order)
+
+
+_StatesMet = tuple[tuple[ActionState, tuple[tuple[int, int], ...], int, int], ...]
+
+
+def _action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
+    """Each distinct (state, micro-batches in flight per stage) an action of the schedule starts in, with the
+    micro-batch and place of the first action there: what `fullest_actions` weighs, whatever the activations. Kept
+    per shape: one walk of the order (a few hundred actions at most) serves every scenario of the shape."""
+    return kept(_states_kept, (schedule, reshards), lambda: _walk_action_states(schedule, reshards), CACHED_ORDERS)
+
+
+_states_kept: dict[tuple[RankSchedule, bool], _StatesMet] = {}
+
+
+def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
+    """`_action_states`, computed."""
+    gathered = backwarded = 0
+    in_flight: dict[int, int] = {}
+    seen: dict[tuple[ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
+    for place, action in enumerate(schedule.actions):
+        index = action.stage
+        if not action.backward:
+            in_flight[index] = in_flight.get(index, 0) + 1
+        state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
+        seen.setdefault(state, (action.micro_batch, place))
+        if action.backward:
+            in_flight[index] -= 1
+            backwarded |= stage_bit(index)
+        gathered = gathered | stage_bit(index) if action.backward or not reshards else gathered & ~stage_bit(index)
+    return tuple((key, counts, micro_batch, place) for (key, counts), (micro_batch, place) in seen.items())
