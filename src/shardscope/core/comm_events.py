@@ -199,10 +199,17 @@ def sharded_events(
     reshard = strategy.reshard_after_forward and strategy.stage == 3
     shape = (rank_layout(scenario), scenario.shard_degree, scenario.replica_degree, group, offload_params, reshard)
     steps = scenario.training.grad_accum_steps
-    return list(_sharded_step(*shape, gathered_numels, param_bytes, grad_bytes, regather_root, root_once, steps))
+    make = _sharded_step if steps <= KEPT_STEPS_UP_TO else _sharded_step.__wrapped__
+    return list(make(*shape, gathered_numels, param_bytes, grad_bytes, regather_root, root_once, steps))
 
 
-@lru_cache(maxsize=8)
+KEPT_STEPS_UP_TO = 16
+"""Steps of at most this many micro-batches have their calls kept (the planner's bounds and simulations ask steps of
+one and two micro-batches, the time model's runs at most 16), so a kept step holds at most 16 micro-batches' calls
+and 512 of them stay small; a longer step's calls are made anew."""
+
+
+@lru_cache(maxsize=512)  # the planner asks for a plan's bound long before its simulation, hundreds of steps apart
 def _sharded_step(
     layout: ParamLayout,
     degree: int,
@@ -218,7 +225,7 @@ def _sharded_step(
     steps: int,
 ) -> tuple[CommEvent, ...]:
     """`sharded_events` from what it reads, kept: the planner's bound of a plan and its simulation ask for the same
-    steps (of one and two micro-batches) one after the other."""
+    steps (of one and two micro-batches)."""
     layout_units = fsdp_units(layout)
     root_numel, block_numel = gathered_numels
     events: list[CommEvent] = []
