@@ -21,8 +21,10 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 WORKER = ["-m", "shardscope.runtime.worker", "--steps", "2", "--precision", "fp32", "--timeout-s", "90"]
 
 
-def torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "SHARDSCOPE_LAUNCHER_PID"}
+def torchrun(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """torchrun with its temporary files (torch elastic's torchelastic_* log folder, which it does not remove) in
+    the test's own folder."""
+    env = {k: v for k, v in os.environ.items() if k != "SHARDSCOPE_LAUNCHER_PID"} | {"TMPDIR": str(tmp_path)}
     return subprocess.run([*TORCHRUN, *WORKER, *args], capture_output=True, text=True, timeout=150, env=env)
 
 
@@ -30,7 +32,8 @@ def torchrun(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_torchrun_writes_the_run_document_and_matches_the_prediction(
     tmp_path: Path, matches_schema: Callable[[dict[str, Any]], None]
 ) -> None:
-    done = torchrun(["--model", "tiny-gpt2", "--strategy", "zero3", "--engine", "pytorch", "--run-dir", str(tmp_path)])
+    flags = ["--model", "tiny-gpt2", "--strategy", "zero3", "--engine", "pytorch", "--run-dir", str(tmp_path)]
+    done = torchrun(flags, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shardscope: zero3 (pytorch) on 2 ranks" in done.stdout
     document = json.loads((tmp_path / "run.json").read_text())
@@ -48,7 +51,7 @@ def test_torchrun_writes_the_run_document_and_matches_the_prediction(
 
 @pytest.mark.distributed
 def test_bad_flags_under_torchrun_are_one_line_per_rank(tmp_path: Path) -> None:
-    done = torchrun(["--model", "nope", "--run-dir", str(tmp_path)])
+    done = torchrun(["--model", "nope", "--run-dir", str(tmp_path)], tmp_path)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("shardscope worker rank")]
     # torchrun stops the other rank when the first one fails, so it may not get to print its line.
