@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
-from shardscope.core.comm_events import Place
+from shardscope.core.comm_events import CallKey, Place, call_keys
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import TimePlace
@@ -150,16 +150,18 @@ def _placements_of(where: dict[tuple[str, int, int], int]) -> dict[Place, _Place
 
 def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
     """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
-    kind and op) hundreds of times."""
+    kind and op) hundreds of times (`call_keys`)."""
     priced: dict[tuple[str, str, int, int], CollectiveCost] = {}
-    costs = []
-    for event in events:
-        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
-        cost = priced.get(key)
+    cost_of: dict[CallKey, CollectiveCost] = {}
+    keys = call_keys(events)
+    for key, event in dict(zip(keys, events, strict=True)).items():
+        row = event.row
+        shape = (event.group, row.op, row.group_size, row.payload_bytes)
+        cost = priced.get(shape)
         if cost is None:
-            cost = priced[key] = event_cost(event, scenario, net)
-        costs.append(cost)
-    return tuple(costs)
+            cost = priced[shape] = event_cost(event, scenario, net)
+        cost_of[key] = cost
+    return tuple(map(cost_of.__getitem__, keys))
 
 
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
