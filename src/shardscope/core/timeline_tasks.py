@@ -5,6 +5,8 @@ compute slowed beside asynchronous collectives."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
@@ -165,6 +167,8 @@ def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkM
 
 
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
+_PLACE = attrgetter("micro_batch", "stage", "trigger")
+_GROUP = attrgetter("group")
 
 
 class CommTasks(NamedTuple):
@@ -198,16 +202,17 @@ def build_comm_tasks(
     optimizer = where[("optimizer", 0, -1)]
     tasks: list[Task] = []
     placed = _placements_of(where)
-    for position, (event, cost, issued_async) in enumerate(zip(events, costs, asynchronous, strict=True), first):
-        place = (event.micro_batch, event.stage, event.trigger)
-        found = placed.get(place)
-        if found is None:
-            found = placed[place] = _placement(place, where, optimizer)
-        key, after, consumer = found
+    places = list(map(_PLACE, events))
+    for place in set(places).difference(placed):
+        placed[place] = _placement(place, where, optimizer)
+    streams = map(STREAM_OF_GROUP.get, map(_GROUP, events), repeat("comm"))
+    for position, (event, cost, issued_async, place, stream) in enumerate(
+        zip(events, costs, asynchronous, places, streams, strict=True), first
+    ):
+        key, after, consumer = placed[place]
         if consumer is not None:
             waits.setdefault(consumer, []).append(position)
         duration = cost.time_s
-        stream = STREAM_OF_GROUP.get(event.group, "comm")
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after += (position - 1,)
         elif stream != "host" and not (waited_async and issued_async):
