@@ -160,6 +160,7 @@ def new_event(
 
 _ROW = attrgetter("row")
 _GROUP = attrgetter("group")
+_ALL_BUT_MICRO_BATCH = attrgetter("row", "group", "stage", "trigger", "label")
 
 CallKey = tuple[int, str]
 """What a call sends, as `call_keys` gives it."""
@@ -347,8 +348,11 @@ def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[Co
     copied, not built again (a 405B pipeline rank's step has thousands of calls, and the planner simulates hundreds
     of steps)."""
     events = list(first)
+    fields = list(map(_ALL_BUT_MICRO_BATCH, first))
     for micro_batch in range(1, micro_batches):
-        events += [new_event(call.row, call.group, micro_batch, call.stage, call.trigger, call.label) for call in first]
+        events += [
+            new_event(row, group, micro_batch, stage, trigger, label) for row, group, stage, trigger, label in fields
+        ]
     return events
 
 
