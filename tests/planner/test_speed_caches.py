@@ -154,9 +154,11 @@ def test_kept_sharded_calls_equal_fresh_ones(small_request: PlanRequest) -> None
     fresh = {}
     for scenario in points:
         comm_events._sharded_step.cache_clear()
+        comm_events._sharded_micro_batch.cache_clear()
         fresh[scenario] = step_calls(scenario)
     for order in (points, points[::-1]):
         comm_events._sharded_step.cache_clear()
+        comm_events._sharded_micro_batch.cache_clear()
         for scenario in order:
             assert step_calls(scenario) == fresh[scenario]
     kept = comm_events.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)

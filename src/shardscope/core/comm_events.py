@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
+from typing import NamedTuple
 
 from shardscope.choices import CommGroup, LedgerGroup, Trigger
 from shardscope.core.params import ParamLayout, ParamTensor, rank_layout
@@ -75,6 +77,7 @@ def stage_of(tensor_name: str, num_blocks: int) -> int:
     return 0 if tensor_name.startswith("embed") else num_blocks + 1
 
 
+@lru_cache(maxsize=64)  # a layout hashes by identity: one per model and rank share
 def fsdp_units(layout: ParamLayout) -> tuple[Unit, ...]:
     """FSDP wrapping: the root unit (embeddings, final norm, head) and one unit per block, in forward order."""
     root = Unit(name="root", tensors=layout.root, first_stage=0, last_stage=layout.num_blocks + 1)
@@ -123,14 +126,43 @@ def _row(phase: str, op: str, group: LedgerGroup, size: int, payload: int) -> Co
 def event(phase: str, op: str, size: int, payload: int, group: CommGroup, at: Place, label: str) -> CommEvent:
     """One call of `op` on a group of `size` ranks at `at`."""
     micro_batch, stage, trigger = at
-    return CommEvent(
-        row=_row(phase, op, LEDGER_GROUP[group], size, payload),
-        group=group,
-        micro_batch=micro_batch,
-        stage=stage,
-        trigger=trigger,
-        label=label,
-    )
+    return new_event(_row(phase, op, LEDGER_GROUP[group], size, payload), group, micro_batch, stage, trigger, label)
+
+
+_SET_ROW, _SET_GROUP, _SET_MICRO_BATCH, _SET_STAGE, _SET_TRIGGER, _SET_LABEL = (
+    getattr(CommEvent, name).__set__ for name in ("row", "group", "micro_batch", "stage", "trigger", "label")
+)
+
+
+def new_event(
+    row: CollectiveRow, group: CommGroup, micro_batch: int, stage: int, trigger: Trigger, label: str
+) -> CommEvent:
+    """`CommEvent(row=row, group=group, ...)` at under half the cost: its slots filled directly instead of through
+    the frozen dataclass's `__init__` (an `object.__setattr__` looked up per field). A 70B step has a thousand calls
+    and the planner builds thousands of steps, so making them was most of its bounds' time."""
+    call: CommEvent = object.__new__(CommEvent)
+    _SET_ROW(call, row)
+    _SET_GROUP(call, group)
+    _SET_MICRO_BATCH(call, micro_batch)
+    _SET_STAGE(call, stage)
+    _SET_TRIGGER(call, trigger)
+    _SET_LABEL(call, label)
+    return call
+
+
+_ROW = attrgetter("row")
+_GROUP = attrgetter("group")
+_ALL_BUT_MICRO_BATCH = attrgetter("row", "group", "stage", "trigger", "label")
+
+CallKey = tuple[int, str]
+"""What a call sends, as `call_keys` gives it."""
+
+
+def call_keys(events: Sequence[CommEvent]) -> list[CallKey]:
+    """Per call, a key equal for calls that send the same: the identity of its row (calls of one shape share one
+    row, `_row`) and its group. Made without a Python loop per call, so a step's thousand calls are counted or
+    priced by their few distinct shapes cheaply."""
+    return list(zip(map(id, map(_ROW, events)), map(_GROUP, events), strict=True))
 
 
 def gradient_reductions(
@@ -197,10 +229,36 @@ def sharded_events(
     group: CommGroup = "shard" if strategy.preset.groups_replicate else "world"
     offload_params = strategy.offload == "optimizer+params"
     reshard = strategy.reshard_after_forward and strategy.stage == 3
-    shape = (rank_layout(scenario), scenario.shard_degree, scenario.replica_degree, group, offload_params, reshard)
+    shape = _ShardedShape(
+        rank_layout(scenario),
+        scenario.shard_degree,
+        scenario.replica_degree,
+        group,
+        offload_params,
+        reshard,
+        gathered_numels,
+        param_bytes,
+        grad_bytes,
+        regather_root,
+    )
     steps = scenario.training.grad_accum_steps
     make = _sharded_step if steps <= KEPT_STEPS_UP_TO else _sharded_step.__wrapped__
-    return list(make(*shape, gathered_numels, param_bytes, grad_bytes, regather_root, root_once, steps))
+    return list(make(shape, root_once, steps))
+
+
+class _ShardedShape(NamedTuple):
+    """What a sharded step's first micro-batch reads (`sharded_events`' arguments and the scenario's)."""
+
+    layout: ParamLayout
+    degree: int
+    replicas: int
+    group: CommGroup
+    offload_params: bool
+    reshard: bool
+    gathered_numels: tuple[int, int]
+    param_bytes: int
+    grad_bytes: int
+    regather_root: bool
 
 
 KEPT_STEPS_UP_TO = 16
@@ -210,48 +268,13 @@ and 512 of them stay small; a longer step's calls are made anew."""
 
 
 @lru_cache(maxsize=512)  # the planner asks for a plan's bound long before its simulation, hundreds of steps apart
-def _sharded_step(
-    layout: ParamLayout,
-    degree: int,
-    replicas: int,
-    group: CommGroup,
-    offload_params: bool,
-    reshard: bool,
-    gathered_numels: tuple[int, int],
-    param_bytes: int,
-    grad_bytes: int,
-    regather_root: bool,
-    root_once: bool,
-    steps: int,
-) -> tuple[CommEvent, ...]:
+def _sharded_step(shape: _ShardedShape, root_once: bool, steps: int) -> tuple[CommEvent, ...]:
     """`sharded_events` from what it reads, kept: the planner's bound of a plan and its simulation ask for the same
-    steps (of one and two micro-batches)."""
-    layout_units = fsdp_units(layout)
-    root_numel, block_numel = gathered_numels
-    events: list[CommEvent] = []
-
-    def gather(phase: str, numel: int, at: Place, name: str) -> None:
-        if offload_params:
-            events.append(event(phase, "host_to_device", 1, numel // degree * param_bytes, "host", at, f"h2d {name}"))
-        events.append(event(phase, "all_gather", degree, numel * param_bytes, group, at, f"all_gather {name}"))
-
-    for unit in layout_units:  # micro-batch 0's calls; every micro-batch makes the same
-        numel = root_numel if unit.name == "root" else block_numel
-        gather("forward", numel, (0, unit.first_stage, "before_forward"), unit.name)
-    for unit in reversed(layout_units):
-        numel = root_numel if unit.name == "root" else block_numel
-        if reshard and (unit.name != "root" or regather_root):
-            gather("backward", numel, (0, unit.last_stage, "before_backward"), unit.name)
-        at: Place = (0, unit.first_stage, "after_backward")
-        shard = numel // degree * grad_bytes
-        events.append(
-            event("backward", "reduce_scatter", degree, numel * grad_bytes, group, at, f"reduce_scatter {unit.name}")
-        )
-        if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
-            events.append(event("backward", "all_reduce", replicas, shard, "replica", at, f"all_reduce {unit.name}"))
-        if offload_params:
-            events.append(event("backward", "device_to_host", 1, shard, "host", at, f"d2h gradients {unit.name}"))
-    events = every_micro_batch(events, steps)
+    steps (of one and two micro-batches), made from the same kept first micro-batch."""
+    first = _sharded_micro_batch(shape)
+    if steps == 1:
+        return first
+    events = every_micro_batch(first, steps)
     if not root_once:
         return tuple(events)
     root_gathers = ("all_gather root", "h2d root")  # the later micro-batches use micro-batch 0's gathered root
@@ -262,22 +285,65 @@ def _sharded_step(
     )
 
 
+@lru_cache(maxsize=512)
+def _sharded_micro_batch(shape: _ShardedShape) -> tuple[CommEvent, ...]:
+    """Micro-batch 0's calls of a sharded step: every micro-batch makes the same. Every block's unit sends the same
+    rows, so they are made once per unit size and place ('forward' and 'backward' gathers, 'reduce'), and only the
+    calls per unit."""
+    degree, replicas, group, offload_params = shape.degree, shape.replicas, shape.group, shape.offload_params
+    param_bytes, grad_bytes = shape.param_bytes, shape.grad_bytes
+    root_numel, block_numel = shape.gathered_numels
+    made: dict[tuple[str, int], tuple[tuple[str, CollectiveRow, CommGroup], ...]] = {}
+
+    def calls(kind: str, numel: int) -> tuple[tuple[str, CollectiveRow, CommGroup], ...]:
+        """(label, row, group) of the calls of a unit of `numel` gathered elements at one place."""
+        found = made.get((kind, numel))
+        if found is not None:
+            return found
+        shard = numel // degree * grad_bytes
+        ledger_group = LEDGER_GROUP[group]
+        if kind != "reduce":  # a gather, after its host copy under parameter offload
+            gather = [("all_gather", _row(kind, "all_gather", ledger_group, degree, numel * param_bytes), group)]
+            copy = _row(kind, "host_to_device", "host", 1, numel // degree * param_bytes)
+            found = made[(kind, numel)] = (("h2d", copy, "host"), *gather) if offload_params else tuple(gather)
+            return found
+        reduce: list[tuple[str, CollectiveRow, CommGroup]] = [
+            ("reduce_scatter", _row("backward", "reduce_scatter", ledger_group, degree, numel * grad_bytes), group)
+        ]
+        if replicas > 1:  # hsdp: the reduced shard is averaged across the replica groups
+            reduce.append(
+                ("all_reduce", _row("backward", "all_reduce", LEDGER_GROUP["replica"], replicas, shard), "replica")
+            )
+        if offload_params:
+            reduce.append(("d2h gradients", _row("backward", "device_to_host", "host", 1, shard), "host"))
+        found = made[(kind, numel)] = tuple(reduce)
+        return found
+
+    events: list[CommEvent] = []
+
+    def add(kind: str, unit: Unit, stage: int, trigger: Trigger) -> None:
+        for prefix, row, on in calls(kind, root_numel if unit.name == "root" else block_numel):
+            events.append(new_event(row, on, 0, stage, trigger, f"{prefix} {unit.name}"))
+
+    layout_units = fsdp_units(shape.layout)
+    for unit in layout_units:
+        add("forward", unit, unit.first_stage, "before_forward")
+    for unit in reversed(layout_units):
+        if shape.reshard and (unit.name != "root" or shape.regather_root):
+            add("backward", unit, unit.last_stage, "before_backward")
+        add("reduce", unit, unit.first_stage, "after_backward")
+    return tuple(events)
+
+
 def every_micro_batch(first: Sequence[CommEvent], micro_batches: int) -> list[CommEvent]:
     """The calls of micro-batch 0 (`first`), then the same calls of every later one, only their number differing:
     copied, not built again (a 405B pipeline rank's step has thousands of calls, and the planner simulates hundreds
     of steps)."""
     events = list(first)
+    fields = list(map(_ALL_BUT_MICRO_BATCH, first))
     for micro_batch in range(1, micro_batches):
         events += [
-            CommEvent(
-                row=call.row,
-                group=call.group,
-                micro_batch=micro_batch,
-                stage=call.stage,
-                trigger=call.trigger,
-                label=call.label,
-            )
-            for call in first
+            new_event(row, group, micro_batch, stage, trigger, label) for row, group, stage, trigger, label in fields
         ]
     return events
 

@@ -5,10 +5,13 @@ compute slowed beside asynchronous collectives."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
-from shardscope.core.comm_events import Place
+from shardscope.core.comm_events import CallKey, Place, call_keys
 from shardscope.core.compute import ComputeModel, optimizer_step_s, rank_stage_flops
 from shardscope.core.engines import rules_for
 from shardscope.core.engines.base import TimePlace
@@ -150,19 +153,26 @@ def _placements_of(where: dict[tuple[str, int, int], int]) -> dict[Place, _Place
 
 def event_costs(scenario: Scenario, events: tuple[CommEvent, ...], net: NetworkModel) -> tuple[CollectiveCost, ...]:
     """The cost of every event, each distinct call priced once: a step repeats the same few calls (one per unit
-    kind and op) hundreds of times."""
+    kind and op) hundreds of times (`call_keys`)."""
     priced: dict[tuple[str, str, int, int], CollectiveCost] = {}
-    costs = []
-    for event in events:
-        key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
-        cost = priced.get(key)
+    cost_of: dict[CallKey, CollectiveCost] = {}
+    keys = call_keys(events)
+    for key, event in dict(zip(keys, events, strict=True)).items():
+        row = event.row
+        shape = (event.group, row.op, row.group_size, row.payload_bytes)
+        cost = priced.get(shape)
         if cost is None:
-            cost = priced[key] = event_cost(event, scenario, net)
-        costs.append(cost)
-    return tuple(costs)
+            cost = priced[shape] = event_cost(event, scenario, net)
+        cost_of[key] = cost
+    return tuple(map(cost_of.__getitem__, keys))
 
 
 INSIDE_STAGE = ("during_forward", "during_recompute", "during_backward")
+_PLACE = attrgetter("micro_batch", "stage", "trigger")
+_GROUP = attrgetter("group")
+_new_task = partial(tuple.__new__, Task)
+"""`Task(...)` from a tuple of its fields, at half the cost of its Python-level `__new__`: a step has a thousand calls
+and the planner simulates hundreds of steps."""
 
 
 class CommTasks(NamedTuple):
@@ -196,23 +206,24 @@ def build_comm_tasks(
     optimizer = where[("optimizer", 0, -1)]
     tasks: list[Task] = []
     placed = _placements_of(where)
-    for position, (event, cost, issued_async) in enumerate(zip(events, costs, asynchronous, strict=True), first):
-        place = (event.micro_batch, event.stage, event.trigger)
-        found = placed.get(place)
-        if found is None:
-            found = placed[place] = _placement(place, where, optimizer)
-        key, after, consumer = found
+    places = list(map(_PLACE, events))
+    for place in set(places).difference(placed):
+        placed[place] = _placement(place, where, optimizer)
+    streams = map(STREAM_OF_GROUP.get, map(_GROUP, events), repeat("comm"))
+    for position, (event, cost, issued_async, place, stream) in enumerate(
+        zip(events, costs, asynchronous, places, streams, strict=True), first
+    ):
+        key, after, consumer = placed[place]
         if consumer is not None:
             waits.setdefault(consumer, []).append(position)
         duration = cost.time_s
-        stream = STREAM_OF_GROUP.get(event.group, "comm")
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after += (position - 1,)
         elif stream != "host" and not (waited_async and issued_async):
             duration += sync_wait_s  # the first collective after compute waits for the later rank
             waited_async = waited_async or issued_async
         row = event.row
-        tasks.append(Task(key, event.label, stream, row.op, duration, row.payload_bytes, after))
+        tasks.append(_new_task((key, event.label, stream, row.op, duration, row.payload_bytes, after)))
         previous = place
     return CommTasks(tasks, previous, waited_async)
 

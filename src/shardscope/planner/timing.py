@@ -13,9 +13,13 @@ which the compute bound ignores and which decide the cost ranking, where every G
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 
-from shardscope.core.comm_events import CommEvent, optimizer_offload_events
+from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
@@ -164,15 +168,60 @@ class CommunicationFloor:
 
 
 def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
-    """The events of `core.comm.comm_events` that run on the 'comm' and 'host' streams, without building the
-    tensor-parallel calls (the costly part, and priced by the tp floor instead)."""
+    """The events of `core.comm.comm_events` that the floor may count, without building the tensor-parallel calls
+    (the costly part, and priced by the tp floor instead); `_CallTally.stream_seconds` keeps those of the 'comm'
+    and 'host' streams."""
     rules = rules_for(scenario)
     events = rules.step_events(scenario)
     if scenario.strategy.offload == "optimizer":
         events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
-    if scenario.state_ranks == 1:  # as comm_events: data-parallel groups of one rank send nothing
-        events = [event for event in events if event.group == "host"]
-    return [event for event in events if STREAM_OF_GROUP.get(event.group, "comm") in ("comm", "host")]
+    return events
+
+
+_STAGE = attrgetter("stage")
+_FLOOR_STREAMS = ("comm", "host")
+
+
+@dataclass(frozen=True, slots=True)
+class _CallTally:
+    """A step's calls counted by what they send, so each distinct call is priced once: a 70B step repeats the same
+    few calls (one per unit kind and op) on every unit and micro-batch. Counted by the identity of the call's row
+    (`core.comm_events.call_keys`)."""
+
+    calls: dict[CallKey, CommEvent]
+    """One call of each distinct (row, group)."""
+    every: dict[CallKey, int]
+    """How many calls of each the step makes."""
+    first: dict[CallKey, int]
+    """Of them, before the first forward: micro-batch 0, stage 0, 'before_forward'."""
+    last: dict[CallKey, int]
+    """Of them, after the last backward: the last micro-batch, stage 0, 'after_backward'."""
+
+    @classmethod
+    def of(cls, events: list[CommEvent], last_micro_batch: int) -> _CallTally:
+        """The tally of a step of `last_micro_batch` + 1 micro-batches."""
+        keys = call_keys(events)
+        first: Counter[CallKey] = Counter()
+        last: Counter[CallKey] = Counter()
+        # the calls at stage 0 are few (the root's, the last gradient buckets'): looked at one by one
+        for key, event in compress(zip(keys, events, strict=True), map((0).__eq__, map(_STAGE, events))):
+            if event.micro_batch == 0 and event.trigger == "before_forward":
+                first[key] += 1
+            elif event.micro_batch == last_micro_batch and event.trigger == "after_backward":
+                last[key] += 1
+        return cls(calls=dict(zip(keys, events, strict=True)), every=Counter(keys), first=first, last=last)
+
+    def stream_seconds(
+        self, counts: dict[CallKey, int], seconds: Callable[[CommEvent], float], host_only: bool
+    ) -> dict[str, float]:
+        """Seconds of the counted calls on each of the 'comm' and 'host' streams (only 'host' when `host_only`:
+        data-parallel groups of one rank send nothing)."""
+        sums: dict[str, float] = {}
+        for key, count in counts.items():
+            stream = STREAM_OF_GROUP.get(key[1], "comm")
+            if stream in _FLOOR_STREAMS and not (host_only and stream != "host"):
+                sums[stream] = sums.get(stream, 0.0) + seconds(self.calls[key]) * count
+        return sums
 
 
 def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> CommunicationFloor:
@@ -181,6 +230,7 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
     net = network_model(hardware)
     steps = scenario.training.grad_accum_steps
     priced: dict[tuple[str, str, int, int], float] = {}
+    host_only = scenario.state_ranks == 1  # as comm_events: data-parallel groups of one rank send nothing
 
     def seconds(event: CommEvent) -> float:
         key = (event.group, event.row.op, event.row.group_size, event.row.payload_bytes)
@@ -189,36 +239,22 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
             found = priced[key] = event_cost(event, scenario, net).time_s
         return found
 
-    def per_stream(events: list[CommEvent]) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        for event in events:
-            stream = STREAM_OF_GROUP.get(event.group, "comm")
-            sums[stream] = sums.get(stream, 0.0) + seconds(event)
-        return sums
-
     simulated = min(steps, SIMULATED_MICRO_BATCHES)
-    last_micro_batch = simulated - 1
-    # One pass sums each stream's whole step and its edges: the gathers before the first forward (micro-batch 0,
-    # stage 0, 'before_forward') and the reductions after the last backward (the last micro-batch, stage 0,
-    # 'after_backward'), each stream's in the order of its events.
-    busy: dict[str, float] = {}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    for event in _data_parallel_events(_with_micro_batches(scenario, simulated)):
-        stream = STREAM_OF_GROUP.get(event.group, "comm")
-        time_s = seconds(event)
-        busy[stream] = busy.get(stream, 0.0) + time_s
-        if event.stage != 0:
-            continue
-        if event.micro_batch == 0 and event.trigger == "before_forward":
-            first[stream] = first.get(stream, 0.0) + time_s
-        elif event.micro_batch == last_micro_batch and event.trigger == "after_backward":
-            last[stream] = last.get(stream, 0.0) + time_s
+    # Each stream's whole step and its edges: the gathers before the first forward (micro-batch 0, stage 0,
+    # 'before_forward') and the reductions after the last backward (the last micro-batch, stage 0,
+    # 'after_backward').
+    tally = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, simulated)), simulated - 1)
+    busy = tally.stream_seconds(tally.every, seconds, host_only)
     if steps > simulated:
-        one = per_stream(_data_parallel_events(_with_micro_batches(scenario, 1)))
+        once = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, 1)), 0)
+        one = once.stream_seconds(once.every, seconds, host_only)
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), busy_s=0.0)
+    first, last = (
+        tally.stream_seconds(tally.first, seconds, host_only),
+        tally.stream_seconds(tally.last, seconds, host_only),
+    )
     return CommunicationFloor(
         edges_s=max(first.values(), default=0.0) + max(last.values(), default=0.0),
         busy_s=max(busy.values(), default=0.0),
