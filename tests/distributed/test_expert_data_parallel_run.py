@@ -10,9 +10,9 @@ experts received, which routing decides: per rank under ep 2, summed over each e
 expert per rank makes the rows a rank receives uneven (tiny-moe: rank 0 keeps 3,013,016 B of activations against
 2,427,400 predicted for even routing). The all-to-alls: per rank as many calls as predicted, the counts exchange
 byte for byte; the token payloads (the forward combine and the backward dispatch send back what the rank received)
-are checked summed over each expert group, which sends back as many rows as it was sent. Two short cases run by
-default (fsdp and zero2, ep 2); the other strategies and ep 4 (one expert per rank, the experts' data-parallel groups
-of one rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
+are checked summed over each expert group, which sends back as many rows as it was sent. One short case runs by
+default (fsdp, ep 2); the other strategies and ep 4 (one expert per rank, the experts' data-parallel groups of one
+rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction() -> 
     assert experts == [{**experts[0], "payload_bytes": 49_152 * 8, "count": 2}]
 
 
+@pytest.mark.slow
+@pytest.mark.long  # by default ep 2 inside fsdp above; zero2 itself in test_strategies.py
 def test_ep2_inside_zero2_on_4_ranks_matches_one_process_and_the_prediction() -> None:
     # tiny-moe ep 2 in zero2 over 4 ranks: whole parameters in flat buffers, each block's 2 experts (49,152) one of
     # their own: 32,832 + 2 x (12,672 + 49,152) = 156,480 float64 parameters (1,251,840 B); gradient shards as fsdp's

@@ -161,6 +161,8 @@ def check(model: str, ep: int, timeout_s: float, monkeypatch: pytest.MonkeyPatch
         )
 
 
+@pytest.mark.slow
+@pytest.mark.long  # by default ep 2 inside fsdp in test_expert_data_parallel_run.py: parity, all-to-alls, bytes
 def test_ep2_inside_dp2_matches_one_process_and_the_predicted_all_to_alls(monkeypatch: pytest.MonkeyPatch) -> None:
     # tiny-moe, ep 2: per rank 32,832 root + 2 x (12,672 dense + 2 experts x 24,576) = 156,480 parameters (of
     # 254,784); per layer forward one all-to-all of 4 int64 counts (32 bytes) and two of 2 x 16 tokens x 2 x 64

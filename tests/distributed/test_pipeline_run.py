@@ -4,10 +4,11 @@ prediction's `per_stage` says.
 Each case trains in float64 for 3 AdamW steps on gloo (parity within 1e-10, DESIGN.md), then every rank's measured
 model states and buffers and every message of its step (the sends and receives of each micro-batch and boundary, and its
 data-parallel all-reduces) must equal the prediction for its pipeline rank (core/pipeline_memory.py,
-core/pipeline_time.py `pipeline_rank_ledger`), its activations and peak within 5% (validate's targets). Two short
-cases run by default (pp 2 x dp 2, pp 2 x tp 2); the 4-stage ones (tiny-llama-8, so 8 interleaved stages have a layer
-each), the sharded strategies and the 8-rank pp 2 x tp 2 x dp 2 mesh are long and run under `pytest -m long`, each
-launch with a hard deadline (RunConfig.timeout_s).
+core/pipeline_time.py `pipeline_rank_ledger`), its activations and peak within 5% (validate's targets). One short
+case runs by default (pp 2 x dp 2, 1F1B; the teaching tensor parallelism runs by default in
+test_sharded_model_parallel.py and test_model_parallel_prediction.py); pp 2 x tp 2, the 4-stage ones (tiny-llama-8,
+so 8 interleaved stages have a layer each), the sharded strategies and the 8-rank pp 2 x tp 2 x dp 2 mesh are long and
+run under `pytest -m long`, each launch with a hard deadline (RunConfig.timeout_s).
 
 Inside ZeRO-1, ZeRO-2 and ZeRO-3 the buffers are exact too on pp 2 x dp 2: the receive buffers, the gathered units,
 the flat gradient copies and the shard-sized buffers of the reduce-scatters and all-gathers (core/engines/
@@ -135,6 +136,8 @@ def test_the_worker_reads_a_pipeline_from_its_flags() -> None:
     assert parsed.strategy.pp_layers == (0, 3, 3, 2) and parsed.training.grad_accum_steps == 4
 
 
+@pytest.mark.slow
+@pytest.mark.long  # by default pp 2 x dp 2 above runs the teaching pipeline, test_sharded_model_parallel.py its tp
 def test_pp2_tp2_matches_one_process_and_its_prediction() -> None:
     # each stage's layers split over 2 tp ranks (sequence parallel): stage boundaries carry each tp rank's seq/tp tokens
     ranks = run_and_compare({"model": "tiny-llama", "world_size": 4, "pp": 2, "tp": 2, "grad_accum": 4})

@@ -145,6 +145,9 @@ def check(cases: list[tuple[str, int, int, bool]], timeout_s: float, monkeypatch
             assert sorted(report["point_to_point"]) == ring_passes(model, tp, cp), (cases[index], rank)
 
 
+@pytest.mark.slow
+@pytest.mark.long  # by default the teaching grid's tp and cp keep float64 parity in test_sharded_model_parallel.py
+# (fsdp and zero2 x tp 2, zero1 x tp 2 x cp 2) and run inside ddp in test_model_parallel_prediction.py
 def test_tensor_parallel_inside_data_parallel_matches_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     check([("tiny-llama", 2, 1, False)], timeout_s=60, monkeypatch=monkeypatch)
 

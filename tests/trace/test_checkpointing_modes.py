@@ -24,14 +24,14 @@ pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest
 from shardscope.trace.runner import run_in_subprocess
 
-CASES = [  # by default tiny-llama under each mode; the other model and attention under -m long
+CASES = [  # by default tiny-llama under each mode in fp32; the other model, attention and precision under -m long
     ("tiny-llama", "fp32", "sdpa", "op"),
     ("tiny-llama", "fp32", "sdpa", "every:2"),
     pytest.param("tiny-gpt2", "fp32", "sdpa", "op", marks=pytest.mark.long),
     pytest.param("tiny-gpt2", "fp32", "sdpa", "every:2", marks=pytest.mark.long),
     pytest.param("tiny-llama", "fp32", "eager", "op", marks=pytest.mark.long),
     pytest.param("tiny-llama", "fp32", "eager", "every:2", marks=pytest.mark.long),
-    ("tiny-llama", "bf16-mixed", "sdpa", "op"),
+    pytest.param("tiny-llama", "bf16-mixed", "sdpa", "op", marks=pytest.mark.long),
     ("tiny-llama", "fp32", "sdpa", "full"),  # the convention the new modes share
 ]
 

@@ -107,6 +107,8 @@ def test_the_table_names_each_group_by_its_mesh_axis(fsdp: tuple[Scenario, Trace
     assert ["backward", "reduce_scatter", "dp", "4", "0.18", "MiB", "2"] in rows
 
 
+@pytest.mark.long  # by default the ring is traced above (fsdp over dp x cp) and DTensor's tp plan in
+# test_tensor_parallel.py (fsdp x tp 2); `shardscope validate` runs tp x cp for real
 def test_tensor_and_context_parallelism_compose() -> None:
     # dp 2 x cp 2 x tp 2 on 8 ranks: DTensor's sequence-parallel plan over tp, the ring over cp, fully_shard over
     # dp x cp; the K/V chunks hold the rank's kv heads (2 / tp 2)

@@ -111,12 +111,13 @@ def test_loss_parallel_counts_no_global_size_tensors() -> None:
 
 @pytest.mark.parametrize(
     ("sequence_parallel", "checkpointing"),
-    # by default each value of each: without sequence parallelism under full, with it under op (and under none, above)
+    # by default each value of each: without sequence parallelism under full, with it under none (the module's
+    # trace above); 'op' under tp is long (test_checkpointing_modes.py traces 'op' by default)
     [
         pytest.param(False, "none", marks=pytest.mark.long),
         pytest.param(True, "full", marks=pytest.mark.long),
         (False, "full"),
-        (True, "op"),
+        pytest.param(True, "op", marks=pytest.mark.long),
     ],
 )
 def test_ledger_equals_the_core_with_and_without_sequence_parallelism(

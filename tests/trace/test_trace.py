@@ -112,9 +112,10 @@ def test_missing_factory_and_time_limit(capsys: pytest.CaptureFixture[str]) -> N
     assert "time limit of 0.2 s" in capsys.readouterr().err
 
 
-# Both under -m long: `shardscope validate --quick` runs this zero3 case (tests/validate/test_validate_quick.py: its
-# gloo trace's model states and step payload equal to the run's, its peak within 1%), and an FSDP2 trace's ledger
-# equals a run's call for call by default in tests/distributed/test_torch_tensor_parallel.py (fsdp x tp 2).
+# Both under -m long, as is `shardscope validate --quick`, which runs this zero3 case (tests/validate/
+# test_validate_quick.py). By default an FSDP2 trace's model states and ledger equal a run's call for call in
+# tests/distributed/test_torch_tensor_parallel.py (fsdp x tp 2), and a zero3 gloo trace's activations and peak equal
+# its run's to the byte in tests/trace/test_checkpointing_modes.py (tiny-llama, 2 ranks, 'op').
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.distributed
@@ -165,8 +166,10 @@ def test_zero3_peak_equals_the_gloo_runs() -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("precision", "checkpointing"),
-    # full checkpointing's activations against a run stay checked by default in test_ddp.py (zero1, bf16-mixed, full)
-    [pytest.param("fp32", "full", marks=pytest.mark.long), ("bf16-mixed", "none")],
+    # Both under -m long. By default a bf16-mixed trace (with full checkpointing) equals its run's bytes in
+    # test_ddp.py (zero1), a zero3 gloo trace's activations and peak equal its fp32 run's in
+    # test_checkpointing_modes.py, and gloo's reduce-scatter clone is replayed in test_gloo_backend.py.
+    [pytest.param("fp32", "full", marks=pytest.mark.long), pytest.param("bf16-mixed", "none", marks=pytest.mark.long)],
 )
 def test_trace_matches_real_run_with_checkpointing_and_bf16_mixed(precision: str, checkpointing: str) -> None:
     """tiny-gpt2 zero3 on 2 ranks, micro-batch 2, seq 32, against a real gloo run (rank 0).

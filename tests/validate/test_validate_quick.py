@@ -14,6 +14,12 @@ from shardscope.validate.cases import ValidationCase, quick_matrix
 from shardscope.validate.compare import compare_case
 
 
+# Under -m long (a minute of 5 cases x predict, trace and run): by default test_model_parallel_validate.py runs one case
+# through `shardscope validate` end to end (rows, schema, exact categories), tests/distributed/test_strategies.py
+# runs every strategy under both engines for real, and tests/trace/test_checkpointing_modes.py holds a zero3 trace to
+# its gloo run byte for byte.
+@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.distributed
 def test_quick_validation_is_within_targets(matches_schema: Callable[[dict[str, Any]], None]) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
