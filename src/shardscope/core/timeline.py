@@ -155,8 +155,9 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
     graph = step_graph(scenario, profile, placement)
     tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
     # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
-    # issued at the same key.
-    keys = list(map(_KEY, tasks))
+    # issued at the same key. The keys as floats (compute tasks' are ints, exact as floats): a sort of one type
+    # compares floats directly, one of ints and floats goes through the generic comparison, a third slower.
+    keys = list(map(float, map(_KEY, tasks)))
     order = sorted(range(len(tasks)), key=keys.__getitem__)
     free = dict.fromkeys(STREAMS, 0.0)
     finish = [0.0] * len(tasks)
@@ -168,12 +169,14 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
             stream = "compute"
         start = free[stream]
         for dep in after:
-            if finish[dep] > start:  # max(start, finish[dep]), without the call
-                start = finish[dep]
-        waited = waits.get(index)
-        if waited is not None:
-            for dep in waited:
-                ready = finish[dep] - hidden[dep] if dep in hidden else finish[dep]
+            end = finish[dep]
+            if end > start:  # max(start, end), without the call
+                start = end
+        # Only compute tasks wait for calls (`StepGraph.waits`); the index test is cheaper than the dict's.
+        if index < computes and index in waits:
+            for dep in waits[index]:
+                # Most steps hide nothing (no ring attention): `hidden and` spares a lookup per waited call.
+                ready = finish[dep] - hidden[dep] if hidden and dep in hidden else finish[dep]
                 if ready > start:
                     start = ready
         starts[index] = start
@@ -191,6 +194,7 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
 
 
 _KEY = itemgetter(0)  # Task.key
+_STREAM = itemgetter(2)  # Task.stream
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
 
@@ -244,8 +248,10 @@ def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
     run = _run(scenario, profile)
     step, compute_busy, comm, wire = _totals(run)
     tasks, starts = run.tasks, run.starts
-    host = [index for index in run.order if tasks[index].stream == "host"]
-    host.sort(key=starts.__getitem__)  # stable, as the schedule's sort by start
+    host: list[int] = []
+    if "host" in map(_STREAM, tasks):  # most steps copy nothing: one pass at C speed, not one in issue order
+        host = [index for index in run.order if tasks[index].stream == "host"]
+        host.sort(key=starts.__getitem__)  # stable, as the schedule's sort by start
     return StepTotals(
         step_time_s=step,
         compute_time_s=compute_busy,
