@@ -1,5 +1,5 @@
 """The planner's fast path (`core.timeline.step_totals`) gives `simulate`'s numbers to the last bit: the same run of
-the streams, read without building the ledger and the spans."""
+the streams, read without building the ledger and the spans; and that run is the schedule as the timeline defines it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 from timecases import scenario
 
-from shardscope.core.timeline import simulate, step_totals
+from shardscope.core.step_graph import step_graph
+from shardscope.core.timeline import STREAMS, _run, simulate, step_totals
 from shardscope.presets import gpu_preset
-from shardscope.presets.hardware import default_profile
+from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
 
 H100 = default_profile(gpu_preset("h100-80gb"))
@@ -55,3 +56,25 @@ def test_step_totals_equal_the_full_simulation(case: Scenario, profile: object) 
     assert fast.peak_flops_per_s == full.peak_flops_per_s
     if case.strategy.offload != "none":
         assert fast.host_copy_s > 0
+
+
+@pytest.mark.parametrize("profile", [H100, NO_OVERLAP], ids=["overlap", "one-stream"])
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case.model.name}-{case.strategy.label}")
+def test_the_run_issues_by_key_then_index_and_starts_each_task_when_its_stream_and_inputs_are_ready(
+    case: Scenario, profile: HardwareProfile
+) -> None:
+    # `_run` sorts int and float keys as floats and skips lookups it does not need; the schedule is still the plain
+    # definition: issue order by (key, index), each task starting at the latest of its stream's free time, the ends
+    # of its inputs and those of the calls it waits for (less what ring attention hides).
+    run, graph = _run(case, profile), step_graph(case, profile)
+    tasks = graph.tasks
+    assert run.order == sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index))
+    free = dict.fromkeys(STREAMS, 0.0)
+    for index in run.order:
+        task = tasks[index]
+        stream = task.stream if profile.overlap else "compute"
+        ready = [run.finish[dep] for dep in task.after]
+        ready += [run.finish[dep] - graph.hidden.get(dep, 0.0) for dep in graph.waits.get(index, ())]
+        assert run.starts[index] == max([free[stream], *ready])
+        free[stream] = run.finish[index]
+        assert run.finish[index] == run.starts[index] + task.duration_s

@@ -16,7 +16,9 @@ place of the last one: a call at the same place waits for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import compress, count, repeat
+from operator import itemgetter, lt
 from typing import NamedTuple
 
 from shardscope.core.comm import comm_event_parts
@@ -97,9 +99,9 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
     )
     optimizer = where[("optimizer", 0, -1)]
     waits[optimizer] = [
-        *(computes + index for index, task in enumerate(before.tasks) if task.key < optimizer),
+        *_issued_before(optimizer, before.tasks, computes),
         *shared.before_optimizer,
-        *(offload_first + index for index, task in enumerate(after.tasks) if task.key < optimizer),
+        *_issued_before(optimizer, after.tasks, offload_first),
     ]
     return StepGraph(
         events=data_parallel + model_parallel + offload,
@@ -110,6 +112,15 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
         waits=waits,
         hidden=shared.hidden,
     )
+
+
+def _issued_before(key: float, tasks: list[Task], first: int) -> Iterator[int]:
+    """The indices (`first` that of tasks[0]) of the tasks issued before `key`, filtered without a Python-level loop:
+    a step has hundreds of calls and the planner builds hundreds of steps."""
+    return compress(count(first), map(lt, map(_KEY, tasks), repeat(key)))
+
+
+_KEY = itemgetter(0)  # Task.key
 
 
 class ModelParallelTasks(NamedTuple):
