@@ -31,6 +31,15 @@ def test_run_directory_is_private_named_after_the_launcher_and_removed(temp_root
         assert directory.name.startswith(f"run-{os.getpid()}.")
         assert temp_root.stat().st_mode & 0o777 == 0o700
     assert not directory.exists()
+    assert not temp_root.exists()  # the last run out leaves nothing in the temp dir
+
+
+def test_the_root_stays_while_another_run_is_in_it(temp_root: Path) -> None:
+    with run_directory() as outer:
+        with run_directory() as inner:
+            assert inner.parent == outer.parent == temp_root
+        assert not inner.exists() and outer.exists()
+    assert not temp_root.exists()
 
 
 def test_stale_directories_of_dead_launchers_go_at_the_next_start(temp_root: Path) -> None:
@@ -44,7 +53,7 @@ def test_stale_directories_of_dead_launchers_go_at_the_next_start(temp_root: Pat
         alive = temp_root / mine.name
         assert not dead.exists() and not reused.exists() and alive.exists()
         assert remove_stale(temp_root) == []  # a live launcher's directory stays
-    assert sorted(temp_root.iterdir()) == []
+    assert not temp_root.exists()
 
 
 def test_a_root_owned_by_someone_else_is_refused(temp_root: Path) -> None:

@@ -58,11 +58,18 @@ def remove_stale(root: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def run_directory() -> Iterator[Path]:
-    """A fresh run directory for this launcher, removed afterwards; stale ones of dead launchers go first."""
+    """A fresh run directory for this launcher, removed afterwards, and the per-user root with it when no other run
+    is left in it (nothing stays in the temp dir); stale ones of dead launchers go first."""
     root = runs_root()
     remove_stale(root)
-    directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_owner_tag(os.getpid())}-", dir=root))
+    prefix = f"{PREFIX}{_owner_tag(os.getpid())}-"
+    try:
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    except FileNotFoundError:  # another launcher, the last out, removed the empty root in between: make it again
+        directory = Path(tempfile.mkdtemp(prefix=prefix, dir=runs_root()))
     try:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):  # another run's directory (live, or stale for the next start) keeps it
+            root.rmdir()
