@@ -315,8 +315,8 @@ def _sharded_step(shape: _ShardedShape, root_once: bool, steps: int) -> tuple[Co
 @lru_cache(maxsize=512)
 def _sharded_micro_batch(shape: _ShardedShape) -> tuple[CommEvent, ...]:
     """Micro-batch 0's calls of a sharded step: every micro-batch makes the same. Every block's unit sends the same
-    rows, so they are made once per unit size and place ('forward' and 'backward' gathers, 'reduce'), and only the
-    calls per unit."""
+    rows, so they are made once per unit size and place ('forward' and 'backward' gathers, 'reduce'), and the calls
+    made column by column (`new_events`), the blocks' columns one block's repeated."""
     degree, replicas, group, offload_params = shape.degree, shape.replicas, shape.group, shape.offload_params
     param_bytes, grad_bytes = shape.param_bytes, shape.grad_bytes
     root_numel, block_numel = shape.gathered_numels
@@ -352,22 +352,32 @@ def _sharded_micro_batch(shape: _ShardedShape) -> tuple[CommEvent, ...]:
     triggers: list[Trigger] = []
     labels: list[str] = []
 
-    def add(kind: str, unit: Unit, stage: int, trigger: Trigger) -> None:
-        name = unit.name
-        for prefix, row, on in calls(kind, root_numel if name == "root" else block_numel):
-            rows.append(row)
-            groups.append(on)
-            stages.append(stage)
-            triggers.append(trigger)
-            labels.append(f"{prefix} {name}")
+    def add(places: Sequence[tuple[str, Trigger]], units: Sequence[Unit]) -> None:
+        """The calls of each unit of `units` (all of one size) at each of `places` (kind, trigger) in turn, a
+        column at a time: the blocks repeat the same calls, so their rows, groups and triggers are one unit's
+        repeated."""
+        numel = root_numel if units[0].name == "root" else block_numel
+        pattern = [(prefix, row, on, trigger) for kind, trigger in places for prefix, row, on in calls(kind, numel)]
+        rows.extend([row for _, row, _, _ in pattern] * len(units))
+        groups.extend([on for _, _, on, _ in pattern] * len(units))
+        triggers.extend([trigger for _, _, _, trigger in pattern] * len(units))
+        stages.extend(
+            [
+                unit.last_stage if trigger == "before_backward" else unit.first_stage
+                for unit in units
+                for _, _, _, trigger in pattern
+            ]
+        )
+        labels.extend([f"{prefix} {unit.name}" for unit in units for prefix, _, _, _ in pattern])
 
-    layout_units = fsdp_units(shape.layout)
-    for unit in layout_units:
-        add("forward", unit, unit.first_stage, "before_forward")
-    for unit in reversed(layout_units):
-        if shape.reshard and (unit.name != "root" or shape.regather_root):
-            add("backward", unit, unit.last_stage, "before_backward")
-        add("reduce", unit, unit.first_stage, "after_backward")
+    root, *blocks = fsdp_units(shape.layout)
+    gather: tuple[str, Trigger] = ("backward", "before_backward")
+    reduce: tuple[str, Trigger] = ("reduce", "after_backward")
+    add([("forward", "before_forward")], [root])
+    if blocks:
+        add([("forward", "before_forward")], blocks)
+        add([gather, reduce] if shape.reshard else [reduce], blocks[::-1])
+    add([gather, reduce] if shape.reshard and shape.regather_root else [reduce], [root])
     return tuple(new_events(rows, groups, repeat(0), stages, triggers, labels))
 
 
