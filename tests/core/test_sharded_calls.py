@@ -15,6 +15,7 @@ from shardscope.core.comm_events import (
     Place,
     fsdp_units,
     new_event,
+    new_events,
     sharded_events,
 )
 from shardscope.core.params import rank_layout
@@ -114,3 +115,22 @@ def test_new_event_equals_the_constructor() -> None:
     assert made == built and hash(made) == hash(built) and repr(made) == repr(built)
     with pytest.raises(AttributeError):
         made.stage = 4  # type: ignore[misc]
+
+
+def test_new_events_equal_the_constructor_column_by_column() -> None:
+    rows = [
+        CollectiveRow(phase="forward", op="all_gather", group="dp", group_size=8, payload_bytes=64, count=1),
+        CollectiveRow(phase="backward", op="device_to_host", group="host", group_size=1, payload_bytes=8, count=1),
+        CollectiveRow(phase="backward", op="all_reduce", group="dp", group_size=2, payload_bytes=16, count=1),
+    ]
+    groups: list[CommGroup] = ["world", "host", "replica"]
+    triggers: list[Trigger] = ["before_forward", "after_backward", "after_backward"]
+    stages, labels = [1, 0, 5], ["all_gather block 0", "d2h gradients root", "all_reduce block 4"]
+    made = new_events(rows, groups, itertools.repeat(3), stages, triggers, labels)
+    built = [
+        CommEvent(row=row, group=group, micro_batch=3, stage=stage, trigger=trigger, label=label)
+        for row, group, stage, trigger, label in zip(rows, groups, stages, triggers, labels, strict=True)
+    ]
+    assert made == built and list(map(hash, made)) == list(map(hash, built))
+    assert list(map(repr, made)) == list(map(repr, built))
+    assert new_events([], [], itertools.repeat(0), [], [], []) == []

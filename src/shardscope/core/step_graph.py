@@ -18,16 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from itertools import compress, count, repeat
-from operator import itemgetter, lt
-from typing import NamedTuple
+from operator import attrgetter, itemgetter, lt
+from typing import NamedTuple, get_args
 
+from shardscope.choices import CommGroup, Trigger
 from shardscope.core.comm import comm_event_parts
-from shardscope.core.comm_events import CommEvent, Place
+from shardscope.core.comm_events import CommEvent, Place, new_event
 from shardscope.core.compute import ComputeModel, compute_model
 from shardscope.core.engines import rules_for
 from shardscope.core.kept import kept
 from shardscope.core.model_parallel_comm import CACHED_SHAPES, model_parallel_shape
 from shardscope.core.network import CollectiveCost, network_model
+from shardscope.core.result import CollectiveRow
 from shardscope.core.ring_overlap import hidden_exchange
 from shardscope.core.timeline_tasks import (
     Task,
@@ -72,8 +74,7 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
     compute_tasks, where = build_compute_tasks(scenario, compute, profile)
     own = data_parallel + offload
     own_costs = event_costs(scenario, own, network_model(profile))
-    rules = rules_for(scenario)
-    asynchronous = tuple(rules.is_async(scenario, event) for event in own)
+    asynchronous = asynchronous_calls(scenario, own)
     slowdown = profile.host_terms.async_compute_slowdown
     if slowdown:
         slow_beside_async(asynchronous, own, own_costs, compute_tasks, where, slowdown)
@@ -112,6 +113,35 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
         waits=waits,
         hidden=shared.hidden,
     )
+
+
+def asynchronous_calls(scenario: Scenario, events: tuple[CommEvent, ...]) -> tuple[bool, ...]:
+    """The engine's `is_async` of every event. All an engine's rule reads of a call is its trigger and group
+    (`EngineRules.is_async`): when it holds for no pair at all (only DDP's and ZeRO-1's bucket reductions are
+    asynchronous, so every sharded step), none is asked alone; else each distinct pair of the step is asked once
+    (a step of a thousand calls has a handful). tests/core/test_asynchronous_calls.py holds it to asking each call."""
+    rules = rules_for(scenario)
+    if not any(rules.is_async(scenario, probe) for probe in _PROBES):
+        return (False,) * len(events)
+    sorts = list(map(_TRIGGER_GROUP, events))
+    decided = {sort: rules.is_async(scenario, event) for sort, event in dict(zip(sorts, events, strict=True)).items()}
+    return tuple(map(decided.__getitem__, sorts))
+
+
+_PROBES = tuple(
+    new_event(
+        CollectiveRow(phase="backward", op="all_reduce", group_size=2, payload_bytes=0, count=1),
+        group,
+        0,
+        0,
+        trigger,
+        "",
+    )
+    for trigger in get_args(Trigger)
+    for group in get_args(CommGroup)
+)
+"""A call of every trigger and group, to ask an engine whether any call of a step can be asynchronous."""
+_TRIGGER_GROUP = attrgetter("trigger", "group")
 
 
 def _issued_before(key: float, tasks: list[Task], first: int) -> Iterator[int]:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, not_
 
 from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
@@ -204,7 +204,7 @@ class _CallTally:
         first: Counter[CallKey] = Counter()
         last: Counter[CallKey] = Counter()
         # the calls at stage 0 are few (the root's, the last gradient buckets'): looked at one by one
-        for key, event in compress(zip(keys, events, strict=True), map((0).__eq__, map(_STAGE, events))):
+        for key, event in compress(zip(keys, events, strict=True), map(not_, map(_STAGE, events))):  # stage >= -1
             if event.micro_batch == 0 and event.trigger == "before_forward":
                 first[key] += 1
             elif event.micro_batch == last_micro_batch and event.trigger == "after_backward":

@@ -150,7 +150,8 @@ class EngineRules(Protocol):
         ...
 
     def is_async(self, scenario: Scenario, event: CommEvent) -> bool:
-        """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight)."""
+        """Issued with async_op=True while backward goes on (its compute is slowed while it is in flight). Reads only
+        the event's trigger and group: a step asks once per pair (`core.step_graph.asynchronous_calls`)."""
         ...
 
     def pipeline_stage_activations(self, scenario: Scenario, acts: ActivationEstimate, stage: PipelineStage) -> int:
