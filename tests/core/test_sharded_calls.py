@@ -16,10 +16,10 @@ from shardscope.core.comm_events import (
     fsdp_units,
     new_event,
     new_events,
-    sharded_events,
 )
 from shardscope.core.params import rank_layout
 from shardscope.core.result import CollectiveRow
+from shardscope.core.sharded_calls import sharded_events
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from shardscope.choices import SpecError
-from shardscope.core import comm_events
+from shardscope.core import sharded_calls
 from shardscope.core.comm import comm_events as step_calls
 from shardscope.core.engines import fsdp2, pytorch
 from shardscope.core.memory import estimate_memory
@@ -153,14 +153,14 @@ def test_kept_sharded_calls_equal_fresh_ones(small_request: PlanRequest) -> None
     assert len(points) > 30 and {s.strategy.offload for s in points} == {"none", "optimizer", "optimizer+params"}
     fresh = {}
     for scenario in points:
-        comm_events._sharded_step.cache_clear()
-        comm_events._sharded_micro_batch.cache_clear()
+        sharded_calls._sharded_step.cache_clear()
+        sharded_calls._sharded_micro_batch.cache_clear()
         fresh[scenario] = step_calls(scenario)
     for order in (points, points[::-1]):
-        comm_events._sharded_step.cache_clear()
-        comm_events._sharded_micro_batch.cache_clear()
+        sharded_calls._sharded_step.cache_clear()
+        sharded_calls._sharded_micro_batch.cache_clear()
         for scenario in order:
             assert step_calls(scenario) == fresh[scenario]
-    kept = comm_events.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)
+    kept = sharded_calls.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)
     kept.clear()
-    assert comm_events.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)
+    assert sharded_calls.sharded_events(points[0], (8, 8), 2, 4, regather_root=True)

@@ -17,7 +17,6 @@ from shardscope.core.comm_events import (
     CommEvent,
     gradient_reductions,
     per_tensor_broadcasts,
-    sharded_events,
     size_buckets,
     step_gathers,
 )
@@ -26,6 +25,7 @@ from shardscope.core.expert_parallel import expert_parallel_states
 from shardscope.core.model_states import ModelStates, dtype_bytes, optimizer_moments
 from shardscope.core.params import ParamTensor, rank_facts, rank_layout
 from shardscope.core.result import CollectiveRow
+from shardscope.core.sharded_calls import sharded_events
 from shardscope.core.sharding import ceil_div, flat_shard_numel, largest_module_numel
 from shardscope.specs import Scenario
 

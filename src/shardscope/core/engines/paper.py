@@ -27,7 +27,6 @@ from shardscope.core.comm_events import (
     event,
     gradient_reductions,
     per_tensor_broadcasts,
-    sharded_events,
     step_gathers,
 )
 from shardscope.core.engines.base import (
@@ -58,6 +57,7 @@ from shardscope.core.model_states import ModelStates, dtype_bytes, offload, opti
 from shardscope.core.params import ParamLayout, StageModel, head_numel, param_layout, rank_facts, rank_layout
 from shardscope.core.rank_share import rank_share, ring_attention_backward_bytes, sizes_of
 from shardscope.core.result import CollectiveRow
+from shardscope.core.sharded_calls import sharded_events
 from shardscope.core.sharding import FlatUnits, flat_shard_numel, flat_units
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario

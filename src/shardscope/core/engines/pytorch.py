@@ -21,7 +21,6 @@ from shardscope.core.comm_events import (
     event,
     gradient_reductions,
     per_tensor_broadcasts,
-    sharded_events,
     size_buckets,
 )
 from shardscope.core.engines.base import (
@@ -51,6 +50,7 @@ from shardscope.core.params import ParamLayout, head_numel, rank_facts, rank_lay
 from shardscope.core.pipeline import PipelineStage
 from shardscope.core.rank_share import rank_share
 from shardscope.core.result import CollectiveRow
+from shardscope.core.sharded_calls import sharded_events
 from shardscope.core.sharding import dim0_unit_sizes, flat_shard_numel, whole_tensor_shards
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
