@@ -271,7 +271,7 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     gathered = sum(u.gathered for u in units)
     accumulated = sum(u.accumulated for u in units)
     states = load.states
-    landed, best = 0, as_live_bytes((0,) * 6)
+    landed, best, best_total = 0, as_live_bytes((0,) * 6), 0
     for params, grads, count in runs:
         shard = grads // load.shard_degree
         live = as_live_bytes(
@@ -284,7 +284,9 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
                 accumulated + (grads if clone else 0),
             )
         )
-        best = max(best, live, key=sum)
+        total = sum(live)
+        if total > best_total:  # the first of the largest
+            best, best_total = live, total
         gathered -= count * params
         accumulated -= count * grads
         landed += count * shard
