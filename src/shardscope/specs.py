@@ -291,12 +291,14 @@ class Scenario:
 
     def __post_init__(self) -> None:
         strategy = self.strategy
-        degrees = {"tp": strategy.tp, "cp": strategy.cp, "pp": strategy.pp, "ep": strategy.ep}
-        mesh = data_parallel_mesh(strategy.name, self.cluster.world_size, strategy.shard_group, **degrees)
+        tp, cp, pp, ep = strategy.tp, strategy.cp, strategy.pp, strategy.ep
+        mesh = data_parallel_mesh(
+            strategy.name, self.cluster.world_size, strategy.shard_group, tp=tp, cp=cp, pp=pp, ep=ep
+        )
         object.__setattr__(self, "parallelism", mesh)
-        if strategy.tp > 1 or strategy.cp > 1:
+        if tp > 1 or cp > 1:
             _require_model_parallel_shape(self.model, self.training, strategy)
-        if strategy.pp > 1 or strategy.pp_layers:
+        if pp > 1 or strategy.pp_layers:
             require_pipeline_shape(self.model, self.training.grad_accum_steps, strategy)
         if strategy.ep > 1:
             require_expert_shape(self.model, strategy)

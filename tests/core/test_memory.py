@@ -5,8 +5,10 @@ from dataclasses import replace
 import pytest
 
 from shardscope.core.activations import estimate_activations
+from shardscope.core.engines import rules_for
+from shardscope.core.engines.base import LiveBytes, peak_of
 from shardscope.core.memory import busiest_rank, estimate_memory
-from shardscope.core.params import count_parameters, param_layout
+from shardscope.core.params import ParamLayout, ParamTensor, count_parameters, param_layout
 from shardscope.core.sharding import ceil_div, dim0_shards, whole_tensor_shards
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Overheads, Scenario, Strategy, TrainingSpec
@@ -218,3 +220,41 @@ def test_count_only_model_has_no_activations() -> None:
     model = ModelSpec(name="n", family="count", declared_parameters=10**9)
     result = estimate_memory(replace(scenario(), model=model))
     assert not result.activations_estimated and result.per_rank.activations_bytes == 0
+
+
+def test_whole_tensor_shards_give_empty_tensors_as_the_greedy_rule_does() -> None:
+    """Empty tensors (sorted last) go where ZeroRedundancyOptimizer's loop puts them, whether the non-empty ones
+    fill every rank or not: the shortcut that hands the first tensors out in turn skips only what the loop does."""
+    block = (ParamTensor(name="w", shape=(6, 4)), ParamTensor(name="empty", shape=(0, 4)))
+    layout = ParamLayout(root=(ParamTensor(name="embed_tokens.weight", shape=(10, 4)),), block=block, num_blocks=3)
+    numels = sorted((tensor.numel for tensor in layout.tensors()), reverse=True)
+    for world_size in (1, 2, 3, 4, 5, 9):
+        sizes, counts, largest = [0] * world_size, [0] * world_size, [0] * world_size
+        for numel in numels:
+            rank = min(range(world_size), key=lambda r: (sizes[r], r))
+            sizes[rank] += numel
+            counts[rank] += 1
+            largest[rank] = max(largest[rank], numel)
+        shards = whole_tensor_shards(layout, world_size)
+        assert shards.numel_per_rank == tuple(sizes), world_size
+        assert shards.tensors_per_rank == tuple(counts), world_size
+        assert shards.largest_per_rank == tuple(largest), world_size
+
+
+@pytest.mark.parametrize("engine", ["paper", "pytorch", "deepspeed"])
+def test_the_peak_is_the_first_of_the_largest_moments(engine: str) -> None:
+    """peak_of lists the totals instead of calling a key per moment: the moment it picks is max's over the totals
+    (the first of the largest), over every strategy, offload and checkpointing, and where moments tie."""
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
+        offloads = ("none", "optimizer", "optimizer+params") if strategy in ("zero3", "hsdp") else ("none", "optimizer")
+        for offload in offloads:
+            for checkpointing in ("none", "full"):
+                group = {"shard_group": 4} if strategy == "hsdp" else {}
+                case = replace(
+                    scenario(world=8, checkpointing=checkpointing),
+                    strategy=Strategy(name=strategy, engine=engine, offload=offload, **group),  # type: ignore[arg-type]
+                )
+                moments = rules_for(case).rank_memory(case, 0).moments
+                assert peak_of(moments) == max(moments, key=lambda moment: sum(moment[1]))
+    tied = [("a", LiveBytes(1, 2)), ("b", LiveBytes(3)), ("c", LiveBytes(2, 1)), ("d", LiveBytes(0, 2))]
+    assert peak_of(tied) == ("a", LiveBytes(1, 2))

@@ -101,27 +101,31 @@ def _numels_largest_first(layout: ParamLayout) -> tuple[int, ...]:
 def whole_tensor_shards(layout: ParamLayout, world_size: int) -> WholeTensorShards:
     """Greedy largest-first assignment, ties to the lowest rank (ZeroRedundancyOptimizer._partition_parameters)."""
     numels = _numels_largest_first(layout)
-    # Every rank starts empty and each tensor is non-empty, so the greedy rule gives the first tensors to ranks 0, 1,
-    # ... in turn; only the tensors beyond the world size need the heap (a planner sweep asks for thousands of ranks).
-    first = min(len(numels), world_size) if all(numels) else 0
-    idle = (0,) * (world_size - first)
-    sizes, counts, largest = list(numels[:first] + idle), [1] * first + list(idle), list(numels[:first] + idle)
-    heap = [(sizes[rank], rank) for rank in range(world_size)]  # (elements so far, rank): the smallest, lowest first
-    heapq.heapify(heap)
-    # Every rank given one of the first tensors holds one at least as large as any still to come (largest first), so
-    # its largest is settled. Each step grows the smallest rank in place (one heapreplace, not a pop and a push).
-    settled = first == world_size
-    for numel in numels[first:]:
-        size, rank = heap[0]
-        size += numel
-        sizes[rank] = size
-        counts[rank] += 1
-        if not settled:
-            largest[rank] = max(largest[rank], numel)
-        heapq.heapreplace(heap, (size, rank))
-    return WholeTensorShards(
-        numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts), largest_per_rank=tuple(largest)
-    )
+    # Every rank starts empty and an empty rank is the smallest (the lowest first), so the greedy rule gives the
+    # non-empty tensors to ranks 0, 1, ... in turn; only the tensors beyond the world size need the heap (a planner
+    # sweep asks for thousands of ranks). Each rank given one of the first tensors holds one at least as large as
+    # any still to come (largest first), and a rank given none gets only empty tensors, so every rank's largest is
+    # settled here.
+    first = min(world_size, len(numels) - numels.count(0))
+    sizes = [*numels[:first], *(0,) * (world_size - first)]
+    counts = [1] * first + [0] * (world_size - first)
+    largest = tuple(sizes)
+    rest = numels[first:]
+    if rest:
+        # (elements so far, rank) as one integer, the elements above the rank's bits: ordered as the pair (the
+        # smallest, ties to the lowest rank) and compared at C speed; each step grows the smallest rank in place.
+        shift = world_size.bit_length()
+        rank_bits = (1 << shift) - 1
+        heap = [size << shift | rank for rank, size in enumerate(sizes)]
+        heapq.heapify(heap)
+        replace = heapq.heapreplace
+        for numel in rest:
+            smallest = heap[0]
+            counts[smallest & rank_bits] += 1
+            replace(heap, smallest + (numel << shift))
+        for key in heap:
+            sizes[key & rank_bits] = key >> shift
+    return WholeTensorShards(numel_per_rank=tuple(sizes), tensors_per_rank=tuple(counts), largest_per_rank=largest)
 
 
 @cache

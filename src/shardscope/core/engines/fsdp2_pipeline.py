@@ -271,24 +271,33 @@ def _reduce_scatter(scenario: Scenario, load: PipelineLoad, units: list[_Units])
     gathered = sum(u.gathered for u in units)
     accumulated = sum(u.accumulated for u in units)
     states = load.states
-    landed, best = 0, as_live_bytes((0,) * 6)
+    held = load.receive_bytes + states.persistent_buffers_bytes
+    # every moment holds the same parameters, optimizer state, activations and persistent buffers: the moments are
+    # weighed by their totals and only the largest (the first of them) is built
+    alike = states.parameters_bytes + states.optimizer_state_bytes + load.step_activations + held
+    landed, best, best_total = 0, (0, 0, 0), 0
     for params, grads, count in runs:
         shard = grads // load.shard_degree
-        live = as_live_bytes(
-            (
-                states.parameters_bytes,
-                landed + shard,
-                states.optimizer_state_bytes,
-                load.step_activations,
-                load.receive_bytes + states.persistent_buffers_bytes + gathered - params,
-                accumulated + (grads if clone else 0),
-            )
-        )
-        best = max(best, live, key=sum)
+        terms = (landed + shard, gathered - params, accumulated + (grads if clone else 0))
+        total = alike + terms[0] + terms[1] + terms[2]
+        if total > best_total:
+            best, best_total = terms, total
         gathered -= count * params
         accumulated -= count * grads
         landed += count * shard
-    return best
+    if not best_total:
+        return as_live_bytes((0,) * 6)
+    gradients, buffers, temporary = best
+    return as_live_bytes(
+        (
+            states.parameters_bytes,
+            gradients,
+            states.optimizer_state_bytes,
+            load.step_activations,
+            held + buffers,
+            temporary,
+        )
+    )
 
 
 def _gathers(scenario: Scenario, actions: tuple[Action, ...]) -> frozenset[tuple[int, bool, int]]:

@@ -44,7 +44,9 @@ def _walk_fullest(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[i
     per_stage = dict(weights)
     fullest: dict[ActionState, tuple[int, int, int]] = {}
     for key, counts, micro_batch, place in _action_states(schedule, reshards):
-        held = sum(count * per_stage[stage] for stage, count in counts)
+        held = 0
+        for stage, count in counts:  # a loop, not sum() over a generator: this runs for every action of every shape
+            held += count * per_stage[stage]
         if key not in fullest or held > fullest[key][0]:
             fullest[key] = (held, micro_batch, place)
     in_order = sorted(fullest.items(), key=lambda item: item[1][2])
