@@ -7,7 +7,8 @@ instead of simulating k x (blocks + 2) stages. A test holds the extension to the
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
 compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets a
 second, tighter bound before it is simulated (`communication_floor`): the data-parallel collectives and host copies,
-which the compute bound ignores and which decide the cost ranking, where every GPU count computes about the same.
+which the compute bound ignores and which decide the cost ranking, where every GPU count computes about the same, and
+the optimizer step after them (CPU-Adam under offload, often the longest task of an offloaded step).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, not_
+from operator import attrgetter
 
 from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
@@ -27,6 +28,7 @@ from shardscope.core.model_parallel_comm import model_parallel_events
 from shardscope.core.network import event_cost, network_model
 from shardscope.core.result import CollectiveRow
 from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
+from shardscope.core.timeline_tasks import optimizer_task_s
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
 
@@ -144,27 +146,34 @@ extends two micro-batches to k as plan_timing does, so it may land a few units i
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommunicationFloor:
-    """What the data-parallel collectives and host copies add under a step, whatever the schedule.
+    """What the data-parallel collectives, host copies and the optimizer step add under a step, whatever the schedule.
 
     Valid because of how `core.timeline.simulate` schedules (streams run their work one piece at a time):
-    - busy_s: no step is shorter than the busy time of one stream, and the 'comm' and 'host' streams carry exactly
-      these events (each at least its priced time; a wait for the later rank only lengthens it).
     - edges_s: the first forward waits for its gathers (trigger 'before_forward' of micro-batch 0, stage 0), which
       start at 0, and the optimizer waits for the reductions the last backward issues (trigger 'after_backward' of
       the last micro-batch, stage 0), which start when it ends; in between the compute stream runs every forward,
-      recompute and backward, each after the tensor-parallel calls that block it. So a step lasts at least the first
-      gathers + (compute + the tensor-parallel floor) + the last reductions, each edge counted on one stream (the
-      longest stream's sum of them). Without overlap every stream is one, and the whole sum is an edge.
-    The step is then at least max(chain + edges_s, busy_s), where chain is the compute bound plus the tp floor."""
+      recompute and backward, each after the tensor-parallel calls that block it. So the optimizer step starts at
+      least the first gathers + (compute + the tensor-parallel floor) + the last reductions after 0, each edge
+      counted on one stream (the longest stream's sum of them).
+    - before_step_s: the optimizer step waits for every call issued before it (`core.step_graph`), so it starts no
+      earlier than the busiest 'comm' or 'host' stream's calls before it (each at least its priced time; a wait for
+      the later rank only lengthens it).
+    - tail_s: the optimizer step is one compute task (CPU-Adam over the host's bandwidth under offload, often the
+      longest task of an offloaded step: `core.compute.optimizer_step_s`), and the calls after it ('after_step':
+      optimizer offload's copy of the updated parameters, ZeRO-1/2's broadcasts) start when it ends.
+    The step is then at least max(chain + edges_s, before_step_s) + tail_s, where chain is the compute bound plus the
+    tp floor. Without overlap every stream is one: every call is an edge and the optimizer step the tail."""
 
     edges_s: float
     """Communication before the first forward plus after the last backward, on the critical path."""
-    busy_s: float
-    """The busiest of the data-parallel ('comm') and host streams."""
+    before_step_s: float
+    """The busiest of the data-parallel ('comm') and host streams, over the calls the optimizer step waits for."""
+    tail_s: float
+    """The optimizer step, then the longest stream's calls after it."""
 
     def bound_s(self, chain_s: float) -> float:
         """The step's lower bound given the compute stream's chain (compute bound plus tensor-parallel floor)."""
-        return max(chain_s + self.edges_s, self.busy_s) * (1.0 - ROUNDING_MARGIN)
+        return (max(chain_s + self.edges_s, self.before_step_s) + self.tail_s) * (1.0 - ROUNDING_MARGIN)
 
 
 def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
@@ -179,6 +188,7 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
 
 
 _STAGE = attrgetter("stage")
+_AT_STAGE_ZERO_OR_STEP = (1).__gt__  # stage 0 or -1 (the optimizer step's: 'after_step')
 _FLOOR_STREAMS = ("comm", "host")
 
 
@@ -196,6 +206,8 @@ class _CallTally:
     """Of them, before the first forward: micro-batch 0, stage 0, 'before_forward'."""
     last: dict[CallKey, int]
     """Of them, after the last backward: the last micro-batch, stage 0, 'after_backward'."""
+    after_step: dict[CallKey, int]
+    """Of them, after the optimizer step: the last micro-batch, stage -1, 'after_step'."""
 
     @classmethod
     def of(cls, events: list[CommEvent], last_micro_batch: int) -> _CallTally:
@@ -203,13 +215,21 @@ class _CallTally:
         keys = call_keys(events)
         first: Counter[CallKey] = Counter()
         last: Counter[CallKey] = Counter()
-        # the calls at stage 0 are few (the root's, the last gradient buckets'): looked at one by one
-        for key, event in compress(zip(keys, events, strict=True), map(not_, map(_STAGE, events))):  # stage >= -1
+        after_step: Counter[CallKey] = Counter()
+        # the calls at stage 0 and -1 are few (the root's, the last gradient buckets', the step's): looked at one
+        # by one
+        at_edges = map(_AT_STAGE_ZERO_OR_STEP, map(_STAGE, events))  # stage >= -1
+        for key, event in compress(zip(keys, events, strict=True), at_edges):
             if event.micro_batch == 0 and event.trigger == "before_forward":
                 first[key] += 1
             elif event.micro_batch == last_micro_batch and event.trigger == "after_backward":
                 last[key] += 1
-        return cls(calls=dict(zip(keys, events, strict=True)), every=Counter(keys), first=first, last=last)
+            elif event.trigger == "after_step":
+                after_step[key] += 1
+        every = Counter(keys)
+        return cls(
+            calls=dict(zip(keys, events, strict=True)), every=every, first=first, last=last, after_step=after_step
+        )
 
     def stream_seconds(
         self, counts: dict[CallKey, int], seconds: Callable[[CommEvent], float], host_only: bool
@@ -226,7 +246,8 @@ class _CallTally:
 
 def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> CommunicationFloor:
     """The floor for the scenario's micro-batch count, from one and two micro-batches extended as plan_timing does
-    (each further micro-batch issues the same calls as the second)."""
+    (each further micro-batch issues the same calls as the second; the optimizer step and the calls after it come
+    once a step)."""
     net = network_model(hardware)
     steps = scenario.training.grad_accum_steps
     priced: dict[tuple[str, str, int, int], float] = {}
@@ -240,22 +261,27 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
         return found
 
     simulated = min(steps, SIMULATED_MICRO_BATCHES)
+    asked = _with_micro_batches(scenario, simulated)
     # Each stream's whole step and its edges: the gathers before the first forward (micro-batch 0, stage 0,
-    # 'before_forward') and the reductions after the last backward (the last micro-batch, stage 0,
-    # 'after_backward').
-    tally = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, simulated)), simulated - 1)
+    # 'before_forward'), the reductions after the last backward (the last micro-batch, stage 0, 'after_backward')
+    # and the calls after the optimizer step ('after_step').
+    tally = _CallTally.of(_data_parallel_events(asked), simulated - 1)
     busy = tally.stream_seconds(tally.every, seconds, host_only)
     if steps > simulated:
         once = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, 1)), 0)
         one = once.stream_seconds(once.every, seconds, host_only)
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
-    if not hardware.overlap:
-        return CommunicationFloor(edges_s=sum(busy.values()), busy_s=0.0)
-    first, last = (
-        tally.stream_seconds(tally.first, seconds, host_only),
-        tally.stream_seconds(tally.last, seconds, host_only),
+    optimizer = optimizer_task_s(
+        asked, compute_model(asked, hardware), hardware, rules_for(asked).framework_s(asked, hardware)
     )
+    if not hardware.overlap:
+        return CommunicationFloor(edges_s=sum(busy.values()), before_step_s=0.0, tail_s=optimizer)
+    first, last, after = (
+        tally.stream_seconds(counts, seconds, host_only) for counts in (tally.first, tally.last, tally.after_step)
+    )
+    before = (total - after.get(stream, 0.0) for stream, total in busy.items())
     return CommunicationFloor(
         edges_s=max(first.values(), default=0.0) + max(last.values(), default=0.0),
-        busy_s=max(busy.values(), default=0.0),
+        before_step_s=max(before, default=0.0),
+        tail_s=optimizer + max(after.values(), default=0.0),
     )
