@@ -73,3 +73,15 @@ def test_pruned_flat_search_equals_the_one_that_estimates_every_point(
         assert reasons and all("nothing fits in the space" in reason for reason in reasons)
     if case == "a-family-fits-nowhere":
         assert [rejection.family for rejection in pruned.rejected] == ["ddp"]
+
+
+def test_progress_counts_the_shapes_then_the_simulations(small_request: PlanRequest) -> None:
+    """The rankings along the memory search (for its limits) report nothing: the counter goes through the shapes
+    once, in order, then through the final ranking's plans."""
+    calls: list[tuple[str, int, int]] = []
+    plan(_requests(small_request)["unsplit-far-slower"], progress=lambda *call: calls.append(call))
+    memory = [call for call in calls if call[0] == "memory"]
+    shapes = memory[0][2]
+    assert memory == [("memory", done, shapes) for done in range(1, shapes + 1)]
+    assert calls[: len(memory)] == memory
+    assert {stage for stage, _, _ in calls[len(memory) :]} == {"simulating"}

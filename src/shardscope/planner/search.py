@@ -292,13 +292,14 @@ class _Search:
             return None
         return price * scenario.cluster.world_size / SECONDS_PER_HOUR / tokens_per_s * 1e6
 
-    def rank(self, fitting: list[MemoryEstimate], best_only: bool = False) -> list[Ranked]:
+    def rank(self, fitting: list[MemoryEstimate], best_only: bool = False, quiet: bool = False) -> list[Ranked]:
         """Simulate what can enter the top plans or beat its family's best (with `best_only`, what can beat the best
         plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its tight bound,
         then (a pipeline) the exact ends of its likeliest last ranks one by one, each asked only when the one before
         leaves the plan first in line, so the limits fall as soon as they can and the costlier bounds are asked
         least. The answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the
-        order of the simulations."""
+        order of the simulations. `quiet`: no progress reports (a ranking along the memory search, for its
+        limits)."""
         evaluator, top = self.evaluator, 1 if best_only else self.request.top
         queue = [
             (bound, 0, bound, index)
@@ -332,13 +333,13 @@ class _Search:
             kept.sort(key=lambda item: item[:4])
             family_best[family] = min(value, family_best.get(family, math.inf))
             resolved += 1
-            if self.progress is not None:
+            if self.progress is not None and not quiet:
                 self.progress("simulating", resolved, len(fitting))
         return [item[4] for item in kept]
 
-    def best_of(self, fitting: list[MemoryEstimate]) -> Ranked | None:
+    def best_of(self, fitting: list[MemoryEstimate], quiet: bool = False) -> Ranked | None:
         """The best of `fitting` by the request's ranking, None when it is empty."""
-        ranked = self.rank(fitting, best_only=True)
+        ranked = self.rank(fitting, best_only=True, quiet=quiet)
         return ranked[0] if ranked else None
 
     def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming, reason: str = "") -> Plan:
@@ -390,10 +391,10 @@ def _flat_fitting(search: _Search, flat: list[BatchShape]) -> list[MemoryEstimat
         search.place = index
         found[index] = search.fitting(flat[index])
         if found[index]:
-            ranked = search.rank([memory for _, memory, _ in ranked] + found[index])
+            ranked = search.rank([memory for _, memory, _ in ranked] + found[index], quiet=True)
             search.set_limits(ranked)
             new = [memory for memory in found[index] if model_parallel(memory.scenario) == 1]
-            best = search.best_of(unsplit + new) if new else None
+            best = search.best_of(unsplit + new, quiet=True) if new else None
             if best is not None:
                 search.unsplit_limit, unsplit = best[0], [best[1]]
         if search.progress is not None:
