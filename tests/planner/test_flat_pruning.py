@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from shardscope.planner import PlanRequest, plan, search
+from shardscope.planner import PlanRequest, plan, shape_order
 from shardscope.planner.search import _Search
 from shardscope.planner.space import BatchShape, Variant
 
@@ -56,7 +56,7 @@ def test_pruned_flat_search_equals_the_one_that_estimates_every_point(
         pruned = plan(request)
     with monkeypatch.context() as patch:  # every point, the shapes in their own order
         patch.setattr(_Search, "_beyond_limits", lambda *_: False)
-        patch.setattr(search, "_least_of_shape", lambda *_: 0.0)
+        patch.setattr(shape_order, "_least_of_shape", lambda *_: 0.0)
         every = plan(request)
     pruned_json, every_json = pruned.to_json(), every.to_json()
     pruned_stats, every_stats = pruned_json.pop("stats"), every_json.pop("stats")

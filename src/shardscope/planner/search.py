@@ -11,8 +11,8 @@
    fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
    Shapes are searched best lower bound first, the plans found ranked as they come, and a setting whose least
    possible ranking value is over the limits those plans set is skipped before any memory estimate
-   (`_Search._beyond_limits`, `_flat_fitting`): so the counts of memory estimates and fitting plans are of the
-   points estimated, not of the whole space.
+   (`_Search._beyond_limits`, `shape_order.flat_fitting`): so the counts of memory estimates and fitting plans
+   are of the points estimated, not of the whole space.
 2. Simulate what fits best bound first (`_Search.rank`): a plan's compute bound, then its tight bound (the
    communication floor; for a pipeline its schedule's backward ends plus a floor under each rank's tail), then for a
    pipeline the exact end of its likeliest last ranks, each asked only when the bound before puts the plan first in
@@ -41,6 +41,7 @@ from shardscope.planner.mesh_reason import Ranked, mesh_reasons, model_parallel
 from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
+from shardscope.planner.shape_order import fewest_gpus_fitting, fitting_with_pipelines
 from shardscope.planner.space import (
     BatchShape,
     Variant,
@@ -106,8 +107,9 @@ class _Search:
         """Per family, the ranking value a plan must beat to enter the top plans or be its family's best (set from
         the plans ranked so far, `_Search.set_limits`); a family missing has no limit."""
         self.unsplit_limit = math.inf
-        """The best ranking value of the plans without model parallelism found so far (`_flat_fitting`): what an
-        unsplit plan must beat to become the one `mesh_reasons` compares the split plans with."""
+        """The best ranking value of the plans without model parallelism found so far
+        (`shape_order.flat_fitting`): what an unsplit plan must beat to become the one `mesh_reasons` compares the
+        split plans with."""
         self.widest_unsplit = 0
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
         self._least: dict[tuple[BatchShape, str], float] = {}
@@ -363,78 +365,6 @@ def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
     return max(1, shape.sequences_per_rank // size)
 
 
-def _fewest_gpus(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
-    """What fits at the smallest GPU count that fits anything."""
-    fitting: list[MemoryEstimate] = []
-    for done, shape in enumerate(shapes):
-        search.place = done
-        fitting += search.fitting(shape)
-        if search.progress is not None:
-            search.progress("memory", done + 1, len(shapes))
-        if fitting:
-            break
-    return fitting
-
-
-def _flat_fitting(search: _Search, flat: list[BatchShape]) -> list[MemoryEstimate]:
-    """What fits of the shapes without a pipeline, searched in the order of their least possible ranking value (the
-    likeliest best plans first, so the limits fall early), each setting estimated only where a plan of it can still
-    change the answer (`_Search._beyond_limits`). Every shape's plans are ranked with those kept so far as soon as
-    they are found (the kept plans hold the top plans and each family's best, so that ranking's limits are those of
-    everything found), and its plans without model parallelism with the best of those so far. The answer lists the
-    plans in the shapes' own order, which the final ranking's ties read."""
-    order = sorted(range(len(flat)), key=lambda index: (_least_of_shape(search, flat[index]), index))
-    found: list[list[MemoryEstimate]] = [[] for _ in flat]
-    ranked: list[Ranked] = []
-    unsplit: list[MemoryEstimate] = []  # the best plan without model parallelism so far
-    for done, index in enumerate(order):
-        search.place = index
-        found[index] = search.fitting(flat[index])
-        if found[index]:
-            ranked = search.rank([memory for _, memory, _ in ranked] + found[index], quiet=True)
-            search.set_limits(ranked)
-            new = [memory for memory in found[index] if model_parallel(memory.scenario) == 1]
-            best = search.best_of(unsplit + new, quiet=True) if new else None
-            if best is not None:
-                search.unsplit_limit, unsplit = best[0], [best[1]]
-        if search.progress is not None:
-            search.progress("memory", done + 1, len(flat))
-    return [memory for shape_found in found for memory in shape_found]
-
-
-def _least_of_shape(search: _Search, shape: BatchShape) -> float:
-    """The least ranking value of any plan of a shape without a pipeline, over its checkpointing settings."""
-    return min(search.least_value(shape, checkpointing) for checkpointing in checkpointing_options(search.request))
-
-
-def _fitting_with_pipelines(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
-    """What fits: the shapes without a pipeline (`_flat_fitting`), then the pipeline shapes in the order of their
-    least possible ranking value, each estimated only where a plan of it can still enter the top plans or beat its
-    family's best (the plans ranked so far set those limits, `_Search.set_limits`, and they only fall as more are
-    ranked, so `rank` over everything fitting skips whatever this skips: the answer is the whole space's)."""
-    flat = [shape for shape in shapes if shape.pp == 1]
-    fitting = _flat_fitting(search, flat)
-    piped = sorted(
-        ((search.optimistic(shape), index, shape) for index, shape in enumerate(shapes) if shape.pp > 1),
-    )
-    if not piped:
-        return fitting
-    ranked = search.rank(fitting)
-    search.set_limits(ranked)
-    for done, (least, _, shape) in enumerate(piped):
-        if least >= max(search.limits.values()):
-            break  # neither this shape nor any later one has a plan that can matter
-        search.place = len(flat) + done
-        found = search.fitting(shape)
-        if found:
-            fitting += found
-            ranked = search.rank([memory for _, memory, _ in ranked] + found)
-            search.set_limits(ranked)
-        if search.progress is not None:
-            search.progress("pipelines", done + 1, len(piped))
-    return fitting
-
-
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Pause the cycle collector: the search allocates millions of short-lived tuples and frozen dataclasses and
@@ -459,7 +389,7 @@ def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
 def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     search = _Search(request, progress)
     shapes = batch_shapes(request)
-    fitting = _fewest_gpus(search, shapes) if request.min_gpus else _fitting_with_pipelines(search, shapes)
+    fitting = fewest_gpus_fitting(search, shapes) if request.min_gpus else fitting_with_pipelines(search, shapes)
     ranked = search.rank(fitting)
     best: dict[str, Ranked] = {}
     for item in ranked:
