@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import math
@@ -331,8 +332,8 @@ class _Search:
                     continue
             timing = evaluator.timing(scenario)
             value = self.metric(scenario, timing.step_time_s)
-            kept.append((value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing)))
-            kept.sort(key=lambda item: item[:4])
+            item = (value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing))
+            bisect.insort(kept, item, key=lambda item: item[:4])
             family_best[family] = min(value, family_best.get(family, math.inf))
             resolved += 1
             if self.progress is not None and not quiet:

@@ -30,20 +30,27 @@ def fewest_gpus_fitting(search: Search, shapes: tuple[BatchShape, ...]) -> list[
 def flat_fitting(search: Search, flat: list[BatchShape]) -> list[MemoryEstimate]:
     """What fits of the shapes without a pipeline, searched in the order of their least possible ranking value (the
     likeliest best plans first, so the limits fall early), each setting estimated only where a plan of it can still
-    change the answer (`_Search._beyond_limits`). Every shape's plans are ranked with those kept so far as soon as
-    they are found (the kept plans hold the top plans and each family's best, so that ranking's limits are those of
-    everything found), and its plans without model parallelism with the best of those so far. The answer lists the
-    plans in the shapes' own order, which the final ranking's ties read."""
+    change the answer (`_Search._beyond_limits`). The plans found are ranked with those kept so far (which hold the
+    top plans and each family's best, so the limits are those of everything ranked) each time their number has
+    doubled since the last ranking: often enough that the limits fall early, seldom enough that a question whose
+    plans stay close (ranked by cost) does not re-rank hundreds of kept plans at every shape. Each shape's plans
+    without model parallelism are ranked at once with the best of those so far (a short list). The answer lists
+    the plans in the shapes' own order, which the final ranking's ties read."""
     order = sorted(range(len(flat)), key=lambda index: (_least_of_shape(search, flat[index]), index))
     found: list[list[MemoryEstimate]] = [[] for _ in flat]
     ranked: list[Ranked] = []
+    pending: list[MemoryEstimate] = []  # found since the last ranking
+    ranked_count = 0  # found by the last ranking
     unsplit: list[MemoryEstimate] = []  # the best plan without model parallelism so far
     for done, index in enumerate(order):
+        if pending and len(pending) >= ranked_count:
+            ranked = search.rank([memory for _, memory, _ in ranked] + pending, quiet=True)
+            search.set_limits(ranked)
+            ranked_count, pending = ranked_count + len(pending), []
         search.place = index
         found[index] = search.fitting(flat[index])
         if found[index]:
-            ranked = search.rank([memory for _, memory, _ in ranked] + found[index], quiet=True)
-            search.set_limits(ranked)
+            pending += found[index]
             new = [memory for memory in found[index] if model_parallel(memory.scenario) == 1]
             best = search.best_of(unsplit + new, quiet=True) if new else None
             if best is not None:
