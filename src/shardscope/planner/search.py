@@ -33,6 +33,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from shardscope.choices import Checkpointing
 from shardscope.core.result import CATEGORIES, MemoryEstimate
@@ -90,6 +91,16 @@ def _overshoot(memory: MemoryEstimate, request: PlanRequest) -> tuple[str, int]:
     return CATEGORIES[-1], over
 
 
+@dataclass(slots=True)
+class _LeastValue:
+    """What the search knows of the least ranking value of the plans without a pipeline at one shape and
+    checkpointing (`_Search._least_over`): the least of the bounds asked so far, and the micro-batches not asked."""
+
+    known: float
+    sizes_left: list[int]
+    """Smallest first: the largest is asked next."""
+
+
 class _Search:
     def __init__(self, request: PlanRequest, progress: Progress | None) -> None:
         self.request = request
@@ -113,7 +124,7 @@ class _Search:
         split plans with."""
         self.widest_unsplit = 0
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
-        self._least: dict[tuple[BatchShape, str], float] = {}
+        self._least: dict[tuple[BatchShape, str], _LeastValue] = {}
 
     def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
@@ -214,7 +225,7 @@ class _Search:
     def _beyond_limits(self, shape: BatchShape, variant: Variant, checkpointing: Checkpointing) -> bool:
         """Whether no plan of a setting without a pipeline (a variant and offload at `shape` with `checkpointing`)
         can change the answer, so none of its memory is estimated: its least possible ranking value
-        (`least_value`) is over its family's limit (`set_limits`) and, for a plan without model parallelism, over
+        (`_least_over`) is over its family's limit (`set_limits`) and, for a plan without model parallelism, over
         the best unsplit value seen, at a GPU count no wider than where an unsplit plan already fits (so the mesh
         reasons' comparison and widest count are the whole space's). Strictly over: `rank` over every fitting point
         then skips each of its plans (a plan at or under its bound that the limits came from comes first in line),
@@ -231,23 +242,33 @@ class _Search:
             if shape.gpus > self.widest_unsplit:
                 return False
             limit = max(limit, self.unsplit_limit)
-        if limit == math.inf:
-            return False
-        return self.least_value(shape, checkpointing) > limit
+        return limit < math.inf and self._least_over(shape, checkpointing, limit)
 
-    def least_value(self, shape: BatchShape, checkpointing: Checkpointing) -> float:
-        """The least ranking value of a plan without a pipeline at `shape` with `checkpointing`: its lower bound
-        (`Evaluator.lower_bound_s`, which reads the micro-batch, its count, the checkpointing and the model-parallel
-        degrees, no family, shard group nor offload) at its best micro-batch; kept."""
+    def _least_over(self, shape: BatchShape, checkpointing: Checkpointing, limit: float) -> bool:
+        """Whether the least ranking value of the plans without a pipeline at `shape` with `checkpointing` is over
+        `limit`: each micro-batch's bound (`value_bound`) asked largest first (usually the least) and only until one
+        is at or under `limit`; what was asked is kept, and a later question (the limits only fall) resumes there."""
         key = (shape, checkpointing)
-        found = self._least.get(key)
-        if found is None:
-            variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
-            found = self._least[key] = self._least_of(shape, variant, checkpointing)
-        return found
+        least = self._least.get(key)
+        if least is None:
+            sizes = list(micro_batches(self.request, shape.sequences_per_rank))  # asked from the end
+            least = self._least[key] = _LeastValue(known=math.inf, sizes_left=sizes)
+        while least.known > limit and least.sizes_left:
+            least.known = min(least.known, self.value_bound(shape, checkpointing, least.sizes_left.pop()))
+        return least.known > limit
+
+    def value_bound(self, shape: BatchShape, checkpointing: Checkpointing, size: int) -> float:
+        """The least ranking value of a plan without a pipeline at `shape` with `checkpointing` and micro-batch
+        `size`: its lower bound (`Evaluator.lower_bound_s`, which reads the micro-batch, its count, the checkpointing
+        and the model-parallel degrees, no family, shard group nor offload)."""
+        variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
+        grad_accum = _grad_accum(self.request, shape, size)
+        scenario = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
+        return self.metric(scenario, self.evaluator.lower_bound_s(scenario))
 
     def _least_of(self, shape: BatchShape, variant: Variant, checkpointing: Checkpointing) -> float:
-        """The least ranking value of `variant` at `shape`: its lower bound at the best micro-batch it allows."""
+        """The least ranking value of a pipeline `variant` at `shape`: its lower bound at the best micro-batch it
+        allows."""
         request, best = self.request, math.inf
         for size in micro_batches(request, shape.sequences_per_rank):
             grad_accum = _grad_accum(request, shape, size)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.mesh_reason import Ranked, model_parallel
-from shardscope.planner.space import BatchShape, checkpointing_options
+from shardscope.planner.space import BatchShape, checkpointing_options, micro_batches
 
 if TYPE_CHECKING:
     from shardscope.planner.search import _Search as Search
@@ -28,7 +28,7 @@ def fewest_gpus_fitting(search: Search, shapes: tuple[BatchShape, ...]) -> list[
 
 
 def flat_fitting(search: Search, flat: list[BatchShape]) -> list[MemoryEstimate]:
-    """What fits of the shapes without a pipeline, searched in the order of their least possible ranking value (the
+    """What fits of the shapes without a pipeline, searched in the order of their likeliest least ranking value (the
     likeliest best plans first, so the limits fall early), each setting estimated only where a plan of it can still
     change the answer (`_Search._beyond_limits`). The plans found are ranked with those kept so far (which hold the
     top plans and each family's best, so the limits are those of everything ranked) each time their number has
@@ -61,8 +61,10 @@ def flat_fitting(search: Search, flat: list[BatchShape]) -> list[MemoryEstimate]
 
 
 def _least_of_shape(search: Search, shape: BatchShape) -> float:
-    """The least ranking value of any plan of a shape without a pipeline, over its checkpointing settings."""
-    return min(search.least_value(shape, checkpointing) for checkpointing in checkpointing_options(search.request))
+    """The likeliest least ranking value of a shape without a pipeline, its order: the bound at its cheapest
+    checkpointing and largest micro-batch (any order gives the same answer; a better one prunes more)."""
+    largest = micro_batches(search.request, shape.sequences_per_rank)[-1]
+    return search.value_bound(shape, checkpointing_options(search.request)[0], largest)
 
 
 def fitting_with_pipelines(search: Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
