@@ -33,28 +33,31 @@ def flat_fitting(search: Search, flat: list[BatchShape]) -> list[MemoryEstimate]
     change the answer (`_Search._beyond_limits`). The plans found are ranked with those kept so far (which hold the
     top plans and each family's best, so the limits are those of everything ranked) each time their number has
     doubled since the last ranking: often enough that the limits fall early, seldom enough that a question whose
-    plans stay close (ranked by cost) does not re-rank hundreds of kept plans at every shape. Each shape's plans
-    without model parallelism are ranked at once with the best of those so far (a short list). The answer lists
-    the plans in the shapes' own order, which the final ranking's ties read."""
+    plans stay close (ranked by cost) does not re-rank hundreds of kept plans at every shape; the plans without
+    model parallelism likewise with the best of those so far. The answer lists the plans in the shapes' own order,
+    which the final ranking's ties read."""
     order = sorted(range(len(flat)), key=lambda index: (_least_of_shape(search, flat[index]), index))
     found: list[list[MemoryEstimate]] = [[] for _ in flat]
     ranked: list[Ranked] = []
     pending: list[MemoryEstimate] = []  # found since the last ranking
     ranked_count = 0  # found by the last ranking
-    unsplit: list[MemoryEstimate] = []  # the best plan without model parallelism so far
+    unsplit_best: list[MemoryEstimate] = []  # the best plan without model parallelism ranked so far
+    unsplit_pending: list[MemoryEstimate] = []  # plans without model parallelism found since
+    unsplit_count = 0  # plans without model parallelism found by the last ranking of them
     for done, index in enumerate(order):
         if pending and len(pending) >= ranked_count:
             ranked = search.rank([memory for _, memory, _ in ranked] + pending, quiet=True)
             search.set_limits(ranked)
             ranked_count, pending = ranked_count + len(pending), []
+        if unsplit_pending and len(unsplit_pending) >= unsplit_count:
+            best = search.best_of(unsplit_best + unsplit_pending, quiet=True)
+            unsplit_count, unsplit_pending = unsplit_count + len(unsplit_pending), []
+            if best is not None:
+                search.unsplit_limit, unsplit_best = best[0], [best[1]]
         search.place = index
         found[index] = search.fitting(flat[index])
-        if found[index]:
-            pending += found[index]
-            new = [memory for memory in found[index] if model_parallel(memory.scenario) == 1]
-            best = search.best_of(unsplit + new, quiet=True) if new else None
-            if best is not None:
-                search.unsplit_limit, unsplit = best[0], [best[1]]
+        pending += found[index]
+        unsplit_pending += [memory for memory in found[index] if model_parallel(memory.scenario) == 1]
         if search.progress is not None:
             search.progress("memory", done + 1, len(flat))
     return [memory for shape_found in found for memory in shape_found]
