@@ -21,7 +21,8 @@ from collections import defaultdict
 from bench_plan import QUESTIONS
 from shardscope.cli import build_parser
 from shardscope.cli.plan import request_from_args
-from shardscope.planner.search import _fitting_with_pipelines, _Search
+from shardscope.planner.search import _Search
+from shardscope.planner.shape_order import fitting_with_pipelines
 from shardscope.planner.space import batch_shapes
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     request = request_from_args(build_parser().parse_args(["plan", *QUESTIONS[options.question]]))
     search = _Search(request, None)
-    search.rank(_fitting_with_pipelines(search, batch_shapes(request)))
+    search.rank(fitting_with_pipelines(search, batch_shapes(request)))
     evaluator = search.evaluator
     ratios: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for scenario, timing in evaluator._timing.items():

@@ -98,7 +98,7 @@ def test_memory_search_records_direct_estimates_and_overshoots(small_request: Pl
         assert memory == estimate_memory(scenario)
     assert search.closest, "the small space has families that miss"
     budget = small_request.budget_bytes
-    for over, memory in search.closest.values():
+    for over, _, memory in search.closest.values():
         assert over == _over_by(memory, small_request, budget) == _overshoot(memory, small_request)[1] > 0
 
 

@@ -130,9 +130,11 @@ class SearchStats:
     candidates: int
     """Points of the space considered (GPU count x strategy x offload x checkpointing x micro-batch)."""
     memory_evaluations: int
-    """Memory estimates computed (the rest were pruned or cached)."""
+    """Memory estimates computed: the rest were dominated by a cheaper setting, left because their model states
+    break the budget, or skipped because a lower bound on their step puts them out of the answer."""
     fitting: int
-    """Candidates that fit and were not dominated by a cheaper setting."""
+    """Of the candidates estimated, those that fit and were not dominated by a cheaper setting (a setting skipped by
+    its lower bound is not counted, fitting or not)."""
     time_evaluations: int
     """Plans whose step was simulated (the rest were bounded out)."""
 

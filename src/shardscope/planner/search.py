@@ -9,6 +9,10 @@
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
    A setting whose model states alone break the budget (read from its first estimate) is left there once its family
    fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
+   Shapes are searched best lower bound first, the plans found ranked as they come, and a setting whose least
+   possible ranking value is over the limits those plans set is skipped before any memory estimate
+   (`_Search._beyond_limits`, `shape_order.flat_fitting`): so the counts of memory estimates and fitting plans
+   are of the points estimated, not of the whole space.
 2. Simulate what fits best bound first (`_Search.rank`): a plan's compute bound, then its tight bound (the
    communication floor; for a pipeline its schedule's backward ends plus a floor under each rank's tail), then for a
    pipeline the exact end of its likeliest last ranks, each asked only when the bound before puts the plan first in
@@ -23,19 +27,23 @@
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+from shardscope.choices import Checkpointing
 from shardscope.core.result import CATEGORIES, MemoryEstimate
 from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
-from shardscope.planner.mesh_reason import Ranked, mesh_reasons
+from shardscope.planner.mesh_reason import Ranked, mesh_reasons, model_parallel
 from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
+from shardscope.planner.shape_order import fewest_gpus_fitting, fitting_with_pipelines
 from shardscope.planner.space import (
     BatchShape,
     Variant,
@@ -83,23 +91,45 @@ def _overshoot(memory: MemoryEstimate, request: PlanRequest) -> tuple[str, int]:
     return CATEGORIES[-1], over
 
 
+@dataclass(slots=True)
+class _LeastValue:
+    """What the search knows of the least ranking value of the plans without a pipeline at one shape and
+    checkpointing (`_Search._least_over`): the least of the bounds asked so far, and the micro-batches not asked."""
+
+    known: float
+    sizes_left: list[int]
+    """Smallest first: the largest is asked next."""
+
+
 class _Search:
     def __init__(self, request: PlanRequest, progress: Progress | None) -> None:
         self.request = request
         self.progress = progress
         self.evaluator = Evaluator(request)
         self.candidates = 0
-        self.closest: dict[str, tuple[int, MemoryEstimate]] = {}
+        self.closest: dict[str, tuple[int, int, MemoryEstimate]] = {}
+        """Per family, its closest miss: (bytes over, place of its shape, memory); the first of the closest in the
+        order of places, whatever the order the shapes are searched in."""
+        self.place = 0
+        """The place of the shape being searched: its index among the shapes without a pipeline, then the pipeline
+        shapes in the order they are searched."""
         self.fitting_families: set[str] = set()
         self.budget_bytes = request.budget_bytes
         self.limits: dict[str, float] = {}
-        """Per family, the ranking value a pipeline must beat to enter the top plans or be its family's best (set
-        from the plans without a pipeline, `_Search.set_limits`); a family missing has no limit."""
+        """Per family, the ranking value a plan must beat to enter the top plans or be its family's best (set from
+        the plans ranked so far, `_Search.set_limits`); a family missing has no limit."""
+        self.unsplit_limit = math.inf
+        """The best ranking value of the plans without model parallelism found so far
+        (`shape_order.flat_fitting`): what an unsplit plan must beat to become the one `mesh_reasons` compares the
+        split plans with."""
+        self.widest_unsplit = 0
+        """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
+        self._least: dict[tuple[BatchShape, str], _LeastValue] = {}
 
     def set_limits(self, ranked: list[Ranked]) -> None:
-        """The limits that ranking `ranked` leaves: a pipeline whose lower bound reaches both the top plans' last
-        value and its family's best would be skipped by `rank` (whose values only fall as it keeps more plans), so
-        its memory need not be estimated."""
+        """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
+        the top plans' last value and its family's best would be skipped by `rank` (whose values only fall as it
+        keeps more plans), so its memory need not be estimated."""
         top = self.request.top
         top_value = ranked[top - 1][0] if len(ranked) >= top else math.inf
         best: dict[str, float] = {}
@@ -112,17 +142,19 @@ class _Search:
         model states its first point holds (every engine's optimizer step holds its parameters, gradients and
         optimizer state, which no micro-batch, micro-batch count or checkpointing changes; plus the context) break
         the budget, and the family fits elsewhere (its closest miss is not reported) or already has a miss at least
-        as close (`_note_miss` keeps the first of the closest)."""
+        as close from a shape at or before this one (`_note_miss` keeps the first of the closest by place)."""
         over = states_floor_bytes - self.budget_bytes
         if over <= 0:
             return False
-        return family in self.fitting_families or (family in self.closest and self.closest[family][0] <= over)
+        if family in self.fitting_families:
+            return True
+        return family in self.closest and self.closest[family][:2] <= (over, self.place)
 
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
         over = _over_by(memory, self.request, self.budget_bytes)
-        if family not in self.closest or over < self.closest[family][0]:
-            self.closest[family] = (over, memory)
+        if family not in self.closest or (over, self.place) < self.closest[family][:2]:
+            self.closest[family] = (over, self.place, memory)
 
     def fitting(self, shape: BatchShape) -> list[MemoryEstimate]:
         """The largest fitting micro-batch of every setting at one GPU count, cheaper settings dominating; for a
@@ -138,6 +170,9 @@ class _Search:
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
                     if states_floor is not None and self._hopeless(*states_floor):
                         self.candidates += len(sizes)  # and it stays so: misses only get closer, families only fit
+                        continue
+                    if not pipelined and self._beyond_limits(shape, variant, checkpointing):
+                        self.candidates += len(sizes)
                         continue
                     floor = max(
                         (mb for o, c, mb in fitted if o == offload_rank and c <= checkpoint_rank),
@@ -172,6 +207,8 @@ class _Search:
                             self._note_miss(memory)
                             continue
                         self.fitting_families.add(family_of(scenario))
+                        if model_parallel(scenario) == 1:
+                            self.widest_unsplit = max(self.widest_unsplit, shape.gpus)
                         if pipelined:  # every size that fits competes
                             fitted.append((offload_rank, checkpoint_rank, size))
                             found.append(memory)
@@ -185,6 +222,61 @@ class _Search:
                     break  # the states do not fit: neither does any checkpointing of this offload
         return found
 
+    def _beyond_limits(self, shape: BatchShape, variant: Variant, checkpointing: Checkpointing) -> bool:
+        """Whether no plan of a setting without a pipeline (a variant and offload at `shape` with `checkpointing`)
+        can change the answer, so none of its memory is estimated: its least possible ranking value
+        (`_least_over`) is over its family's limit (`set_limits`) and, for a plan without model parallelism, over
+        the best unsplit value seen, at a GPU count no wider than where an unsplit plan already fits (so the mesh
+        reasons' comparison and widest count are the whole space's). Strictly over: `rank` over every fitting point
+        then skips each of its plans (a plan at or under its bound that the limits came from comes first in line),
+        ties included.
+
+        A skipped setting leaves no micro-batch for the costlier checkpointing settings of its offload to beat, so
+        one of them may now fit a micro-batch it would have been dominated at. That plan is no faster than the
+        skipped setting's own (more recomputation, more micro-batches: the dominance the memory search relies on),
+        whose value is at or over its bound, over the limits: it enters neither the top plans, nor its family's
+        best, nor (unsplit) the comparison, and its GPU count is no wider than an unsplit fit already found. So
+        only the count of fitting plans can change."""
+        limit = self.limits.get(variant.family, math.inf)
+        if variant.tp * variant.cp * variant.ep == 1:
+            if shape.gpus > self.widest_unsplit:
+                return False
+            limit = max(limit, self.unsplit_limit)
+        return limit < math.inf and self._least_over(shape, checkpointing, limit)
+
+    def _least_over(self, shape: BatchShape, checkpointing: Checkpointing, limit: float) -> bool:
+        """Whether the least ranking value of the plans without a pipeline at `shape` with `checkpointing` is over
+        `limit`: each micro-batch's bound (`value_bound`) asked largest first (usually the least) and only until one
+        is at or under `limit`; what was asked is kept, and a later question (the limits only fall) resumes there."""
+        key = (shape, checkpointing)
+        least = self._least.get(key)
+        if least is None:
+            sizes = list(micro_batches(self.request, shape.sequences_per_rank))  # asked from the end
+            least = self._least[key] = _LeastValue(known=math.inf, sizes_left=sizes)
+        while least.known > limit and least.sizes_left:
+            least.known = min(least.known, self.value_bound(shape, checkpointing, least.sizes_left.pop()))
+        return least.known > limit
+
+    def value_bound(self, shape: BatchShape, checkpointing: Checkpointing, size: int) -> float:
+        """The least ranking value of a plan without a pipeline at `shape` with `checkpointing` and micro-batch
+        `size`: its lower bound (`Evaluator.lower_bound_s`, which reads the micro-batch, its count, the checkpointing
+        and the model-parallel degrees, no family, shard group nor offload)."""
+        variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
+        grad_accum = _grad_accum(self.request, shape, size)
+        scenario = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
+        return self.metric(scenario, self.evaluator.lower_bound_s(scenario))
+
+    def _least_of(self, shape: BatchShape, variant: Variant, checkpointing: Checkpointing) -> float:
+        """The least ranking value of a pipeline `variant` at `shape`: its lower bound at the best micro-batch it
+        allows."""
+        request, best = self.request, math.inf
+        for size in micro_batches(request, shape.sequences_per_rank):
+            grad_accum = _grad_accum(request, shape, size)
+            if variant.allows(grad_accum):
+                scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
+                best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
+        return best
+
     def _out_of_reach(self, scenario: Scenario, limit: float) -> bool:
         """Whether a pipeline's bounds already reach `limit`: the cheap one, then its schedule's (shared by every
         family and offload of its shape)."""
@@ -196,18 +288,17 @@ class _Search:
     def optimistic(self, shape: BatchShape) -> float:
         """The least ranking value any plan of a pipeline shape can have: its lower bound at the cheapest
         checkpointing, the best schedule and micro-batch (the bound is the same for every family and offload)."""
-        request, best = self.request, math.inf
-        checkpointing = checkpointing_options(request)[0]
-        for schedule, virtual in pipeline_schedules(request, shape.pp):
-            variant = Variant(
-                family="ddp", tp=shape.tp, cp=shape.cp, pp=shape.pp, pp_schedule=schedule, pp_virtual_stages=virtual
+        checkpointing = checkpointing_options(self.request)[0]
+        return min(
+            self._least_of(
+                shape,
+                Variant(
+                    family="ddp", tp=shape.tp, cp=shape.cp, pp=shape.pp, pp_schedule=schedule, pp_virtual_stages=virtual
+                ),
+                checkpointing,
             )
-            for size in micro_batches(request, shape.sequences_per_rank):
-                grad_accum = _grad_accum(request, shape, size)
-                if variant.allows(grad_accum):
-                    scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
-                    best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
-        return best
+            for schedule, virtual in pipeline_schedules(self.request, shape.pp)
+        )
 
     def metric(self, scenario: Scenario, step_time_s: float) -> float:
         """The ranking value, smaller is better."""
@@ -225,13 +316,14 @@ class _Search:
             return None
         return price * scenario.cluster.world_size / SECONDS_PER_HOUR / tokens_per_s * 1e6
 
-    def rank(self, fitting: list[MemoryEstimate], best_only: bool = False) -> list[Ranked]:
+    def rank(self, fitting: list[MemoryEstimate], best_only: bool = False, quiet: bool = False) -> list[Ranked]:
         """Simulate what can enter the top plans or beat its family's best (with `best_only`, what can beat the best
         plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its tight bound,
         then (a pipeline) the exact ends of its likeliest last ranks one by one, each asked only when the one before
         leaves the plan first in line, so the limits fall as soon as they can and the costlier bounds are asked
         least. The answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the
-        order of the simulations."""
+        order of the simulations. `quiet`: no progress reports (a ranking along the memory search, for its
+        limits)."""
         evaluator, top = self.evaluator, 1 if best_only else self.request.top
         queue = [
             (bound, 0, bound, index)
@@ -261,17 +353,17 @@ class _Search:
                     continue
             timing = evaluator.timing(scenario)
             value = self.metric(scenario, timing.step_time_s)
-            kept.append((value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing)))
-            kept.sort(key=lambda item: item[:4])
+            item = (value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing))
+            bisect.insort(kept, item, key=lambda item: item[:4])
             family_best[family] = min(value, family_best.get(family, math.inf))
             resolved += 1
-            if self.progress is not None:
+            if self.progress is not None and not quiet:
                 self.progress("simulating", resolved, len(fitting))
         return [item[4] for item in kept]
 
-    def best_of(self, fitting: list[MemoryEstimate]) -> Ranked | None:
+    def best_of(self, fitting: list[MemoryEstimate], quiet: bool = False) -> Ranked | None:
         """The best of `fitting` by the request's ranking, None when it is empty."""
-        ranked = self.rank(fitting, best_only=True)
+        ranked = self.rank(fitting, best_only=True, quiet=quiet)
         return ranked[0] if ranked else None
 
     def plan(self, value: float, memory: MemoryEstimate, timing: PlanTiming, reason: str = "") -> Plan:
@@ -293,49 +385,6 @@ def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
     if request.global_batch_tokens is None:
         return shape.pp
     return max(1, shape.sequences_per_rank // size)
-
-
-def _fewest_gpus(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
-    """What fits at the smallest GPU count that fits anything."""
-    fitting: list[MemoryEstimate] = []
-    for done, shape in enumerate(shapes):
-        fitting += search.fitting(shape)
-        if search.progress is not None:
-            search.progress("memory", done + 1, len(shapes))
-        if fitting:
-            break
-    return fitting
-
-
-def _fitting_with_pipelines(search: _Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
-    """What fits: every shape without a pipeline, then the pipeline shapes in the order of their least possible
-    ranking value, each estimated only where a plan of it can still enter the top plans or beat its family's best
-    (the plans ranked so far set those limits, `_Search.set_limits`, and they only fall as more are ranked, so
-    `rank` over everything fitting skips whatever this skips: the answer is the whole space's)."""
-    flat = [shape for shape in shapes if shape.pp == 1]
-    fitting: list[MemoryEstimate] = []
-    for done, shape in enumerate(flat):
-        fitting += search.fitting(shape)
-        if search.progress is not None:
-            search.progress("memory", done + 1, len(flat))
-    piped = sorted(
-        ((search.optimistic(shape), index, shape) for index, shape in enumerate(shapes) if shape.pp > 1),
-    )
-    if not piped:
-        return fitting
-    ranked = search.rank(fitting)
-    search.set_limits(ranked)
-    for done, (least, _, shape) in enumerate(piped):
-        if least >= max(search.limits.values()):
-            break  # neither this shape nor any later one has a plan that can matter
-        found = search.fitting(shape)
-        if found:
-            fitting += found
-            ranked = search.rank([memory for _, memory, _ in ranked] + found)
-            search.set_limits(ranked)
-        if search.progress is not None:
-            search.progress("pipelines", done + 1, len(piped))
-    return fitting
 
 
 @contextmanager
@@ -362,7 +411,7 @@ def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
 def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     search = _Search(request, progress)
     shapes = batch_shapes(request)
-    fitting = _fewest_gpus(search, shapes) if request.min_gpus else _fitting_with_pipelines(search, shapes)
+    fitting = fewest_gpus_fitting(search, shapes) if request.min_gpus else fitting_with_pipelines(search, shapes)
     ranked = search.rank(fitting)
     best: dict[str, Ranked] = {}
     for item in ranked:
@@ -377,7 +426,7 @@ def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     fitting_families = set(best)
     rejected = tuple(
         Rejection(family=family, category=_overshoot(memory, request)[0], over_by_bytes=over, closest=memory)
-        for family, (over, memory) in sorted(search.closest.items(), key=lambda item: FAMILIES.index(item[0]))
+        for family, (over, _, memory) in sorted(search.closest.items(), key=lambda item: FAMILIES.index(item[0]))
         if family not in fitting_families
     )
     stats = SearchStats(
