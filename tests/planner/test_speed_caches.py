@@ -18,8 +18,9 @@ from shardscope.core.params import param_layout
 from shardscope.core.sharding import WholeTensorShards, whole_tensor_shards
 from shardscope.mesh import data_parallel_mesh
 from shardscope.planner import PlanRequest
+from shardscope.planner.budget import over_by, overshoot
 from shardscope.planner.evaluator import Evaluator
-from shardscope.planner.search import _over_by, _overshoot, _Search
+from shardscope.planner.search import _Search
 from shardscope.planner.space import batch_shapes
 from shardscope.planner.timing import compute_lower_bound_s, micro_batch_compute_s
 from shardscope.presets import model_preset
@@ -87,7 +88,7 @@ def test_evaluator_bounds_equal_the_direct_ones(small_request: PlanRequest) -> N
 
 
 def test_memory_search_records_direct_estimates_and_overshoots(small_request: PlanRequest) -> None:
-    """Each point's estimate is estimate_memory's, and the closest miss of each family is over by what _overshoot
+    """Each point's estimate is estimate_memory's, and the closest miss of each family is over by what overshoot
     says (the search computes only the bytes, without the category)."""
     search = _Search(small_request, None)
     for shape in batch_shapes(small_request):
@@ -99,7 +100,7 @@ def test_memory_search_records_direct_estimates_and_overshoots(small_request: Pl
     assert search.closest, "the small space has families that miss"
     budget = small_request.budget_bytes
     for over, _, memory in search.closest.values():
-        assert over == _over_by(memory, small_request, budget) == _overshoot(memory, small_request)[1] > 0
+        assert over == over_by(memory, small_request, budget) == overshoot(memory, small_request)[1] > 0
 
 
 def test_kept_states_equal_fresh_ones(small_request: PlanRequest) -> None:

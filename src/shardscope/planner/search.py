@@ -33,23 +33,24 @@ import heapq
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from shardscope.choices import Checkpointing
-from shardscope.core.result import CATEGORIES, MemoryEstimate
+from shardscope.core.result import MemoryEstimate
+from shardscope.planner.budget import fits_budget, over_by, overshoot
 from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
 from shardscope.planner.mesh_reason import Ranked, mesh_reasons, model_parallel
 from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
-from shardscope.planner.shape_order import fewest_gpus_fitting, fitting_with_pipelines
+from shardscope.planner.shape_order import LeastValue, fewest_gpus_fitting, fitting_with_pipelines
 from shardscope.planner.space import (
     BatchShape,
     Variant,
     batch_shapes,
     checkpointing_options,
     family_of,
+    grad_accum_of,
     make_scenario,
     micro_batches,
     offloads_for,
@@ -63,42 +64,6 @@ from shardscope.specs import Scenario
 
 Progress = Callable[[str, int, int], None]
 SECONDS_PER_HOUR = 3600.0
-
-
-def _fits(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> bool:
-    """Whether the peak is within `budget_bytes` (request.budget_bytes, computed once by the caller) and the node's
-    host memory within the request's."""
-    host_ok = not request.host_memory_bytes or memory.host_bytes_per_node <= request.host_memory_bytes
-    return memory.per_rank.peak_bytes <= budget_bytes and host_ok
-
-
-def _over_by(memory: MemoryEstimate, request: PlanRequest, budget_bytes: int) -> int:
-    """By how many bytes a plan that does not fit is over: its peak, else its node's host memory (_overshoot's)."""
-    over = memory.per_rank.peak_bytes - budget_bytes
-    return over if over > 0 else memory.host_bytes_per_node - request.host_memory_bytes
-
-
-def _overshoot(memory: MemoryEstimate, request: PlanRequest) -> tuple[str, int]:
-    """(the category that breaks the budget, by how many bytes the peak is over it)."""
-    over = _over_by(memory, request, request.budget_bytes)
-    if memory.per_rank.peak_bytes <= request.budget_bytes:
-        return "host", over
-    running = 0
-    for category in CATEGORIES:  # the category at which the running sum crosses the budget
-        running += memory.per_rank.category_bytes(category)
-        if running > request.budget_bytes:
-            return category, over
-    return CATEGORIES[-1], over
-
-
-@dataclass(slots=True)
-class _LeastValue:
-    """What the search knows of the least ranking value of the plans without a pipeline at one shape and
-    checkpointing (`_Search._least_over`): the least of the bounds asked so far, and the micro-batches not asked."""
-
-    known: float
-    sizes_left: list[int]
-    """Smallest first: the largest is asked next."""
 
 
 class _Search:
@@ -124,7 +89,7 @@ class _Search:
         split plans with."""
         self.widest_unsplit = 0
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
-        self._least: dict[tuple[BatchShape, str], _LeastValue] = {}
+        self._least: dict[tuple[BatchShape, str], LeastValue] = {}
 
     def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
@@ -152,7 +117,7 @@ class _Search:
 
     def _note_miss(self, memory: MemoryEstimate) -> None:
         family = family_of(memory.scenario)
-        over = _over_by(memory, self.request, self.budget_bytes)
+        over = over_by(memory, self.request, self.budget_bytes)
         if family not in self.closest or (over, self.place) < self.closest[family][:2]:
             self.closest[family] = (over, self.place, memory)
 
@@ -185,7 +150,7 @@ class _Search:
                         whole = size == shape.sequences_per_rank
                         if size <= floor or (failed and not whole):
                             continue  # dominated, or larger than a micro-batch that already does not fit
-                        grad_accum = _grad_accum(request, shape, size)
+                        grad_accum = grad_accum_of(request, shape, size)
                         if not variant.allows(grad_accum):
                             continue
                         if states_floor is not None and self._hopeless(*states_floor):
@@ -202,7 +167,7 @@ class _Search:
                         if states_floor is None and not pipelined:
                             held = memory.per_rank.model_state_bytes + memory.per_rank.overhead_bytes
                             states_floor = (family_of(scenario), held)
-                        if not _fits(memory, request, self.budget_bytes):
+                        if not fits_budget(memory, request, self.budget_bytes):
                             failed = True
                             self._note_miss(memory)
                             continue
@@ -252,7 +217,7 @@ class _Search:
         least = self._least.get(key)
         if least is None:
             sizes = list(micro_batches(self.request, shape.sequences_per_rank))  # asked from the end
-            least = self._least[key] = _LeastValue(known=math.inf, sizes_left=sizes)
+            least = self._least[key] = LeastValue(known=math.inf, sizes_left=sizes)
         while least.known > limit and least.sizes_left:
             least.known = min(least.known, self.value_bound(shape, checkpointing, least.sizes_left.pop()))
         return least.known > limit
@@ -262,7 +227,7 @@ class _Search:
         `size`: its lower bound (`Evaluator.lower_bound_s`, which reads the micro-batch, its count, the checkpointing
         and the model-parallel degrees, no family, shard group nor offload)."""
         variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
-        grad_accum = _grad_accum(self.request, shape, size)
+        grad_accum = grad_accum_of(self.request, shape, size)
         scenario = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
         return self.metric(scenario, self.evaluator.lower_bound_s(scenario))
 
@@ -271,7 +236,7 @@ class _Search:
         allows."""
         request, best = self.request, math.inf
         for size in micro_batches(request, shape.sequences_per_rank):
-            grad_accum = _grad_accum(request, shape, size)
+            grad_accum = grad_accum_of(request, shape, size)
             if variant.allows(grad_accum):
                 scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
                 best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
@@ -379,14 +344,6 @@ class _Search:
         )
 
 
-def _grad_accum(request: PlanRequest, shape: BatchShape, size: int) -> int:
-    """Micro-batches per step of micro-batch `size`: the rank's sequences in micro-batches, or, without a target
-    batch, one (a pipeline's pp)."""
-    if request.global_batch_tokens is None:
-        return shape.pp
-    return max(1, shape.sequences_per_rank // size)
-
-
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Pause the cycle collector: the search allocates millions of short-lived tuples and frozen dataclasses and
@@ -425,7 +382,7 @@ def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
     )
     fitting_families = set(best)
     rejected = tuple(
-        Rejection(family=family, category=_overshoot(memory, request)[0], over_by_bytes=over, closest=memory)
+        Rejection(family=family, category=overshoot(memory, request)[0], over_by_bytes=over, closest=memory)
         for family, (over, _, memory) in sorted(search.closest.items(), key=lambda item: FAMILIES.index(item[0]))
         if family not in fitting_families
     )

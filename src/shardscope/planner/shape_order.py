@@ -4,6 +4,7 @@ pipeline shapes best bound first (`planner.search` explains the pruning each ste
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardscope.core.result import MemoryEstimate
@@ -12,6 +13,16 @@ from shardscope.planner.space import BatchShape, checkpointing_options, micro_ba
 
 if TYPE_CHECKING:
     from shardscope.planner.search import _Search as Search
+
+
+@dataclass(slots=True)
+class LeastValue:
+    """What the search knows of the least ranking value of the plans without a pipeline at one shape and
+    checkpointing (`_Search._least_over`): the least of the bounds asked so far, and the micro-batches not asked."""
+
+    known: float
+    sizes_left: list[int]
+    """Smallest first: the largest is asked next."""
 
 
 def fewest_gpus_fitting(search: Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:

@@ -147,6 +147,14 @@ def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, .
     return tuple(size for size in range(1, limit + 1) if sequences_per_rank % size == 0)
 
 
+def grad_accum_of(request: PlanRequest, shape: BatchShape, size: int) -> int:
+    """Micro-batches per step of micro-batch `size`: the rank's sequences in micro-batches, or, without a target
+    batch, one (a pipeline's pp)."""
+    if request.global_batch_tokens is None:
+        return shape.pp
+    return max(1, shape.sequences_per_rank // size)
+
+
 def variants(request: PlanRequest, gpus: int, tp: int = 1, cp: int = 1, pp: int = 1) -> tuple[Variant, ...]:
     """Strategy settings at a GPU count split tp x cp x pp; hsdp with every shard group that divides the
     data-parallel ranks and whose GPUs (group x tp x cp) stay node-aligned; a pipeline with every schedule (and
