@@ -11,11 +11,12 @@ from collections import Counter
 from collections.abc import Iterable
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow
-from shardscope.runtime import RunConfig, RunResult, run_suite
+from shardscope.runtime import RunConfig, RunResult
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {
@@ -41,19 +42,16 @@ CASES = {  # name: (world size, options); where each case peaks is in its test b
 Key = tuple[str, str, int, int]
 
 
+CONFIGS = {
+    name: RunConfig.from_options(**{**OPTIONS, **extra, "world_size": world}) for name, (world, extra) in CASES.items()
+}
+register(__name__, CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, tuple[RunConfig, RunResult]]:
-    """Each case's run (one launch per world size, a hard deadline)."""
-    configs = {
-        name: RunConfig.from_options(**{**OPTIONS, **extra, "world_size": world})
-        for name, (world, extra) in CASES.items()
-    }
-    found = {}
-    for world in sorted({world for world, _ in CASES.values()}):
-        names = [name for name, (size, _) in CASES.items() if size == world]
-        results = run_suite([configs[name] for name in names])
-        found.update({name: (configs[name], result) for name, result in zip(names, results, strict=True)})
-    return found
+def runs(shared_runs: dict[str, dict[str, RunResult]]) -> dict[str, tuple[RunConfig, RunResult]]:
+    """Each case's run, launched with the other modules' runs of its world size (shared_launch.py; a hard deadline)."""
+    return {name: (config, shared_runs[__name__][name]) for name, config in CONFIGS.items()}
 
 
 def calls(rows: Iterable[CollectiveRow]) -> Counter[Key]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
-from shardscope.runtime import RunConfig, RunResult, run_suite
+from shardscope.runtime import RunConfig, RunResult
 
 pytestmark = pytest.mark.distributed
 
@@ -31,9 +32,13 @@ CONFIGS = {
 }
 
 
+register(__name__, CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[str, RunResult]:
-    return dict(zip(CONFIGS, run_suite(list(CONFIGS.values())), strict=True))
+def results(shared_runs: dict[str, dict[str, RunResult]]) -> dict[str, RunResult]:
+    """All of them, launched with the other modules' runs of their world size (shared_launch.py)."""
+    return shared_runs[__name__]
 
 
 def units(model: str) -> list[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
@@ -43,13 +44,16 @@ PREDICTED_CASES = {  # 2 steps each
 }
 
 
+CONFIGS = {name: RunConfig.from_options(**BASE, precision="fp64", steps=3, **c) for name, c in PARITY_CASES.items()}
+CONFIGS |= {name: RunConfig.from_options(**BASE, steps=2, **case) for name, case in PREDICTED_CASES.items()}
+register(__name__, CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, tuple[RunConfig, RunResult]]:
-    """Every 4-rank case of this file in one launch, start-up paid once (a hard deadline: the sum of the runs')."""
-    configs = {name: RunConfig.from_options(**BASE, precision="fp64", steps=3, **c) for name, c in PARITY_CASES.items()}
-    configs |= {name: RunConfig.from_options(**BASE, steps=2, **case) for name, case in PREDICTED_CASES.items()}
-    results = run_suite(list(configs.values()))
-    return {name: (config, result) for (name, config), result in zip(configs.items(), results, strict=True)}
+def runs(shared_runs: dict[str, dict[str, RunResult]]) -> dict[str, tuple[RunConfig, RunResult]]:
+    """Every 4-rank case of this file, launched with the other modules' 4-rank runs (shared_launch.py; start-up paid
+    once, a hard deadline: the sum of the runs')."""
+    return {name: (config, shared_runs[__name__][name]) for name, config in CONFIGS.items()}
 
 
 def test_fsdp_and_zero2_with_tensor_parallel_match_one_process(runs: dict[str, tuple[RunConfig, RunResult]]) -> None:

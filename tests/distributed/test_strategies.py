@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
-from shardscope.runtime import RunConfig, RunResult, run_suite
+from shardscope.runtime import RunConfig, RunResult
 
 pytestmark = pytest.mark.distributed
 FP64 = 8
@@ -49,19 +50,19 @@ CASES = [  # engine, strategy, model, world size, shard group
 ]
 
 
+CONFIGS = {
+    f"{e} {s}": RunConfig.from_options(
+        engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60
+    )
+    for e, s, m, w, g in CASES
+}
+register(__name__, CONFIGS)
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, str], RunResult]:
-    """All cases, one launch per world size (each launch has a hard deadline: the sum of its timeouts)."""
-    found: dict[tuple[str, str], RunResult] = {}
-    for world in sorted({case[3] for case in CASES}):
-        cases = [case for case in CASES if case[3] == world]
-        configs = [
-            RunConfig.from_options(engine=e, strategy=s, model=m, world_size=w, shard_group=g, steps=3, timeout_s=60)
-            for e, s, m, w, g in cases
-        ]
-        for case, result in zip(cases, run_suite(configs), strict=True):
-            found[case[0], case[1]] = result
-    return found
+def results(shared_runs: dict[str, dict[str, RunResult]]) -> dict[tuple[str, str], RunResult]:
+    """All cases, launched with the other modules' runs of their world size (shared_launch.py; a hard deadline)."""
+    return {(e, s): shared_runs[__name__][f"{e} {s}"] for e, s, *_ in CASES}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp"])

@@ -13,6 +13,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_suite
@@ -55,9 +56,15 @@ def _run_and_trace(options: dict[str, Any]) -> tuple[RunResult, TraceResult]:
     return run, trace
 
 
+CONFIG = RunConfig.from_options(**OPTIONS)
+register(__name__, {"fsdp cp2": CONFIG})
+
+
 @pytest.fixture(scope="module")
-def fsdp_cp() -> tuple[RunResult, TraceResult]:
-    return _run_and_trace(OPTIONS)
+def fsdp_cp(shared_runs: dict[str, dict[str, RunResult]]) -> tuple[RunResult, TraceResult]:
+    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario."""
+    trace = run_in_subprocess(TraceRequest(scenario=CONFIG.scenario(), time_limit_s=240, traced_blocks=0))
+    return shared_runs[__name__]["fsdp cp2"], trace
 
 
 def test_float64_parity_with_one_process(fsdp_cp: tuple[RunResult, TraceResult]) -> None:

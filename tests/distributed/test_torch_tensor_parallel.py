@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.result import CollectiveRow
-from shardscope.runtime import RunConfig, RunResult, run_suite
+from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import Scenario
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -38,11 +39,15 @@ def _calls(rows: tuple[CollectiveRow, ...]) -> Counter[tuple[str, str, str, int,
     )
 
 
+CONFIG = RunConfig.from_options(**OPTIONS)
+register(__name__, {"fsdp tp2": CONFIG})
+
+
 @pytest.fixture(scope="module")
-def run_and_trace() -> tuple[RunResult, TraceResult, Scenario]:
-    config = RunConfig.from_options(**OPTIONS)
-    run = run_suite([config])[0]
-    scenario = config.scenario()
+def run_and_trace(shared_runs: dict[str, dict[str, RunResult]]) -> tuple[RunResult, TraceResult, Scenario]:
+    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario."""
+    run = shared_runs[__name__]["fsdp tp2"]
+    scenario = CONFIG.scenario()
     trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0))
     return run, trace, scenario
 

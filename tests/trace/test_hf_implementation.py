@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from shardscope.trace.request import TraceRequest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf-configs"
@@ -39,7 +41,9 @@ def _request(implementation: str, attention: str = "sdpa", attn_implementation: 
     )
 
 
-def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations() -> None:
+def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations(
+    shared_trace: Callable[[TraceRequest], TraceResult],
+) -> None:
     """transformers' LlamaForCausalLM from tiny-llama's config: FSDP2 shards (dim 0 padded to 3 ranks) of exactly the
     tensors the core counts, and more activations than the reference module (its RMSNorm keeps fp32 copies)."""
     hf = run_in_subprocess(_request("hf"))
@@ -49,7 +53,7 @@ def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations() -> N
     assert hf.per_rank.optimizer_state_bytes == 2 * shards + 4 * len(tensors)  # exp_avg, exp_avg_sq, step
     assert "built by transformers from llama's config.json, attn_implementation=sdpa" in hf.notes
     assert hf.peak_moment.startswith("backward: model.layers.")
-    reference = run_in_subprocess(_request("reference"))
+    reference = shared_trace(_request("reference"))  # test_trace.py's zero3 padding test reads the same replay
     assert reference.per_rank.parameters_bytes == shards
     assert hf.per_rank.activations_bytes > reference.per_rank.activations_bytes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 
@@ -70,8 +71,11 @@ def test_request_survives_json() -> None:
     assert request_from_json(request.to_json()) == request
 
 
-def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step() -> None:
-    result = run_in_subprocess(_request("tiny-llama", 3, "zero3"))
+def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step(
+    shared_trace: Callable[[TraceRequest], TraceResult],
+) -> None:
+    # the trace test_hf_implementation.py compares transformers' model with (shared_trace: one replay for both)
+    result = shared_trace(_request("tiny-llama", 3, "zero3"))
     shard_bytes, tensors = _sharded_bytes("tiny-llama", 3, 4)
     assert result.per_rank.parameters_bytes == shard_bytes
     assert result.per_rank.gradients_bytes == shard_bytes
