@@ -27,6 +27,10 @@ import sys
 import time
 
 GOAL_S = 2.0
+GOAL_QUESTIONS = ("step-time", "cost", "405b-wide", "405b-16k", "405b-cost")
+"""The questions the issues hold to GOAL_S as whole commands (7: a 70B plan; 19: 405B over 8192 GPUs; 20 item 5:
+405B over 16384 GPUs by step time and by cost, and ranking by cost, today's 70B question included); the questions
+searching pipelines have no stated goal and are printed for comparison."""
 WIDE_405B = ["--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch-tokens", "16M"]
 BASE = ["--model", "llama-3-70b", "--gpu", "h100-80gb", "--seq-len", "4096", "--max-gpus", "1024"]
 QUESTIONS = {
@@ -143,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
     widths = {"question": -11, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
-    worst = 0.0
+    commands: dict[str, float] = {}
     for name, question in ((name, QUESTIONS[name]) for name in asked):
         search, command, counts = measure(question, runs)
-        worst = max(worst, command)
+        commands[name] = command
         print(
             f"{name:<11} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
             f"{counts['fitting']:5.0f} {counts['simulated']:10.0f}  fastest: {counts['best']}"
@@ -158,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         f"a 405B pipeline plan (zero1+tp8+pp16, 1f1b, 16 micro-batches, 16384 GPUs), median of 5 calls: "
         f"estimate_memory {pipeline['memory'] * 1e3:.1f} ms, estimate_time {pipeline['time'] * 1e3:.1f} ms"
     )
-    verdict = "meets" if worst < GOAL_S else "MISSES"
-    print(f"slowest whole command {worst:.2f} s: {verdict} the {GOAL_S:.0f} s goal")
+    goals = {name: seconds for name, seconds in commands.items() if name in GOAL_QUESTIONS}
+    for name, seconds in goals.items():
+        verdict = "meets" if seconds < GOAL_S else "MISSES"
+        print(f"{GOAL_S:.0f} s goal, {name}: whole command {seconds:.2f} s, {verdict}")
     with open("/proc/loadavg") as file:
         print(f"load average at end: {file.read().split()[0]}")
-    return 0 if worst < GOAL_S else 1
+    return 0 if all(seconds < GOAL_S for seconds in goals.values()) else 1
 
 
 if __name__ == "__main__":
