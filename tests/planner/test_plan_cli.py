@@ -85,20 +85,11 @@ def test_min_gpus(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    # in-process; test_bad_input_exits_2_from_the_process checks the exit code `python -m shardscope` hands back
+    # in-process; tests/cli/test_entry_point.py checks the exit code `python -m shardscope` hands back
     assert main(["plan", *extra]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
-
-
-def test_bad_input_exits_2_from_the_process() -> None:
-    """At the process boundary: the console entry point's exit status and its one stderr line."""
-    command = [sys.executable, "-m", "shardscope", "plan", "--model", "llama-3-8b", "--global-batch-tokens", "lots"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "not a number" in lines[0], result.stderr
 
 
 BLOCK_TORCH = """
