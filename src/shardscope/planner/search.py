@@ -222,11 +222,14 @@ class _Search:
             least.known = min(least.known, self.value_bound(shape, checkpointing, least.sizes_left.pop()))
         return least.known > limit
 
-    def value_bound(self, shape: BatchShape, checkpointing: Checkpointing, size: int) -> float:
-        """The least ranking value of a plan without a pipeline at `shape` with `checkpointing` and micro-batch
-        `size`: its lower bound (`Evaluator.lower_bound_s`, which reads the micro-batch, its count, the checkpointing
-        and the model-parallel degrees, no family, shard group nor offload)."""
-        variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
+    def value_bound(
+        self, shape: BatchShape, checkpointing: Checkpointing, size: int, variant: Variant | None = None
+    ) -> float:
+        """The least ranking value of a plan at `shape` with `checkpointing` and micro-batch `size` (of `variant`, by
+        default the shape's without a pipeline): its lower bound (`Evaluator.lower_bound_s`, which reads the
+        micro-batch, its count, the checkpointing, the model-parallel degrees and the schedule, no family, shard
+        group nor offload)."""
+        variant = variant or Variant(family="ddp", tp=shape.tp, cp=shape.cp)
         grad_accum = grad_accum_of(self.request, shape, size)
         scenario = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
         return self.metric(scenario, self.evaluator.lower_bound_s(scenario))
@@ -234,13 +237,9 @@ class _Search:
     def _least_of(self, shape: BatchShape, variant: Variant, checkpointing: Checkpointing) -> float:
         """The least ranking value of a pipeline `variant` at `shape`: its lower bound at the best micro-batch it
         allows."""
-        request, best = self.request, math.inf
-        for size in micro_batches(request, shape.sequences_per_rank):
-            grad_accum = grad_accum_of(request, shape, size)
-            if variant.allows(grad_accum):
-                scenario = make_scenario(request, shape.gpus, variant, "none", checkpointing, size, grad_accum)
-                best = min(best, self.metric(scenario, self.evaluator.lower_bound_s(scenario)))
-        return best
+        sizes = micro_batches(self.request, shape.sequences_per_rank)
+        allowed = (size for size in sizes if variant.allows(grad_accum_of(self.request, shape, size)))
+        return min((self.value_bound(shape, checkpointing, size, variant) for size in allowed), default=math.inf)
 
     def _out_of_reach(self, scenario: Scenario, limit: float) -> bool:
         """Whether a pipeline's bounds already reach `limit`: the cheap one, then its schedule's (shared by every
