@@ -3,6 +3,7 @@ of its values derived from it (so argparse, validation messages and loops share 
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Literal, TypeVar, get_args
 
 
@@ -103,6 +104,13 @@ def checkpoints_block(checkpointing: str, index: int) -> bool:
     layer option was removed on 2026-03-23 by 114151ad4)."""
     every = checkpoint_every(checkpointing)
     return every > 0 and (index + 1) % every == 0
+
+
+@cache
+def checkpointed_blocks(checkpointing: str, num_layers: int) -> tuple[bool, ...]:
+    """`checkpoints_block` of each of `num_layers` blocks, bottom first, kept: the time model prices every block of
+    every batch a planner search weighs."""
+    return tuple(checkpoints_block(checkpointing, index) for index in range(num_layers))
 
 
 ENGINE_ALIASES: dict[str, EngineName] = {"teaching": "paper"}

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from shardscope.choices import checkpoints_block
+from shardscope.choices import checkpointed_blocks
 from shardscope.core.engines import rules_for
 from shardscope.core.op_checkpointing import recomputed_linears, saved_linears
 from shardscope.core.params import ParamTensor, param_layout
@@ -179,9 +179,10 @@ def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int =
             block_kernels - op_saved,
         ),
     }.get(training.checkpointing, (0.0, 0.0))
+    whole = (block_forward, block_kernels)
     recomputed = [
-        (block_forward, block_kernels) if checkpoints_block(training.checkpointing, index) else partial
-        for index in range(model.num_layers)
+        whole if checkpointed else partial
+        for checkpointed in checkpointed_blocks(training.checkpointing, model.num_layers)
     ]
     head = sum(2.0 * tokens * out_features * in_features for out_features, in_features in head_matrices(model, tp))
     stages = [
@@ -197,15 +198,15 @@ def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int =
     ]
     stages += [
         StageFlops(
-            name=f"block {index}",
+            name=name,
             forward_flops=block_forward,
             backward_flops=2 * block_forward,
-            recompute_flops=recomputed[index][0],
+            recompute_flops=recompute_flops,
             forward_kernels=block_kernels,
             backward_kernels=block_backward,
-            recompute_kernels=recomputed[index][1],
+            recompute_kernels=recompute_kernels,
         )
-        for index in range(model.num_layers)
+        for name, (recompute_flops, recompute_kernels) in zip(block_names(model.num_layers), recomputed, strict=True)
     ]
     stages.append(
         StageFlops(
@@ -219,6 +220,12 @@ def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int =
         )
     )
     return tuple(stages)
+
+
+@cache
+def block_names(num_layers: int) -> tuple[str, ...]:
+    """The blocks' stage names, bottom first."""
+    return tuple(f"block {index}" for index in range(num_layers))
 
 
 def rank_stage_flops(scenario: Scenario) -> tuple[StageFlops, ...]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
-from shardscope.choices import checkpoints_block
+from shardscope.choices import checkpointed_blocks
 from shardscope.core.compute import ComputeModel, head_matrices, rank_stage_flops
 from shardscope.core.op_checkpointing import recomputed_linears
 from shardscope.core.params import ParamTensor, param_layout
@@ -178,7 +178,7 @@ def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float
     }.get(training.checkpointing, 0.0)
     checkpointing = training.checkpointing
     recompute = [0.0]
-    recompute += [block_forward if checkpoints_block(checkpointing, i) else partial for i in range(model.num_layers)]
+    recompute += [block_forward if whole else partial for whole in checkpointed_blocks(checkpointing, model.num_layers)]
     recompute.append(0.0)
     per_op_forward, per_op_backward = (
         compute.kernel_overhead_s,

@@ -7,8 +7,11 @@
    settings are not pruned against each other: the time model overlaps the host copies of parameter offload with
    compute but places optimizer offload's after backward, so offloading more can come out faster
    (tests/planner/test_search.py, llama-3-8b on 16 40 GiB GPUs: optimizer+params 5.175 s, optimizer 5.193 s).
-   A setting whose model states alone break the budget (read from its first estimate) is left there once its family
-   fits elsewhere or has a miss at least as close: no point of it can fit or become the closest miss reported.
+   A point is estimated only where it may fit or become its family's closest miss: its peak floor
+   (`core.peak_floor`: the weights, optimizer state, persistent buffers and context, plus the larger of the saved
+   activations and the gradients, at a fraction of an estimate's cost) is weighed first, and a point over the budget
+   by it is left once its family fits elsewhere or has a miss at least as close; a setting whose states alone break
+   the budget so is left whole.
    Shapes are searched best lower bound first, the plans found ranked as they come, and a setting whose least
    possible ranking value is over the limits those plans set is skipped before any memory estimate
    (`_Search._beyond_limits`, `shape_order.flat_fitting`): so the counts of memory estimates and fitting plans
@@ -40,6 +43,7 @@ from shardscope.planner.budget import fits_budget, over_by, overshoot
 from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
 from shardscope.planner.mesh_reason import Ranked, mesh_reasons, model_parallel
+from shardscope.planner.peak_floors import PeakFloors, SettingFloor
 from shardscope.planner.pipeline import busiest_states_bytes
 from shardscope.planner.request import FAMILIES, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
@@ -55,6 +59,7 @@ from shardscope.planner.space import (
     micro_batches,
     offloads_for,
     pipeline_schedules,
+    point_training,
     variants,
 )
 from shardscope.planner.timing import (
@@ -90,6 +95,7 @@ class _Search:
         self.widest_unsplit = 0
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
         self._least: dict[tuple[BatchShape, str], LeastValue] = {}
+        self.floors = PeakFloors()
 
     def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
@@ -102,13 +108,12 @@ class _Search:
             best.setdefault(family_of(memory.scenario), value)
         self.limits = {family: max(top_value, best.get(family, math.inf)) for family in self.request.families}
 
-    def _hopeless(self, family: str, states_floor_bytes: int) -> bool:
-        """Whether no point of a setting (a strategy and offload at one shape) can fit or change the answer: the
-        model states its first point holds (every engine's optimizer step holds its parameters, gradients and
-        optimizer state, which no micro-batch, micro-batch count or checkpointing changes; plus the context) break
-        the budget, and the family fits elsewhere (its closest miss is not reported) or already has a miss at least
-        as close from a shape at or before this one (`_note_miss` keeps the first of the closest by place)."""
-        over = states_floor_bytes - self.budget_bytes
+    def _hopeless(self, family: str, floor_bytes: int) -> bool:
+        """Whether no point whose peak is at least `floor_bytes` (`core.peak_floor`: of one point, or of a whole
+        setting, a strategy and offload at one shape, from its states alone) can fit or change the answer: the floor
+        breaks the budget, and the family fits elsewhere (its closest miss is not reported) or already has a miss at
+        least as close from a shape at or before this one (`_note_miss` keeps the first of the closest by place)."""
+        over = floor_bytes - self.budget_bytes
         if over <= 0:
             return False
         if family in self.fitting_families:
@@ -131,9 +136,9 @@ class _Search:
             fitted: list[tuple[int, int, int]] = []
             for offload_rank, offload in enumerate(offloads_for(request, variant.family)):
                 states_checked = False
-                states_floor: tuple[str, int] | None = None  # (family, bytes) from the setting's first estimate
+                setting: SettingFloor | None = None  # its peak floor's parts, once a point is weighed
                 for checkpoint_rank, checkpointing in enumerate(checkpointing_options(request)):
-                    if states_floor is not None and self._hopeless(*states_floor):
+                    if setting is not None and self._hopeless(setting.family, setting.held.states_bytes):
                         self.candidates += len(sizes)  # and it stays so: misses only get closer, families only fit
                         continue
                     if not pipelined and self._beyond_limits(shape, variant, checkpointing):
@@ -153,9 +158,14 @@ class _Search:
                         grad_accum = grad_accum_of(request, shape, size)
                         if not variant.allows(grad_accum):
                             continue
-                        if states_floor is not None and self._hopeless(*states_floor):
-                            failed = True
-                            continue
+                        if not pipelined:
+                            setting = setting or self.floors.setting(
+                                make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
+                            )
+                            training = point_training(request, checkpointing, size, 1)
+                            if self._hopeless(setting.family, self.floors.point_bytes(setting, training)):
+                                failed = True  # it cannot fit, nor be its family's closest miss
+                                continue
                         scenario = make_scenario(request, shape.gpus, variant, offload, checkpointing, size, grad_accum)
                         if pipelined and self._out_of_reach(scenario, self.limits.get(variant.family, math.inf)):
                             continue  # cannot enter the top plans nor beat its family's best
@@ -164,9 +174,6 @@ class _Search:
                             if busiest_states_bytes(scenario) > self.budget_bytes:
                                 break  # no micro-batch or checkpointing fits the model states
                         memory = self.evaluator.new_memory(scenario)
-                        if states_floor is None and not pipelined:
-                            held = memory.per_rank.model_state_bytes + memory.per_rank.overhead_bytes
-                            states_floor = (family_of(scenario), held)
                         if not fits_budget(memory, request, self.budget_bytes):
                             failed = True
                             self._note_miss(memory)

@@ -240,10 +240,18 @@ def make_scenario(
     return Scenario(
         model=request.model,
         cluster=_cluster(request.gpu, gpus, request.gpus_per_node),
-        training=_training(request.training, micro_batch, grad_accum, checkpointing),
+        training=point_training(request, checkpointing, micro_batch, grad_accum),
         strategy=_strategy(request.strategy, variant, offload),
         overheads=request.overheads,
     )
+
+
+def point_training(
+    request: PlanRequest, checkpointing: Checkpointing, micro_batch: int, grad_accum: int
+) -> TrainingSpec:
+    """The batch of one point of the space: the request's training with its micro-batch, count and checkpointing
+    (one object per distinct batch, kept)."""
+    return _training(request.training, micro_batch, grad_accum, checkpointing)
 
 
 @lru_cache(maxsize=4096)

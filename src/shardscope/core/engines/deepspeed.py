@@ -43,7 +43,11 @@ class DeepSpeedRules(RulesDefaults):
     torch_engines = False
 
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
-        return shared_memory(scenario, expert_parallel_states(scenario, _states(scenario)))
+        return shared_memory(scenario, self.rank_states(scenario, rank))
+
+    def rank_states(self, scenario: Scenario, rank: int) -> ModelStates:
+        """Every rank holds the same."""
+        return expert_parallel_states(scenario, _states(scenario))
 
     def gradient_buckets(self, scenario: Scenario) -> tuple[tuple[int, int], ...]:
         """The 5e8-element reduce bucket, filled walking the parameters in reverse."""

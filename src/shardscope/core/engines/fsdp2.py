@@ -81,6 +81,11 @@ def fsdp2_memory(scenario: Scenario, rank: int) -> RankMemory:
     return RankMemory(states=states, activations=acts, moments=tuple(moments))
 
 
+def fsdp2_states(scenario: Scenario, rank: int) -> ModelStates:
+    """The rank's states as FSDP2 holds them (`fsdp2_memory`'s), without its moments."""
+    return _offloaded_states(scenario, rank)[0]
+
+
 _STATES_CACHE: dict[tuple[object, ...], tuple[ModelStates, _UnitMoments]] = {}
 
 

@@ -98,6 +98,10 @@ class PaperRules(RulesDefaults):
             regathers_in_backward=megatron,
         )
 
+    def rank_states(self, scenario: Scenario, rank: int) -> ModelStates:
+        """Every rank holds the same."""
+        return offload(scenario, _states(scenario)[0])
+
     def pipeline_moments(self, scenario: Scenario, load: PipelineLoad) -> list[Moment]:
         """ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch's gradients as its backward lands them: the teaching
         pipeline's own moments (core.engines.teaching_pipeline); ddp and ZeRO-1 keep whole flat gradients, the

@@ -30,7 +30,7 @@ from shardscope.core.engines.base import (
     TimePlace,
     shared_memory,
 )
-from shardscope.core.engines.fsdp2 import fsdp2_memory, single_tensor_step_bytes
+from shardscope.core.engines.fsdp2 import fsdp2_memory, fsdp2_states, single_tensor_step_bytes
 from shardscope.core.engines.fsdp2_pipeline import (
     fsdp2_pipeline_events,
     fsdp2_pipeline_moments,
@@ -78,6 +78,11 @@ class PyTorchRules(RulesDefaults):
         if not runs_on_ddp(scenario):
             return fsdp2_memory(scenario, rank)
         return shared_memory(scenario, _offloaded_replicated(scenario, rank))
+
+    def rank_states(self, scenario: Scenario, rank: int) -> ModelStates:
+        if not runs_on_ddp(scenario):
+            return fsdp2_states(scenario, rank)
+        return _offloaded_replicated(scenario, rank)
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
