@@ -5,8 +5,9 @@ first: the planner simulates one and two micro-batches and extends the line (T(k
 instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation.
 
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
-compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets a
-second, tighter bound before it is simulated (`communication_floor`): the data-parallel collectives and host copies,
+compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets
+the compute chain with the optimizer step (`optimizer_floor_s`, no call built), then a tighter bound before it is
+simulated (`communication_floor`): the data-parallel collectives and host copies,
 which the compute bound ignores and which decide the cost ranking, where every GPU count computes about the same, and
 the optimizer step after them (CPU-Adam under offload, often the longest task of an offloaded step).
 """
@@ -244,10 +245,21 @@ class _CallTally:
         return sums
 
 
-def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> CommunicationFloor:
+def optimizer_floor_s(scenario: Scenario, hardware: HardwareProfile) -> float:
+    """The optimizer step's task as the simulation prices it (`core.timeline_tasks.optimizer_task_s`, of the step
+    of at most two micro-batches that plan_timing simulates): the part of `CommunicationFloor.tail_s` that needs no
+    communication event, so it bounds a step cheaply on its own (`Evaluator.optimizer_bound_s`)."""
+    asked = _with_micro_batches(scenario, min(scenario.training.grad_accum_steps, SIMULATED_MICRO_BATCHES))
+    rules = rules_for(asked)
+    return optimizer_task_s(asked, compute_model(asked, hardware), hardware, rules.framework_s(asked, hardware))
+
+
+def communication_floor(
+    scenario: Scenario, hardware: HardwareProfile, optimizer_s: float | None = None
+) -> CommunicationFloor:
     """The floor for the scenario's micro-batch count, from one and two micro-batches extended as plan_timing does
     (each further micro-batch issues the same calls as the second; the optimizer step and the calls after it come
-    once a step)."""
+    once a step). `optimizer_s`: the scenario's `optimizer_floor_s` where the caller has it."""
     net = network_model(hardware)
     steps = scenario.training.grad_accum_steps
     priced: dict[tuple[str, str, int, int], float] = {}
@@ -271,9 +283,7 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
         once = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, 1)), 0)
         one = once.stream_seconds(once.every, seconds, host_only)
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
-    optimizer = optimizer_task_s(
-        asked, compute_model(asked, hardware), hardware, rules_for(asked).framework_s(asked, hardware)
-    )
+    optimizer = optimizer_s if optimizer_s is not None else optimizer_floor_s(scenario, hardware)
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), before_step_s=0.0, tail_s=optimizer)
     first, last, after = (
