@@ -18,14 +18,14 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import and_, attrgetter, eq
 
 from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
-from shardscope.core.model_parallel_comm import model_parallel_events
+from shardscope.core.model_parallel_comm import model_parallel_calls
 from shardscope.core.network import event_cost, network_model
 from shardscope.core.result import CollectiveRow
 from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
@@ -132,11 +132,17 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro
         training=dataclasses.replace(scenario.training, micro_batch_size=micro_batch_size, grad_accum_steps=1),
     )
     net = network_model(hardware)
-    calls: dict[tuple[str, int], tuple[CommEvent, int]] = {}  # each distinct call priced once
-    for event in model_parallel_events(once, weight_bytes=1):
-        if event.group == "tp" and event.trigger in INSIDE_STAGE:
-            key = (event.row.op, event.row.payload_bytes)
-            calls[key] = (event, calls[key][1] + 1 if key in calls else 1)
+    # the calls the simulation of the plan's first micro-batch makes (kept per shape, so it finds them made): the
+    # weights' element size reaches only the gradient all-reduces after backward, which the floor leaves out
+    events = model_parallel_calls(once, rules_for(once).param_comm_bytes(once))
+    in_tp_group = map(eq, map(_GROUP, events), repeat("tp"))
+    inside = map(and_, in_tp_group, map(INSIDE_STAGE.__contains__, map(_TRIGGER, events)))
+    chosen = list(compress(events, inside))  # filtered and counted at C speed: a 70B step has thousands
+    rows = list(map(_ROW, chosen))
+    keys = list(zip(map(_OP, rows), map(_PAYLOAD, rows), strict=True))
+    counts = Counter(keys)
+    # each distinct call priced once: its last call, counted where the first came, as a dict filled call by call
+    calls = {key: (event, counts[key]) for key, event in dict(zip(keys, chosen, strict=True)).items()}
     return sum(event_cost(event, once, net).time_s * count for event, count in calls.values())
 
 
@@ -189,6 +195,8 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
 
 
 _STAGE = attrgetter("stage")
+_GROUP, _TRIGGER, _ROW = attrgetter("group"), attrgetter("trigger"), attrgetter("row")
+_OP, _PAYLOAD = attrgetter("op"), attrgetter("payload_bytes")
 _AT_STAGE_ZERO_OR_STEP = (1).__gt__  # stage 0 or -1 (the optimizer step's: 'after_step')
 _FLOOR_STREAMS = ("comm", "host")
 
