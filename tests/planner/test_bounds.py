@@ -37,6 +37,7 @@ def test_bounds_never_exceed_the_simulated_step(small_request: PlanRequest) -> N
         step = evaluator.timing(scenario).step_time_s
         loose, tight = evaluator.lower_bound_s(scenario), evaluator.tight_bound_s(scenario)
         assert loose <= step and tight <= step, scenario
+        assert evaluator.optimizer_bound_s(scenario) <= tight, scenario
         tighter += tight > loose * 1.001
     assert tighter > len(fitting[::3]) // 2  # the communication floor and the tp floor at size raise most bounds
 

@@ -19,6 +19,7 @@ from shardscope.planner.timing import (
     PlanTiming,
     communication_floor,
     micro_batch_compute_s,
+    optimizer_floor_s,
     plan_timing,
     tensor_parallel_floor_s,
 )
@@ -38,6 +39,7 @@ class Evaluator:
         self._memory: dict[Scenario, MemoryEstimate] = {}
         self._timing: dict[Scenario, PlanTiming] = {}
         self._tight: dict[Scenario, float] = {}
+        self._optimizer: dict[Scenario, float] = {}
         self._micro_batch_compute: dict[tuple[int, str, int, int, bool], float] = {}
         self._bound: dict[tuple[int, int, str, int, int, bool], float] = {}
         self._tp_floor: dict[tuple[str, int, int, bool], float] = {}
@@ -130,6 +132,29 @@ class Evaluator:
             found = self._micro_batch_compute[key] = micro_batch_compute_s(scenario, self.hardware)
         return found * training.grad_accum_steps
 
+    def further_bound_s(self, scenario: Scenario, asked: int) -> float | None:
+        """The `asked`-th bound after the cheap one (`lower_bound_s`), each tighter and costlier than the one
+        before, None once none is left (the plan is simulated): without a pipeline, the compute chain with the
+        optimizer step (`optimizer_bound_s`), then the communication floor (`tight_bound_s`); a pipeline's floor,
+        then the exact ends of its likeliest last ranks (`pipeline_rank_end_s`)."""
+        if scenario.strategy.pp > 1:
+            return self.tight_bound_s(scenario) if asked == 0 else self.pipeline_rank_end_s(scenario, asked - 1)
+        if asked == 0:
+            return self.optimizer_bound_s(scenario)
+        return self.tight_bound_s(scenario) if asked == 1 else None
+
+    def optimizer_bound_s(self, scenario: Scenario) -> float:
+        """The compute stream's chain (`chain_s`) then the optimizer step (`planner.timing.optimizer_floor_s`): what
+        the communication floor adds its calls to, with no call built, so an offloaded plan whose CPU-Adam step
+        already puts it out of the running is never asked the floor."""
+        return (self.chain_s(scenario) + self._optimizer_s(scenario)) * (1.0 - ROUNDING_MARGIN)
+
+    def _optimizer_s(self, scenario: Scenario) -> float:
+        found = self._optimizer.get(scenario)
+        if found is None:
+            found = self._optimizer[scenario] = optimizer_floor_s(scenario, self.hardware)
+        return found
+
     def tight_bound_s(self, scenario: Scenario) -> float:
         """The lower bound with the communication floor (planner.timing.CommunicationFloor): costlier to compute, so
         asked only of a plan the compute bound did not prune, and kept: the second ranking (`_Search.best_of`)
@@ -171,15 +196,19 @@ class Evaluator:
             found = ends[nth] = rank_end_s(scenario, self.hardware, rank, self.backward_ends_s(scenario)[rank])
         return found
 
-    def _tight_bound_s(self, scenario: Scenario) -> float:
+    def chain_s(self, scenario: Scenario) -> float:
+        """The compute stream's chain: the compute bound plus the tensor-parallel floor at the plan's micro-batch."""
         training, strategy = scenario.training, scenario.strategy
         shape = (training.checkpointing, strategy.tp, strategy.cp, strategy.uses_sequence_parallel)
         key = (*shape, training.micro_batch_size)
         floor = self._tp_floor_at.get(key)
         if floor is None:
             floor = self._tp_floor_at[key] = tensor_parallel_floor_s(scenario, self.hardware, training.micro_batch_size)
-        chain = self.compute_bound_s(scenario) + floor * training.grad_accum_steps
-        return communication_floor(scenario, self.hardware).bound_s(chain)
+        return self.compute_bound_s(scenario) + floor * training.grad_accum_steps
+
+    def _tight_bound_s(self, scenario: Scenario) -> float:
+        floor = communication_floor(scenario, self.hardware, self._optimizer_s(scenario))
+        return floor.bound_s(self.chain_s(scenario))
 
     @property
     def memory_evaluations(self) -> int:

@@ -289,8 +289,9 @@ class _Search:
 
     def rank(self, fitting: list[MemoryEstimate], best_only: bool = False, quiet: bool = False) -> list[Ranked]:
         """Simulate what can enter the top plans or beat its family's best (with `best_only`, what can beat the best
-        plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its tight bound,
-        then (a pipeline) the exact ends of its likeliest last ranks one by one, each asked only when the one before
+        plan: only the first of the answer is meant), best bound first: a plan's cheap bound, then its further
+        bounds one by one (`Evaluator.further_bound_s`: the optimizer step's, then the communication floor; a
+        pipeline's floor, then the exact ends of its likeliest last ranks), each asked only when the one before
         leaves the plan first in line, so the limits fall as soon as they can and the costlier bounds are asked
         least. The answer is ordered by value, then GPU count, then cheap bound and place in `fitting`, whatever the
         order of the simulations. `quiet`: no progress reports (a ranking along the memory search, for its
@@ -314,14 +315,10 @@ class _Search:
             if key >= limit:
                 resolved += 1
                 continue  # the limits only fall: it stays out
-            if checked == 0:
-                heapq.heappush(queue, (self.metric(scenario, evaluator.tight_bound_s(scenario)), 1, bound, index))
+            further_s = evaluator.further_bound_s(scenario, checked)
+            if further_s is not None:  # one bound tighter, then back in line
+                heapq.heappush(queue, (max(key, self.metric(scenario, further_s)), checked + 1, bound, index))
                 continue
-            if scenario.strategy.pp > 1:
-                end_s = evaluator.pipeline_rank_end_s(scenario, checked - 1)
-                if end_s is not None:  # one more pipeline rank's exact end, then back in line
-                    heapq.heappush(queue, (max(key, self.metric(scenario, end_s)), checked + 1, bound, index))
-                    continue
             timing = evaluator.timing(scenario)
             value = self.metric(scenario, timing.step_time_s)
             item = (value, scenario.cluster.world_size, bound, index, (value, fitting[index], timing))

@@ -5,8 +5,9 @@ first: the planner simulates one and two micro-batches and extends the line (T(k
 instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation.
 
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
-compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets a
-second, tighter bound before it is simulated (`communication_floor`): the data-parallel collectives and host copies,
+compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets
+the compute chain with the optimizer step (`optimizer_floor_s`, no call built), then a tighter bound before it is
+simulated (`communication_floor`): the data-parallel collectives and host copies,
 which the compute bound ignores and which decide the cost ranking, where every GPU count computes about the same, and
 the optimizer step after them (CPU-Adam under offload, often the longest task of an offloaded step).
 """
@@ -17,14 +18,14 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import and_, attrgetter, eq
 
 from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
-from shardscope.core.model_parallel_comm import model_parallel_events
+from shardscope.core.model_parallel_comm import model_parallel_calls
 from shardscope.core.network import event_cost, network_model
 from shardscope.core.result import CollectiveRow
 from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
@@ -131,11 +132,17 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro
         training=dataclasses.replace(scenario.training, micro_batch_size=micro_batch_size, grad_accum_steps=1),
     )
     net = network_model(hardware)
-    calls: dict[tuple[str, int], tuple[CommEvent, int]] = {}  # each distinct call priced once
-    for event in model_parallel_events(once, weight_bytes=1):
-        if event.group == "tp" and event.trigger in INSIDE_STAGE:
-            key = (event.row.op, event.row.payload_bytes)
-            calls[key] = (event, calls[key][1] + 1 if key in calls else 1)
+    # the calls the simulation of the plan's first micro-batch makes (kept per shape, so it finds them made): the
+    # weights' element size reaches only the gradient all-reduces after backward, which the floor leaves out
+    events = model_parallel_calls(once, rules_for(once).param_comm_bytes(once))
+    in_tp_group = map(eq, map(_GROUP, events), repeat("tp"))
+    inside = map(and_, in_tp_group, map(INSIDE_STAGE.__contains__, map(_TRIGGER, events)))
+    chosen = list(compress(events, inside))  # filtered and counted at C speed: a 70B step has thousands
+    rows = list(map(_ROW, chosen))
+    keys = list(zip(map(_OP, rows), map(_PAYLOAD, rows), strict=True))
+    counts = Counter(keys)
+    # each distinct call priced once: its last call, counted where the first came, as a dict filled call by call
+    calls = {key: (event, counts[key]) for key, event in dict(zip(keys, chosen, strict=True)).items()}
     return sum(event_cost(event, once, net).time_s * count for event, count in calls.values())
 
 
@@ -188,6 +195,8 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
 
 
 _STAGE = attrgetter("stage")
+_GROUP, _TRIGGER, _ROW = attrgetter("group"), attrgetter("trigger"), attrgetter("row")
+_OP, _PAYLOAD = attrgetter("op"), attrgetter("payload_bytes")
 _AT_STAGE_ZERO_OR_STEP = (1).__gt__  # stage 0 or -1 (the optimizer step's: 'after_step')
 _FLOOR_STREAMS = ("comm", "host")
 
@@ -244,10 +253,21 @@ class _CallTally:
         return sums
 
 
-def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> CommunicationFloor:
+def optimizer_floor_s(scenario: Scenario, hardware: HardwareProfile) -> float:
+    """The optimizer step's task as the simulation prices it (`core.timeline_tasks.optimizer_task_s`, of the step
+    of at most two micro-batches that plan_timing simulates): the part of `CommunicationFloor.tail_s` that needs no
+    communication event, so it bounds a step cheaply on its own (`Evaluator.optimizer_bound_s`)."""
+    asked = _with_micro_batches(scenario, min(scenario.training.grad_accum_steps, SIMULATED_MICRO_BATCHES))
+    rules = rules_for(asked)
+    return optimizer_task_s(asked, compute_model(asked, hardware), hardware, rules.framework_s(asked, hardware))
+
+
+def communication_floor(
+    scenario: Scenario, hardware: HardwareProfile, optimizer_s: float | None = None
+) -> CommunicationFloor:
     """The floor for the scenario's micro-batch count, from one and two micro-batches extended as plan_timing does
     (each further micro-batch issues the same calls as the second; the optimizer step and the calls after it come
-    once a step)."""
+    once a step). `optimizer_s`: the scenario's `optimizer_floor_s` where the caller has it."""
     net = network_model(hardware)
     steps = scenario.training.grad_accum_steps
     priced: dict[tuple[str, str, int, int], float] = {}
@@ -271,9 +291,7 @@ def communication_floor(scenario: Scenario, hardware: HardwareProfile) -> Commun
         once = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, 1)), 0)
         one = once.stream_seconds(once.every, seconds, host_only)
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
-    optimizer = optimizer_task_s(
-        asked, compute_model(asked, hardware), hardware, rules_for(asked).framework_s(asked, hardware)
-    )
+    optimizer = optimizer_s if optimizer_s is not None else optimizer_floor_s(scenario, hardware)
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), before_step_s=0.0, tail_s=optimizer)
     first, last, after = (
