@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardscope.core.engines import rules_for
-from shardscope.core.peak_floor import HeldFloor, batch_floor_bytes, held_floor, saved_activations_bytes
+from shardscope.core.peak_floor import HeldFloor, held_floor, saved_activations_bytes
 from shardscope.core.rank_share import RankShare, rank_share
 from shardscope.specs import Scenario, TrainingSpec
 
@@ -33,7 +32,6 @@ class PeakFloors:
 
     def __init__(self) -> None:
         self._saved: dict[tuple[object, ...], int] = {}
-        self._batch: dict[tuple[object, ...], int] = {}
 
     @staticmethod
     def setting(point: Scenario) -> SettingFloor:
@@ -54,13 +52,3 @@ class PeakFloors:
             point = dataclasses.replace(setting.point, training=training)
             saved = self._saved[key] = saved_activations_bytes(point, held)
         return held.peak_floor_bytes(saved)
-
-    def batch_bytes(self, point: Scenario) -> int:
-        """`core.peak_floor.batch_floor_bytes` of `point`, given with one micro-batch a step, kept by what it reads
-        beyond the request's model: the batch, the rank's cut of it and the GPU's kernels."""
-        share = rank_share(point, rules_for(point).megatron_tensor_parallel)
-        key = (point.training, share, point.cluster.gpu_kernels)
-        found = self._batch.get(key)
-        if found is None:
-            found = self._batch[key] = batch_floor_bytes(point)
-        return found

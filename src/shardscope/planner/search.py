@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from shardscope.choices import Checkpointing
+from shardscope.core.peak_floor import batch_floor_bytes
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.budget import fits_budget, over_by, overshoot
 from shardscope.planner.evaluator import Evaluator
@@ -97,6 +98,7 @@ class _Search:
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
         self._least: dict[tuple[BatchShape, str], LeastValue] = {}
         self.floors = PeakFloors()
+        self._batch_may_fit: dict[tuple[int, int, str, int], bool] = {}
 
     def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
@@ -240,9 +242,13 @@ class _Search:
         request that searches expert parallelism (its degrees cut the activations too)."""
         if self.request.expert_parallel != (1,):
             return True
-        variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
-        probe = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, 1)
-        return self.floors.batch_bytes(probe) <= self.budget_bytes
+        key = (shape.tp, shape.cp, checkpointing, size)  # the rest it reads is the request's (not the GPU count)
+        found = self._batch_may_fit.get(key)
+        if found is None:
+            variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
+            probe = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, 1)
+            found = self._batch_may_fit[key] = batch_floor_bytes(probe) <= self.budget_bytes
+        return found
 
     def value_bound(
         self, shape: BatchShape, checkpointing: Checkpointing, size: int, variant: Variant | None = None
