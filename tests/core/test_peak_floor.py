@@ -1,5 +1,6 @@
-"""The peak floor (core/peak_floor.py) stays under the peak `estimate_memory` gives, for every engine, family,
-offload, checkpointing, precision and model-parallel cut, and is close enough to it to be worth asking."""
+"""The peak floor (core/peak_floor.py) and the floor of a batch alone stay under the peak `estimate_memory` gives,
+for every engine, family, offload, checkpointing, precision and model-parallel cut, and the first is close enough to
+it to be worth asking."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from shardscope.choices import SpecError
 from shardscope.core.memory import estimate_memory
-from shardscope.core.peak_floor import held_floor, peak_floor_bytes
+from shardscope.core.peak_floor import batch_floor_bytes, held_floor, peak_floor_bytes
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
@@ -96,6 +97,7 @@ def test_the_floor_is_under_the_peak(
         assume(False)  # a combination the specs refuse (offload of an unsharded family, ep of a dense model, ...)
         return
     assert peak_floor_bytes(scenario) <= peak
+    assert batch_floor_bytes(scenario) <= peak
 
 
 def _every_setting(engine: str) -> list[Scenario]:

@@ -13,7 +13,8 @@ the peak of every engine, family, offload, checkpointing and model-parallel cut.
 
 The floor comes in two parts, so a search over many points can keep each: `held_floor` reads the rank's states (no
 micro-batch, micro-batch count or checkpointing changes them), `saved_activations_bytes` one micro-batch's
-activations (no data-parallel family, shard group or offload changes them beyond what `HeldFloor` carries)."""
+activations (no data-parallel family, shard group or offload changes them beyond what `HeldFloor` carries).
+`batch_floor_bytes` is the floor of a batch alone, whatever the family: the context and the saved activations."""
 
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ def held_floor(scenario: Scenario, rank: int | None = None) -> HeldFloor:
 def saved_activations_bytes(scenario: Scenario, floor: HeldFloor) -> int:
     """One micro-batch's saved activations on the rank, as its engine counts them."""
     return activations_for(scenario, floor.autocast, floor.megatron).saved_bytes
+
+
+def batch_floor_bytes(scenario: Scenario) -> int:
+    """A floor under the peak of every point that shares the scenario's batch, cut and engine, whatever its
+    data-parallel family, shard group and offload: the framework context and the fewer saved activations of the two
+    ways to save them (under autocast or not, the one thing families differ in)."""
+    megatron = rules_for(scenario).megatron_tensor_parallel
+    saved = min(activations_for(scenario, autocast, megatron).saved_bytes for autocast in (False, True))
+    return scenario.overheads.context_bytes + saved
 
 
 def peak_floor_bytes(scenario: Scenario, rank: int | None = None) -> int:

@@ -14,7 +14,8 @@
    the budget so is left whole.
    Shapes are searched best lower bound first, the plans found ranked as they come, and a setting whose least
    possible ranking value is over the limits those plans set is skipped before any memory estimate
-   (`_Search._beyond_limits`, `shape_order.flat_fitting`): so the counts of memory estimates and fitting plans
+   (`_Search._beyond_limits`, `shape_order.flat_fitting`; a micro-batch whose saved activations alone break the
+   budget has no value to bound, `_Search.batch_may_fit`): so the counts of memory estimates and fitting plans
    are of the points estimated, not of the whole space.
 2. Simulate what fits best bound first (`_Search.rank`): a plan's compute bound, then its tight bound (the
    communication floor; for a pipeline its schedule's backward ends plus a floor under each rank's tail), then for a
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from shardscope.choices import Checkpointing
+from shardscope.core.peak_floor import batch_floor_bytes
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.budget import fits_budget, over_by, overshoot
 from shardscope.planner.evaluator import Evaluator
@@ -96,6 +98,7 @@ class _Search:
         """The most GPUs at which a plan without model parallelism was found to fit (`mesh_reasons`' widest)."""
         self._least: dict[tuple[BatchShape, str], LeastValue] = {}
         self.floors = PeakFloors()
+        self._batch_may_fit: dict[tuple[int, int, str, int], bool] = {}
 
     def set_limits(self, ranked: list[Ranked]) -> None:
         """The limits that ranking `ranked` (some of the fitting plans) leaves: a plan whose lower bound reaches both
@@ -219,15 +222,33 @@ class _Search:
     def _least_over(self, shape: BatchShape, checkpointing: Checkpointing, limit: float) -> bool:
         """Whether the least ranking value of the plans without a pipeline at `shape` with `checkpointing` is over
         `limit`: each micro-batch's bound (`value_bound`) asked largest first (usually the least) and only until one
-        is at or under `limit`; what was asked is kept, and a later question (the limits only fall) resumes there."""
+        is at or under `limit`, of the micro-batches that may fit (`batch_may_fit`); what was asked is kept, and a
+        later question (the limits only fall) resumes there."""
         key = (shape, checkpointing)
         least = self._least.get(key)
         if least is None:
             sizes = list(micro_batches(self.request, shape.sequences_per_rank))  # asked from the end
             least = self._least[key] = LeastValue(known=math.inf, sizes_left=sizes)
         while least.known > limit and least.sizes_left:
-            least.known = min(least.known, self.value_bound(shape, checkpointing, least.sizes_left.pop()))
+            size = least.sizes_left.pop()
+            if self.batch_may_fit(shape, checkpointing, size):
+                least.known = min(least.known, self.value_bound(shape, checkpointing, size))
         return least.known > limit
+
+    def batch_may_fit(self, shape: BatchShape, checkpointing: Checkpointing, size: int) -> bool:
+        """Whether a plan without a pipeline at `shape` with `checkpointing` and micro-batch `size` may fit: no plan
+        of any family, shard group or offload does where the context and the saved activations alone break the
+        budget (`core.peak_floor.batch_floor_bytes`), so such a batch has no ranking value to bound. Always, for a
+        request that searches expert parallelism (its degrees cut the activations too)."""
+        if self.request.expert_parallel != (1,):
+            return True
+        key = (shape.tp, shape.cp, checkpointing, size)  # the rest it reads is the request's (not the GPU count)
+        found = self._batch_may_fit.get(key)
+        if found is None:
+            variant = Variant(family="ddp", tp=shape.tp, cp=shape.cp)
+            probe = make_scenario(self.request, shape.gpus, variant, "none", checkpointing, size, 1)
+            found = self._batch_may_fit[key] = batch_floor_bytes(probe) <= self.budget_bytes
+        return found
 
     def value_bound(
         self, shape: BatchShape, checkpointing: Checkpointing, size: int, variant: Variant | None = None

@@ -4,6 +4,7 @@ pipeline shapes best bound first (`planner.search` explains the pruning each ste
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,9 +77,13 @@ def flat_fitting(search: Search, flat: list[BatchShape]) -> list[MemoryEstimate]
 
 def _least_of_shape(search: Search, shape: BatchShape) -> float:
     """The likeliest least ranking value of a shape without a pipeline, its order: the bound at its cheapest
-    checkpointing and largest micro-batch (any order gives the same answer; a better one prunes more)."""
-    largest = micro_batches(search.request, shape.sequences_per_rank)[-1]
-    return search.value_bound(shape, checkpointing_options(search.request)[0], largest)
+    checkpointing and largest micro-batch that may fit (`_Search.batch_may_fit`), none when no batch may (any order
+    gives the same answer; a better one prunes more)."""
+    for checkpointing in checkpointing_options(search.request):
+        for size in reversed(micro_batches(search.request, shape.sequences_per_rank)):
+            if search.batch_may_fit(shape, checkpointing, size):
+                return search.value_bound(shape, checkpointing, size)
+    return math.inf
 
 
 def fitting_with_pipelines(search: Search, shapes: tuple[BatchShape, ...]) -> list[MemoryEstimate]:
