@@ -8,7 +8,7 @@ torch-free and fast: memory from `core.memory`, time from `core.timeline`, thous
 from shardscope.planner.failure import FailureMode
 from shardscope.planner.request import FAMILIES, RANKINGS, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
-from shardscope.planner.search import plan
+from shardscope.planner.answer import plan
 from shardscope.planner.timing import PlanTiming, plan_timing
 
 __all__ = [

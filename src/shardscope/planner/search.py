@@ -32,28 +32,25 @@
 from __future__ import annotations
 
 import bisect
-import gc
 import heapq
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from shardscope.choices import Checkpointing
 from shardscope.core.peak_floor import batch_floor_bytes
 from shardscope.core.result import MemoryEstimate
-from shardscope.planner.budget import fits_budget, over_by, overshoot
+from shardscope.planner.budget import fits_budget, over_by
 from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.failure import diagnose
-from shardscope.planner.mesh_reason import Ranked, mesh_reasons, model_parallel
+from shardscope.planner.mesh_reason import Ranked, model_parallel
 from shardscope.planner.peak_floors import PeakFloors, SettingFloor
 from shardscope.planner.pipeline import busiest_states_bytes
-from shardscope.planner.request import FAMILIES, PlanRequest
-from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
-from shardscope.planner.shape_order import LeastValue, fewest_gpus_fitting, fitting_with_pipelines
+from shardscope.planner.request import PlanRequest
+from shardscope.planner.result import Plan
+from shardscope.planner.shape_order import LeastValue
 from shardscope.planner.space import (
     BatchShape,
     Variant,
-    batch_shapes,
     checkpointing_options,
     family_of,
     grad_accum_of,
@@ -366,54 +363,3 @@ class _Search:
             cost_per_million_tokens=self.cost(memory.scenario, timing.tokens_per_s),
             mesh_reason=reason,
         )
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause the cycle collector: the search allocates millions of short-lived tuples and frozen dataclasses and
-    makes no cycles (reference counting frees them all), while each collector pass walks every estimate the search
-    keeps. Measured on llama-3-70b's cost question, three runs each on the shared machine: plan() took 1.18-1.44 s
-    of CPU with the collector off against 1.36-1.62 s with it on."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
-    """Search the space of the request and rank what fits."""
-    with _collector_paused():
-        return _plan(request, progress)
-
-
-def _plan(request: PlanRequest, progress: Progress | None) -> PlanResult:
-    search = _Search(request, progress)
-    shapes = batch_shapes(request)
-    fitting = fewest_gpus_fitting(search, shapes) if request.min_gpus else fitting_with_pipelines(search, shapes)
-    ranked = search.rank(fitting)
-    best: dict[str, Ranked] = {}
-    for item in ranked:
-        best.setdefault(family_of(item[1].scenario), item)
-    reasons = mesh_reasons(request, fitting, ranked[: request.top] + list(best.values()), search.best_of)
-    plans = tuple(search.plan(*item, reasons.get(item[1].scenario, "")) for item in ranked[: request.top])
-    by_scenario = {plan.scenario: plan for plan in plans}
-    best_plans = tuple(
-        by_scenario.get(item[1].scenario) or search.plan(*item, reasons.get(item[1].scenario, ""))
-        for item in best.values()
-    )
-    fitting_families = set(best)
-    rejected = tuple(
-        Rejection(family=family, category=overshoot(memory, request)[0], over_by_bytes=over, closest=memory)
-        for family, (over, _, memory) in sorted(search.closest.items(), key=lambda item: FAMILIES.index(item[0]))
-        if family not in fitting_families
-    )
-    stats = SearchStats(
-        candidates=search.candidates,
-        memory_evaluations=search.evaluator.memory_evaluations,
-        fitting=len(fitting),
-        time_evaluations=search.evaluator.time_evaluations,
-    )
-    return PlanResult(request=request, plans=plans, best_per_family=best_plans, rejected=rejected, stats=stats)
