@@ -7,7 +7,7 @@ from dataclasses import replace
 import jsonschema
 
 from shardscope.cli import main
-from shardscope.core.engines.base import activations_for
+from shardscope.core.engines.base import LOSS_GRAD_BYTES, activations_for
 from shardscope.core.memory import estimate_memory
 from shardscope.core.params import param_layout
 from shardscope.core.pipeline_time import pipeline_ledger
@@ -15,7 +15,7 @@ from shardscope.core.result import estimate_document
 from shardscope.core.timeline import estimate_time
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.schemas import load_schema
-from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.specs import ClusterSpec, Overheads, Scenario, Strategy, TrainingSpec
 
 
 def tiny(schedule: str = "1f1b", micro_batches: int = 4, layers: int = 2, **strategy: object) -> Scenario:
@@ -168,3 +168,24 @@ def test_a_tied_head_is_a_copy_on_the_last_stage() -> None:
     # gpt2: 12 blocks split 6 and 6; the first stage adds the token (50257 x 768) and position (1024 x 768)
     # embeddings, the last the final LayerNorm (2 x 768) and its own copy of the tied 50257 x 768 head, in fp32.
     assert first - last == 4 * (1024 * 768 - 2 * 768)
+
+
+def test_a_stage_of_only_the_head_peaks_at_the_start_of_its_backward() -> None:
+    """`--pp-layers 2,0` leaves the last stage the final norm and head alone, so its largest work is the start of the
+    loss's backward: the log-softmax's gradient beside the logits' (64 tokens x 256 x 8 bytes each in fp64), larger
+    than the loss's forward spike. Measured on gloo, `shardscope run --model tiny-llama --strategy zero1 --engine paper
+    --world-size 4 --pp 2 --pp-layers 2,0 --grad-accum 4 --json` (torch 2.13.0): 993,308 B at that stage's peak; the
+    prediction is 985,096 B, and was 854,020 B (-14%) while only the forward spike was counted."""
+    scenario = Scenario(
+        model=model_preset("tiny-llama"),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=4, backend="gloo"),
+        training=TrainingSpec(micro_batch_size=2, sequence_length=32, grad_accum_steps=4, precision="fp64"),
+        strategy=Strategy(name="zero1", engine="paper", pp=2, pp_layers=(2, 0)),
+        overheads=Overheads(context_bytes=0),
+    )
+    head = estimate_memory(scenario).per_stage[1]
+    logits = 2 * 32 * 256 * 8
+    assert head.stages == ("head",)
+    assert head.peak_moment == "1 micro-batches in flight"
+    assert head.per_rank.temporary_bytes == 2 * logits + LOSS_GRAD_BYTES
+    assert head.per_rank.peak_bytes == 985_096

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from shardscope.core.activations import ActivationEstimate
 from shardscope.core.engines import rules_for
-from shardscope.core.engines.base import EngineRules, activations_for, peak_of
+from shardscope.core.engines.base import LOSS_GRAD_BYTES, EngineRules, activations_for, peak_of
 from shardscope.core.engines.pipeline_load import PipelineLoad, RankSchedule
 from shardscope.core.kept import kept
 from shardscope.core.model_states import ModelStates
@@ -165,7 +165,8 @@ def _rank_memory(
     in_flight_bytes, counts = in_flight_peak(schedule, weights)
     last = strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
-    spike = acts.loss_forward_spike_bytes if head else 0
+    # the head stage's loss: its forward spike, or the start of its backward (the log-softmax's gradient), the larger
+    spike = max(acts.loss_forward_spike_bytes, acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES) if head else 0
     # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
     # (its MLP's activation and weight gradients, core.activations) on top of them
     working = acts.block_backward_bytes if layers else 0
