@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import pytest
 
 from shardscope.schemas import load_schema
+
+if TYPE_CHECKING:
+    from shardscope.runtime import RunResult
 
 # Objects used as maps (keys are data, not names), where any key is allowed.
 OPEN_MAPS = ("peak_flops_per_s", "notes")
@@ -71,3 +74,25 @@ def rejects_renamed_keys() -> Callable[[Document], int]:
         return tried
 
     return check
+
+
+@pytest.fixture(scope="session")
+def shared_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, RunResult]]:
+    """Module name -> its registered runs' results (shared_launch.py): one launch per world size for every module
+    with a selected test that uses this fixture. Results are frozen dataclasses, read-only to the tests."""
+    from shardscope.runtime import run_suite
+    from shared_launch import REGISTERED
+
+    wanted = {item.module.__name__ for item in request.session.items if "shared_runs" in item.fixturenames}
+    runs = [
+        (module, name, config)
+        for module in REGISTERED
+        if module in wanted
+        for name, config in REGISTERED[module].items()
+    ]
+    found: dict[str, dict[str, RunResult]] = {module: {} for module in wanted}
+    for world in sorted({config.world_size for _, _, config in runs}):
+        launch = [run for run in runs if run[2].world_size == world]
+        for (module, name, _), result in zip(launch, run_suite([run[2] for run in launch]), strict=True):
+            found[module][name] = result
+    return found

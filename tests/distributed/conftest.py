@@ -1,17 +1,13 @@
-"""Shared helpers for the real-run tests: every launch has a hard deadline (RunConfig.timeout_s); runs several modules
-register (shared_launch.py) go in one launch per world size."""
+"""Shared helpers for the real-run tests: every launch has a hard deadline (RunConfig.timeout_s); the runs several
+modules register (tests/shared_launch.py) go in one launch per world size (tests/conftest.py `shared_runs`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
-
-if TYPE_CHECKING:
-    from shardscope.runtime import RunResult
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -34,26 +30,3 @@ def processes_mentioning(text: str) -> list[int]:
 def leftover() -> Callable[[str], list[int]]:
     """processes_mentioning, as a fixture."""
     return processes_mentioning
-
-
-@pytest.fixture(scope="session")
-def shared_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, RunResult]]:
-    """Module name -> its registered runs' results (shared_launch.py): one launch per world size for every module
-    with a selected test that uses this fixture. Results are frozen dataclasses, read-only to the tests."""
-    from shared_launch import REGISTERED
-
-    from shardscope.runtime import run_suite
-
-    wanted = {item.module.__name__ for item in request.session.items if "shared_runs" in item.fixturenames}
-    runs = [
-        (module, name, config)
-        for module in REGISTERED
-        if module in wanted
-        for name, config in REGISTERED[module].items()
-    ]
-    found: dict[str, dict[str, RunResult]] = {module: {} for module in wanted}
-    for world in sorted({config.world_size for _, _, config in runs}):
-        launch = [run for run in runs if run[2].world_size == world]
-        for (module, name, _), result in zip(launch, run_suite([run[2] for run in launch]), strict=True):
-            found[module][name] = result
-    return found

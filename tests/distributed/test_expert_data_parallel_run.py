@@ -6,27 +6,27 @@ Each case trains tiny-moe (4 experts, top-2) in float64 for 3 AdamW steps on 4 g
 DESIGN.md). Every rank's parameters, gradients and optimizer state equal the prediction byte for byte, and every
 data-parallel call of its step too (the dense units over the 4 ranks, each block's experts over the ranks holding the
 same experts); activations and the peak are within 5% (validate's targets), since they follow the rows each rank's
-experts received, which routing decides: per rank under ep 2, summed over each expert group under ep 4, where one
-expert per rank makes the rows a rank receives uneven (tiny-moe: rank 0 keeps 3,013,016 B of activations against
-2,427,400 predicted for even routing). The all-to-alls: per rank as many calls as predicted, the counts exchange
-byte for byte; the token payloads (the forward combine and the backward dispatch send back what the rank received)
-are checked summed over each expert group, which sends back as many rows as it was sent. One short case runs by
-default (fsdp, ep 2); the other strategies and ep 4 (one expert per rank, the experts' data-parallel groups of one
-rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
+experts received, which routing decides: per rank under ep 2, summed over each expert group under ep 4, where one expert
+per rank makes the rows a rank receives uneven (tiny-moe: rank 0 keeps 3,013,016 B of activations against 2,427,400
+predicted for even routing). The all-to-alls: per rank as many calls as predicted, the counts exchange byte for byte;
+the token payloads (the forward combine and the backward dispatch send back what the rank received) are checked summed
+over each expert group, which sends back as many rows as it was sent. One short case runs by default (fsdp, ep 2, in the
+session's shared 4-rank launch, shared_launch.py); the other strategies and ep 4 (one expert per rank, the experts'
+data-parallel groups of one rank) under `pytest -m long`. Each launch has a hard deadline (RunConfig.timeout_s).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from dataclasses import replace
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.comm import collective_ledger
 from shardscope.core.expert_parallel import dispatch_bytes
 from shardscope.core.memory import estimate_memory
-from shardscope.runtime.config import RunConfig
-from shardscope.runtime.launch import launch
+from shardscope.runtime import RunConfig, RunResult, run_training
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {"model": "tiny-moe", "engine": "paper", "precision": "fp64", "world_size": 4}
@@ -34,15 +34,27 @@ STATES = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
 TOLERANCE = 0.05  # validate's target for activations and the peak (validate/compare.py TARGETS)
 
 
-def run_and_compare(strategy: str, ep: int, per_rank: bool = True, shard_group: int = 0) -> list[dict[str, Any]]:
-    """Launch one case; assert parity, and every rank against the prediction (activations and the peak each rank's
-    when `per_rank`, else summed over each expert group). Returns the ranks."""
-    config = RunConfig.from_options(
-        **OPTIONS, strategy=strategy, shard_group=shard_group, ep=ep, steps=3, timeout_s=150
-    )
-    raw = launch([config])[0]
-    assert raw["max_abs_diff"] <= 1e-10, raw["max_abs_diff"]
+def config_of(strategy: str, ep: int, shard_group: int = 0) -> RunConfig:
+    """One case's run: 3 steps, a hard deadline of 150 s."""
+    return RunConfig.from_options(**OPTIONS, strategy=strategy, shard_group=shard_group, ep=ep, steps=3, timeout_s=150)
+
+
+FSDP_EP2 = config_of("fsdp", ep=2)
+register(__name__, {"fsdp ep2": FSDP_EP2})  # the default case joins the session's 4-rank launch (shared_launch.py)
+
+
+def run_and_compare(strategy: str, ep: int, per_rank: bool = True, shard_group: int = 0) -> RunResult:
+    """Launch one case on its own and compare it (`compare`)."""
+    config = config_of(strategy, ep, shard_group)
+    return compare(config, run_training(config), per_rank)
+
+
+def compare(config: RunConfig, result: RunResult, per_rank: bool = True) -> RunResult:
+    """Assert parity, and every rank against the prediction (activations and the peak each rank's when `per_rank`,
+    else summed over each expert group). Returns the run."""
+    assert result.parity.max_abs_diff <= 1e-10, result.parity
     scenario = config.scenario()
+    ep = config.strategy.ep
     expected = estimate_memory(scenario, rank=0).per_rank  # every rank holds the same
     predicted = collective_ledger(scenario)
     counts_bytes = scenario.model.num_experts * 8
@@ -51,45 +63,45 @@ def run_and_compare(strategy: str, ep: int, per_rank: bool = True, shard_group: 
     for row in predicted:
         if row.op == "all_to_all":
             want_calls[row.phase] += row.count
-    ranks = sorted(raw["ranks"], key=lambda entry: entry["rank"])
-    for entry in ranks:
-        measured, rank = entry["memory"], entry["rank"]
+    for rank, (measured, ledger) in enumerate(zip(result.per_rank, result.ledgers, strict=True)):
         for name in STATES:
-            assert measured[name] == getattr(expected, name), (rank, name, measured[name])
+            assert getattr(measured, name) == getattr(expected, name), (rank, name, getattr(measured, name))
         for name in ("activations_bytes", "peak_bytes") if per_rank else ():
-            error = abs(getattr(expected, name) - measured[name]) / measured[name]
-            assert error <= TOLERANCE, (rank, name, getattr(expected, name), measured[name])
-        step = [row for row in entry["ledger"] if row["phase"] != "setup"]
-        got = Counter({(r["phase"], r["op"], r["group_size"], r["payload_bytes"]): r["count"] for r in step})
+            error = abs(getattr(expected, name) - getattr(measured, name)) / getattr(measured, name)
+            assert error <= TOLERANCE, (rank, name, getattr(expected, name), getattr(measured, name))
+        step = [row for row in ledger if row.phase != "setup"]
+        got = Counter({(r.phase, r.op, r.group_size, r.payload_bytes): r.count for r in step})
         assert +Counter({key: n for key, n in got.items() if key[1] != "all_to_all"}) == +want, rank
         calls = Counter({phase: 0 for phase in want_calls})
         for row in step:
-            if row["op"] == "all_to_all":
-                assert row["group_size"] == ep, (rank, row)
-                calls[row["phase"]] += row["count"]
+            if row.op == "all_to_all":
+                assert row.group_size == ep, (rank, row)
+                calls[row.phase] += row.count
         assert calls == want_calls, rank
     layers, rows = scenario.model.num_layers, dispatch_bytes(scenario)
     for first in range(0, config.world_size, ep):  # each expert group sends back as many rows as it was sent
         for name in ("activations_bytes", "peak_bytes"):
-            total = sum(entry["memory"][name] for entry in ranks[first : first + ep])
+            total = sum(getattr(memory, name) for memory in result.per_rank[first : first + ep])
             assert abs(ep * getattr(expected, name) - total) / total <= TOLERANCE, (first, name, total)
-        group = [row for entry in ranks[first : first + ep] for row in entry["ledger"] if row["op"] == "all_to_all"]
+        group = [row for ledger in result.ledgers[first : first + ep] for row in ledger if row.op == "all_to_all"]
         for phase in ("forward", "backward"):
-            tokens = [r for r in group if r["phase"] == phase and r["payload_bytes"] != counts_bytes]
-            sent = sum(r["payload_bytes"] * r["count"] for r in tokens)
+            tokens = [r for r in group if r.phase == phase and r.payload_bytes != counts_bytes]
+            sent = sum(r.payload_bytes * r.count for r in tokens)
             assert sent == ep * 2 * layers * rows, (first, phase, sent)
-    return ranks
+    return result
 
 
-def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction() -> None:
+def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction(
+    shared_runs: dict[str, dict[str, RunResult]],
+) -> None:
     # tiny-moe ep 2 in fsdp over 4 ranks: per rank the root's 32,832 and each block's 12,672 dense parameters over
     # the 4 ranks, each block's 2 experts (49,152) over the 2 ranks holding them: 8,208 + 2 x (3,168 + 24,576) =
     # 63,696 float64 parameters (509,568 B); AdamW's two moments and one step counter for each of 5 flat buffers
-    ranks = run_and_compare("fsdp", ep=2)
-    assert ranks[0]["memory"]["parameters_bytes"] == 63_696 * 8
-    assert ranks[0]["memory"]["optimizer_state_bytes"] == 2 * 63_696 * 8 + 5 * 4
-    experts = [row for row in ranks[0]["ledger"] if row["op"] == "reduce_scatter" and row["group_size"] == 2]
-    assert experts == [{**experts[0], "payload_bytes": 49_152 * 8, "count": 2}]
+    result = compare(FSDP_EP2, shared_runs[__name__]["fsdp ep2"])
+    assert result.per_rank[0].parameters_bytes == 63_696 * 8
+    assert result.per_rank[0].optimizer_state_bytes == 2 * 63_696 * 8 + 5 * 4
+    experts = [row for row in result.ledger if row.op == "reduce_scatter" and row.group_size == 2]
+    assert experts == [replace(experts[0], payload_bytes=49_152 * 8, count=2)]
 
 
 @pytest.mark.slow
@@ -99,11 +111,11 @@ def test_ep2_inside_zero2_on_4_ranks_matches_one_process_and_the_prediction() ->
     # their own: 32,832 + 2 x (12,672 + 49,152) = 156,480 float64 parameters (1,251,840 B); gradient shards as fsdp's
     # parameter shards above (63,696); each block's experts reduce-scattered and, after the step, all-gathered over
     # the 2 ranks holding them
-    ranks = run_and_compare("zero2", ep=2)
-    assert ranks[0]["memory"]["parameters_bytes"] == 156_480 * 8
-    assert ranks[0]["memory"]["gradients_bytes"] == 63_696 * 8
-    experts = [row for row in ranks[0]["ledger"] if row["group_size"] == 2 and row["op"] != "all_to_all"]
-    assert sorted((row["op"], row["payload_bytes"], row["count"]) for row in experts) == [
+    result = run_and_compare("zero2", ep=2)
+    assert result.per_rank[0].parameters_bytes == 156_480 * 8
+    assert result.per_rank[0].gradients_bytes == 63_696 * 8
+    experts = [row for row in result.ledger if row.group_size == 2 and row.op != "all_to_all"]
+    assert sorted((row.op, row.payload_bytes, row.count) for row in experts) == [
         ("all_gather", 49_152 * 8, 2),
         ("reduce_scatter", 49_152 * 8, 2),
     ]

@@ -6,19 +6,22 @@ ranks; parity within 1e-10, DESIGN.md). Every rank's parameters, gradients, opti
 gathered units and PipelineStage's receive buffers) equal the prediction for its pipeline rank, its activations are
 within 5% (validate's target), and its step's calls equal the prediction call for call: sends and receives, and
 FSDP2's all-gathers and its one reduce-scatter per unit for the step (core.engines.fsdp2_pipeline). The 1F1B case
-also holds each rank's peak within 5% of the prediction (validate's target) and 1% of `trace --pp`.
+also holds each rank's peak within 5% of the prediction (validate's target) and 1% of `trace --pp`; it runs in the
+session's shared 4-rank launch (shared_launch.py), the others under `pytest -m long` each in a launch of its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from shared_launch import register
 
 from shardscope.core.pipeline_memory import pipeline_memory
 from shardscope.core.pipeline_time import pipeline_rank_ledger
-from shardscope.runtime.config import RunConfig
-from shardscope.runtime.launch import launch
+from shardscope.core.result import CollectiveRow
+from shardscope.runtime import RunConfig, RunResult, run_training
 from shardscope.specs import SpecError
 
 pytestmark = pytest.mark.distributed
@@ -37,59 +40,64 @@ STATES = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "buffe
 TOLERANCE = 0.05  # validate's target for activations (validate/compare.py TARGETS)
 
 
-def _calls(rows: Any) -> list[tuple[str, str, str, int, int, int]]:
+def config_of(options: dict[str, Any]) -> RunConfig:
+    """One case's run: OPTIONS with the case's own, a hard deadline of 150 s."""
+    return RunConfig.from_options(**{**OPTIONS, "timeout_s": 150, **options})
+
+
+ONE_F_ONE_B = config_of({})
+register(__name__, {"1f1b": ONE_F_ONE_B})  # the default case joins the session's 4-rank launch (shared_launch.py)
+
+
+def _calls(rows: Iterable[CollectiveRow]) -> list[tuple[str, str, str, int, int, int]]:
     """The step's calls (setup's broadcasts left out)."""
     return sorted(
-        (row["phase"], row["op"], row["group"], row["group_size"], row["payload_bytes"], row["count"])
+        (row.phase, row.op, row.group, row.group_size, row.payload_bytes, row.count)
         for row in rows
-        if row["phase"] != "setup"
+        if row.phase != "setup"
     )
 
 
-def run_and_compare(
-    options: dict[str, Any], states: tuple[str, ...] = STATES
-) -> tuple[RunConfig, list[dict[str, Any]]]:
-    """Launch one case; assert parity and every rank against its pipeline rank's prediction (`states` exactly)."""
-    config = RunConfig.from_options(**{**OPTIONS, "timeout_s": 150, **options})
-    raw = launch([config])[0]
-    assert raw["max_abs_diff"] <= 1e-10, raw["max_abs_diff"]
+def compare(config: RunConfig, result: RunResult, states: tuple[str, ...] = STATES) -> RunResult:
+    """Assert parity and every rank against its pipeline rank's prediction (`states` exactly). Returns the run."""
+    assert result.parity.max_abs_diff <= 1e-10, result.parity
     scenario = config.scenario()
     predicted = pipeline_memory(scenario).per_stage
-    ranks = sorted(raw["ranks"], key=lambda entry: entry["rank"])
     data_parallel = config.world_size // config.strategy.pp
-    for entry in ranks:
-        pipeline_rank = entry["rank"] // data_parallel  # pp is the outermost mesh axis
-        expected, measured = predicted[pipeline_rank].per_rank, entry["memory"]
+    for rank, (measured, ledger) in enumerate(zip(result.per_rank, result.ledgers, strict=True)):
+        pipeline_rank = rank // data_parallel  # pp is the outermost mesh axis
+        expected = predicted[pipeline_rank].per_rank
         for name in states:
-            assert measured[name] == getattr(expected, name), (entry["rank"], name)
-        error = abs(expected.activations_bytes - measured["activations_bytes"]) / measured["activations_bytes"]
-        assert error <= TOLERANCE, (entry["rank"], expected.activations_bytes, measured["activations_bytes"])
-        want = [row.to_json() for row in pipeline_rank_ledger(scenario, pipeline_rank)]
-        assert _calls(entry["ledger"]) == _calls(want), entry["rank"]
-    return config, ranks
+            assert getattr(measured, name) == getattr(expected, name), (rank, name)
+        error = abs(expected.activations_bytes - measured.activations_bytes) / measured.activations_bytes
+        assert error <= TOLERANCE, (rank, expected.activations_bytes, measured.activations_bytes)
+        assert _calls(ledger) == _calls(pipeline_rank_ledger(scenario, pipeline_rank)), rank
+    return result
 
 
-def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction() -> None:
+def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction(
+    shared_runs: dict[str, dict[str, RunResult]],
+) -> None:
     from shardscope.trace.request import TraceRequest
     from shardscope.trace.runner import run_in_subprocess
 
-    config, ranks = run_and_compare({})
-    scenario = config.scenario()
+    result = compare(ONE_F_ONE_B, shared_runs[__name__]["1f1b"])
+    scenario = ONE_F_ONE_B.scenario()
     predicted = pipeline_memory(scenario).per_stage
     traced = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300)).per_stage
-    for entry in ranks:
-        pipeline_rank = entry["rank"] // 2
-        measured = entry["memory"]["peak_bytes"]
-        assert predicted[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=TOLERANCE), entry["rank"]
-        assert traced[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=0.01), entry["rank"]
+    for rank, memory in enumerate(result.per_rank):
+        pipeline_rank = rank // 2
+        measured = memory.peak_bytes
+        assert predicted[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=TOLERANCE), rank
+        assert traced[pipeline_rank].per_rank.peak_bytes == pytest.approx(measured, rel=0.01), rank
     # per micro-batch one tokens x hidden message a boundary each way: 2 x 32 x 64 float64 = 32 KiB, 4 of them; a
     # send's phase is its action's (1F1B batches a forward's send with another micro-batch's backward receive)
-    sends = {(row["phase"], row["op"]): row["count"] for row in ranks[0]["ledger"] if row["group"] == "pp"}
+    sends = {(row.phase, row.op): row.count for row in result.ledgers[0] if row.group == "pp"}
     assert sends == {("forward", "send"): 4, ("backward", "recv"): 4}
-    assert {row["payload_bytes"] for row in ranks[0]["ledger"] if row["group"] == "pp"} == {2 * 32 * 64 * 8}
+    assert {row.payload_bytes for row in result.ledgers[0] if row.group == "pp"} == {2 * 32 * 64 * 8}
     # fully_shard over the 2 data-parallel ranks: the first stage's parameters (embeddings 256 x 64 and one block
     # of 46,208) in float64, halved
-    assert ranks[0]["memory"]["parameters_bytes"] == (256 * 64 + 46_208) * 8 // 2
+    assert result.per_rank[0].parameters_bytes == (256 * 64 + 46_208) * 8 // 2
 
 
 @pytest.mark.slow
@@ -106,13 +114,14 @@ def test_other_schedules_and_the_trace(schedule: str) -> None:
     options = {"pp_schedule": schedule}
     if schedule == "interleaved-1f1b":
         options |= {"model": "tiny-llama-8", "pp_virtual_stages": 2}
-    config, ranks = run_and_compare(options, STATES if schedule == "gpipe" else STATES[:3])
+    config = config_of(options)
+    ledgers = compare(config, run_training(config), STATES if schedule == "gpipe" else STATES[:3]).ledgers
     traced = run_in_subprocess(TraceRequest(scenario=config.scenario(), time_limit_s=300)).per_stage
     for pipeline_rank, entry in enumerate(traced):
         run_rows = sorted(
-            (row["phase"], row["op"], row["group"], row["payload_bytes"], row["count"])
-            for row in ranks[2 * pipeline_rank]["ledger"]
-            if row["phase"] != "setup"
+            (row.phase, row.op, row.group, row.payload_bytes, row.count)
+            for row in ledgers[2 * pipeline_rank]
+            if row.phase != "setup"
         )
         trace_rows = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
         assert run_rows == trace_rows, pipeline_rank

@@ -17,8 +17,10 @@ from shardscope.choices import checkpoints_block
 from shardscope.core.activations import activation_bytes_per_element
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import MemoryBreakdown
+from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import Scenario
 from shardscope.validate.cases import ValidationCase
+from shared_launch import register
 
 pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest
@@ -84,18 +86,9 @@ def test_modes_order_as_expected() -> None:
     assert saved["full"] < saved["every:2"] < saved["none"]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.parametrize("checkpointing", ["op", pytest.param("every:2", marks=pytest.mark.long)])
-def test_gloo_run_matches_the_trace(checkpointing: str) -> None:
-    """tiny-llama zero3 on 2 real gloo ranks (rank 0), fp32, micro-batch 2, seq 32: the run trains under the mode and
-    its activations and peak are the trace's to the byte (measured with torch 2.13: op 360,708 B and 1,925,084 B,
-    every:2 466,692 B and 2,134,492 B; as tests/trace/test_trace.py finds for zero3 without checkpointing)."""
-    from shardscope.runtime.api import run_training
-
-    scenario = _scenario("tiny-llama", "fp32", "sdpa", checkpointing)
-    trace = _traced(scenario)
-    real = run_training(
+def _run_config(checkpointing: str) -> RunConfig:
+    """tiny-llama zero3 on 2 real gloo ranks, fp32, micro-batch 2, seq 32, a hard deadline of 240 s."""
+    return RunConfig.from_options(
         model="tiny-llama",
         strategy="zero3",
         engine="pytorch",
@@ -105,5 +98,23 @@ def test_gloo_run_matches_the_trace(checkpointing: str) -> None:
         micro_batch_size=2,
         sequence_length=32,
         timeout_s=240,
-    ).per_rank[0]
+    )
+
+
+register(__name__, {"op": _run_config("op")})  # the case `make test` runs joins the session's 2-rank launch
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("checkpointing", ["op", pytest.param("every:2", marks=pytest.mark.long)])
+def test_gloo_run_matches_the_trace(shared_runs: dict[str, dict[str, RunResult]], checkpointing: str) -> None:
+    """tiny-llama zero3 on 2 real gloo ranks (rank 0), fp32, micro-batch 2, seq 32: the run trains under the mode and
+    its activations and peak are the trace's to the byte (measured with torch 2.13: op 360,708 B and 1,925,084 B,
+    every:2 466,692 B and 2,134,492 B; as tests/trace/test_trace.py finds for zero3 without checkpointing)."""
+    from shardscope.runtime import run_training
+
+    scenario = _scenario("tiny-llama", "fp32", "sdpa", checkpointing)
+    trace = _traced(scenario)
+    shared = shared_runs[__name__].get(checkpointing)
+    real = (shared or run_training(_run_config(checkpointing))).per_rank[0]
     assert (trace.activations_bytes, trace.peak_bytes) == (real.activations_bytes, real.peak_bytes), (trace, real)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from shardscope.core.params import param_layout
 from shardscope.presets import gpu_preset, model_preset
+from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
+from shared_launch import register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
-from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 GLOO_ATTEMPTS = 2  # as in test_trace.py: gloo can move a measured figure by one buffer between runs
+Trace = Callable[[TraceRequest], TraceResult]
+Runs = dict[str, dict[str, RunResult]]
 
 
 def _request(strategy: str, precision: str, checkpointing: str = "none") -> TraceRequest:
@@ -28,10 +31,39 @@ def _request(strategy: str, precision: str, checkpointing: str = "none") -> Trac
     return TraceRequest(scenario=scenario, time_limit_s=180)
 
 
-@cache
-def _trace(strategy: str, precision: str, checkpointing: str = "none") -> TraceResult:
-    """A trace is deterministic: the tests of one scenario share it."""
-    return run_in_subprocess(_request(strategy, precision, checkpointing))
+def _run_config(strategy: str, precision: str, checkpointing: str) -> RunConfig:
+    """The real gloo run of the same scenario: torch's engine, 3 steps, a hard deadline of 240 s."""
+    return RunConfig.from_options(
+        model="tiny-gpt2",
+        strategy=strategy,
+        engine="pytorch",
+        world_size=2,
+        precision=precision,
+        checkpointing=checkpointing,
+        micro_batch_size=2,
+        sequence_length=32,
+        steps=3,
+        timeout_s=240,
+    )
+
+
+SHARED = [
+    ("zero1", "bf16-mixed", "full"),
+    ("ddp", "fp32", "none"),
+]  # the cases `make test` runs (others: -m long)
+register(__name__, {" ".join(case): _run_config(*case) for case in SHARED})
+
+
+def _runs(shared_runs: Runs, strategy: str, precision: str, checkpointing: str) -> Iterator[RunResult]:
+    """Up to GLOO_ATTEMPTS runs of the scenario, as the test asks for them: the first from the session's shared 2-rank
+    launch (tests/shared_launch.py) where the case is one of SHARED, the others each a launch of its own."""
+    from shardscope.runtime import run_training
+
+    shared = shared_runs[__name__].get(f"{strategy} {precision} {checkpointing}")
+    if shared is not None:
+        yield shared
+    for _attempt in range(GLOO_ATTEMPTS - (shared is not None)):
+        yield run_training(_run_config(strategy, precision, checkpointing))
 
 
 @pytest.mark.parametrize(
@@ -40,10 +72,10 @@ def _trace(strategy: str, precision: str, checkpointing: str = "none") -> TraceR
     [pytest.param("fp32", "none", marks=pytest.mark.long), ("bf16-mixed", "full")],
 )
 def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_after_the_step(
-    precision: str, checkpointing: str
+    shared_trace: Trace, precision: str, checkpointing: str
 ) -> None:
     """Was: optimizer state taken from the core and no broadcasts (ZeroRedundancyOptimizer did not run)."""
-    result = _trace("zero1", precision, checkpointing)
+    result = shared_trace(_request("zero1", precision, checkpointing))
     # tied lm_head counted once: before trace.ddp.materialise tied it again, the trace's parameters were 547,840 B
     # against the run's 482,304 B, one more 65,536 B lm_head
     total_bytes = 4 * param_layout(model_preset("tiny-gpt2")).total_numel
@@ -67,25 +99,13 @@ def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_a
         ("zero1", "full"),
     ],
 )
-def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(strategy: str, checkpointing: str) -> None:
+def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(
+    shared_trace: Trace, shared_runs: Runs, strategy: str, checkpointing: str
+) -> None:
     """Activations were 28-44% under the run (the trace used replicate's MixedPrecisionPolicy, the run autocast
     over fp32 weights, which saves 16-bit copies of the weights); zero1's ledger lacked the optimizer's broadcasts."""
-    from shardscope.runtime.api import run_training
-
-    trace = _trace(strategy, "bf16-mixed", checkpointing)
-    for _attempt in range(GLOO_ATTEMPTS):
-        run = run_training(
-            model="tiny-gpt2",
-            strategy=strategy,
-            engine="pytorch",
-            world_size=2,
-            precision="bf16-mixed",
-            checkpointing=checkpointing,
-            micro_batch_size=2,
-            sequence_length=32,
-            steps=3,
-            timeout_s=240,
-        )
+    trace = shared_trace(_request(strategy, "bf16-mixed", checkpointing))
+    for run in _runs(shared_runs, strategy, "bf16-mixed", checkpointing):
         real = run.per_rank[0]
         same = (
             trace.per_rank.parameters_bytes == real.parameters_bytes
@@ -109,28 +129,14 @@ def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(strategy: str, checkp
     [("ddp", "fp32", "none"), pytest.param("zero1", "bf16-mixed", "full", marks=pytest.mark.long)],
 )
 def test_ddp_and_zero1_peak_within_one_percent_of_the_real_run(
-    strategy: str, precision: str, checkpointing: str
+    shared_trace: Trace, shared_runs: Runs, strategy: str, precision: str, checkpointing: str
 ) -> None:
     """The run measured one gradient bucket more than the trace (ddp fp32: 3,155,064 B against 2,688,888): no second
     bucket exists. The run's tracker first saw DDP's bucket (allocated by the reducer in C++ at the rebuild, step 2)
     when backward copied a gradient into it, labelled it 'backward', and the bucket was then added again as the
     reducer's hidden bytes. The trace counts the bucket once, from when its comm hook first sees it (step 2)."""
-    from shardscope.runtime.api import run_training
-
-    trace = run_in_subprocess(_request(strategy, precision, checkpointing))
-    for _attempt in range(GLOO_ATTEMPTS):
-        run = run_training(
-            model="tiny-gpt2",
-            strategy=strategy,
-            engine="pytorch",
-            world_size=2,
-            precision=precision,
-            checkpointing=checkpointing,
-            micro_batch_size=2,
-            sequence_length=32,
-            steps=3,
-            timeout_s=240,
-        )
+    trace = shared_trace(_request(strategy, precision, checkpointing))
+    for run in _runs(shared_runs, strategy, precision, checkpointing):
         measured = run.per_rank[0].peak_bytes
         if abs(trace.per_rank.peak_bytes - measured) <= 0.01 * measured:
             break

@@ -49,12 +49,17 @@ class RunResult:
     peak_composition: tuple[dict[str, int], ...]
     """Per rank: what was live at the peak, by label (parameters, gradients, optimizer_state, buffers, forward,
     backward, optimizer, hidden_buffers)."""
-    ledger: tuple[CollectiveRow, ...]
-    """Rank 0's collectives: setup plus the measured (last) step."""
+    ledgers: tuple[tuple[CollectiveRow, ...], ...]
+    """Each rank's collectives, in rank order: setup plus the measured (last) step (a pipeline's ranks differ)."""
     parity: Parity
     """Final parameters against a single process."""
     step_time_s: float
     """Median wall time of the unmeasured steps, slowest rank."""
+
+    @property
+    def ledger(self) -> tuple[CollectiveRow, ...]:
+        """Rank 0's collectives, the ones the run document and validate report."""
+        return self.ledgers[0]
 
     @property
     def parallelism(self) -> Parallelism:
@@ -90,7 +95,7 @@ def result_from_launch(config: RunConfig, raw: dict[str, Any]) -> RunResult:
         config=config,
         per_rank=per_rank,
         peak_composition=tuple(r["memory"]["peak_composition"] for r in ranks),
-        ledger=tuple(CollectiveRow(**row) for row in ranks[0]["ledger"]),
+        ledgers=tuple(tuple(CollectiveRow(**row) for row in r["ledger"]) for r in ranks),
         parity=Parity(reference=reference, max_abs_diff=raw["max_abs_diff"], tolerance=PARITY_TOLERANCE[precision]),
         step_time_s=max(r["step_time_s"] for r in ranks),
     )

@@ -1,7 +1,8 @@
-"""Runs that test modules hand to one launch per world size for the whole session (start-up paid once).
+"""Runs that test modules (tests/distributed, tests/trace) hand to one launch per world size for the whole session
+(start-up paid once).
 
 A module registers its runs by name when it is imported (`register`); the session's `shared_runs` fixture
-(conftest.py) launches, per world size, the runs of every module that has a selected test using it, and gives each
+(tests/conftest.py) launches, per world size, the runs of every module that has a selected test using it, and gives each
 module back its own results. A run's result does not depend on the runs launched beside it (each builds its own
 model, trainer and memory tracker: runtime/steps.py), as the modules' own suites already assumed, and each launch keeps
 a hard deadline: the sum of its runs' timeouts (runtime/launch.py)."""
