@@ -21,12 +21,12 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.comm import collective_ledger
 from shardscope.core.expert_parallel import dispatch_bytes
 from shardscope.core.memory import estimate_memory
 from shardscope.runtime import RunConfig, RunResult, run_training
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {"model": "tiny-moe", "engine": "paper", "precision": "fp64", "world_size": 4}

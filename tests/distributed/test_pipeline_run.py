@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.pipeline_memory import pipeline_memory
 from shardscope.core.pipeline_time import pipeline_rank_ledger
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_training
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {"strategy": "ddp", "engine": "paper", "precision": "fp64", "steps": 3, "micro_batch_size": 2}

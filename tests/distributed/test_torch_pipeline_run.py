@@ -16,13 +16,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.pipeline_memory import pipeline_memory
 from shardscope.core.pipeline_time import pipeline_rank_ledger
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_training
 from shardscope.specs import SpecError
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {

@@ -5,10 +5,10 @@ and what each plan runs into next.
 torch-free and fast: memory from `core.memory`, time from `core.timeline`, thousands of candidates in about a second.
 """
 
+from shardscope.planner.answer import plan
 from shardscope.planner.failure import FailureMode
 from shardscope.planner.request import FAMILIES, RANKINGS, PlanRequest
 from shardscope.planner.result import Plan, PlanResult, Rejection, SearchStats
-from shardscope.planner.answer import plan
 from shardscope.planner.timing import PlanTiming, plan_timing
 
 __all__ = [
