@@ -11,12 +11,12 @@ from collections import Counter
 from collections.abc import Iterable
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {

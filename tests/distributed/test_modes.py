@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.params import param_layout
 from shardscope.presets import model_preset
 from shardscope.runtime import RunConfig, RunResult
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.comm import run_ledger
 from shardscope.core.memory import estimate_memory
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_suite
+from shared_launch import register
 
 pytestmark = pytest.mark.distributed
 MICRO_BATCH, SEQUENCE = 2, 32

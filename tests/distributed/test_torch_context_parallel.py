@@ -13,10 +13,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_suite
+from shared_launch import register
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("torch")

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from shared_launch import register
 
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import Scenario
+from shared_launch import register
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("torch")
