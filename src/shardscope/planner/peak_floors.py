@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shardscope.core.peak_floor import HeldFloor, held_floor, saved_activations_bytes
 from shardscope.core.rank_share import RankShare, rank_share
+from shardscope.planner.space import family_of
 from shardscope.specs import Scenario, TrainingSpec
 
 
@@ -18,7 +19,7 @@ class SettingFloor:
     """The floor's parts of one setting: a strategy and offload at one shape, without a pipeline."""
 
     family: str
-    """The family of its points (as `planner.space.family_of`)."""
+    """The family of its points (`planner.space.family_of`)."""
     held: HeldFloor
     """Its states' part, the same at every micro-batch and checkpointing."""
     point: Scenario
@@ -37,9 +38,7 @@ class PeakFloors:
     def setting(point: Scenario) -> SettingFloor:
         """The floor's parts of the setting of `point`."""
         held = held_floor(point)
-        return SettingFloor(
-            family=point.strategy.canonical_name, held=held, point=point, share=rank_share(point, held.megatron)
-        )
+        return SettingFloor(family=family_of(point), held=held, point=point, share=rank_share(point, held.megatron))
 
     def point_bytes(self, setting: SettingFloor, training: TrainingSpec) -> int:
         """The floor under the peak of the setting's point of batch `training`, given with one micro-batch a step

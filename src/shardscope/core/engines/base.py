@@ -110,7 +110,7 @@ class EngineRules(Protocol):
 
     def rank_states(self, scenario: Scenario, rank: int) -> ModelStates:
         """What the rank holds (`rank_memory`'s states), without the moments of its step: the part of the memory no
-        micro-batch, micro-batch count or checkpointing changes (`core.memory.peak_floor`)."""
+        micro-batch, micro-batch count or checkpointing changes (`core.peak_floor`)."""
         ...
 
     def busiest_rank(self, scenario: Scenario) -> int:

@@ -77,7 +77,7 @@ class PyTorchRules(RulesDefaults):
     def rank_memory(self, scenario: Scenario, rank: int) -> RankMemory:
         if not runs_on_ddp(scenario):
             return fsdp2_memory(scenario, rank)
-        return shared_memory(scenario, _offloaded_replicated(scenario, rank))
+        return shared_memory(scenario, self.rank_states(scenario, rank))
 
     def rank_states(self, scenario: Scenario, rank: int) -> ModelStates:
         if not runs_on_ddp(scenario):
