@@ -11,6 +11,9 @@ Each figure is the median of fresh processes, so every cache starts cold, as it 
 - CLI: the whole `shardscope plan ...` command, interpreter start and imports included;
 - per call: one `estimate_time` of a 70B plan the planner simulates (976 GPUs, two micro-batches), the median of
   repeated calls in one process.
+Python's bytecode cache is on, as it is by default for a user: a command reads its modules compiled by the run
+before it. It lives in a temporary folder, removed at the end (PYTHONPYCACHEPREFIX), because environments that set
+PYTHONDONTWRITEBYTECODE, as this machine's does, would otherwise compile every module on every command (about 0.2 s).
 Run: .venv/bin/python benchmarks/bench_plan.py [--runs 5] [--question 405b-16k ...]
 Before/after a change, in one run (the machine is shared, so only figures taken side by side compare): put the old
 tree's src first on PYTHONPATH for one invocation, e.g. `git archive HEAD src | tar -x -C /tmp/old` then
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 GOAL_S = 2.0
@@ -116,22 +121,22 @@ print(json.dumps({"memory": statistics.median(memory), "time": statistics.median
 """
 
 
-def measure(question: list[str], runs: int) -> tuple[float, float, dict[str, float]]:
+def measure(question: list[str], runs: int, env: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """(median seconds of plan(), median seconds of the whole CLI command, the search's counts)."""
     searches, commands, counts = [], [], {}
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", IN_PROCESS, *question], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", IN_PROCESS, *question], capture_output=True, text=True, env=env)
         counts = json.loads(out.stdout)
         searches.append(counts["seconds"])
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "shardscope", "plan", *question], capture_output=True)
+        subprocess.run([sys.executable, "-m", "shardscope", "plan", *question], capture_output=True, env=env)
         commands.append(time.perf_counter() - start)
     return statistics.median(searches), statistics.median(commands), counts
 
 
-def per_call_s() -> float:
+def per_call_s(env: dict[str, str]) -> float:
     """Median seconds of one estimate_time of a 70B plan, in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", PER_CALL], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", PER_CALL], capture_output=True, text=True, check=True, env=env)
     seconds: float = json.loads(out.stdout)["seconds"]
     return seconds
 
@@ -142,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question", action="append", choices=list(QUESTIONS), help="only these (repeatable)")
     options = parser.parse_args(argv)
     runs, asked = options.runs, options.question or list(QUESTIONS)
+    with tempfile.TemporaryDirectory(prefix="bench-plan-pycache-") as pycache:
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+        return report(runs, asked, {**env, "PYTHONPYCACHEPREFIX": pycache})
+
+
+def report(runs: int, asked: list[str], env: dict[str, str]) -> int:
+    """Print every figure; 0 when every goal is met."""
     with open("/proc/loadavg") as file:
         print(f"load average at start: {file.read().split()[0]}")
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
@@ -149,14 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
     commands: dict[str, float] = {}
     for name, question in ((name, QUESTIONS[name]) for name in asked):
-        search, command, counts = measure(question, runs)
+        search, command, counts = measure(question, runs, env)
         commands[name] = command
         print(
             f"{name:<11} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
             f"{counts['fitting']:5.0f} {counts['simulated']:10.0f}  fastest: {counts['best']}"
         )
-    print(f"\nestimate_time of a 70B plan (976 GPUs, 2 micro-batches): {per_call_s() * 1e3:.2f} ms per call (median)")
-    out = subprocess.run([sys.executable, "-c", PIPELINE_CALL], capture_output=True, text=True, check=True)
+    print(
+        f"\nestimate_time of a 70B plan (976 GPUs, 2 micro-batches): {per_call_s(env) * 1e3:.2f} ms per call (median)"
+    )
+    out = subprocess.run([sys.executable, "-c", PIPELINE_CALL], capture_output=True, text=True, check=True, env=env)
     pipeline = json.loads(out.stdout)
     print(
         f"a 405B pipeline plan (zero1+tp8+pp16, 1f1b, 16 micro-batches, 16384 GPUs), median of 5 calls: "

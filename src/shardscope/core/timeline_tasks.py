@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 from itertools import repeat
-from operator import attrgetter
+from operator import add, attrgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent
@@ -202,30 +202,105 @@ def build_comm_tasks(
 
     The wait for the later rank is paid by the first blocking collective after compute, and once per step by the
     async ones (asynchronous[i]: event i is issued with async_op=True): the rank goes on computing while they wait,
-    and the skew between the ranks is absorbed once, by the first."""
+    and the skew between the ranks is absorbed once, by the first.
+
+    Everything but the durations, labels, ops and payloads follows from where the events sit (`_CommOrder`), which
+    the planner's steps of a shape share whatever their group sizes and payloads: it is kept by those places, and
+    only the calls' own values are read per step."""
+    places = tuple(map(_PLACE, events))
+    streams = tuple(map(STREAM_OF_GROUP.get, map(_GROUP, events), repeat("comm")))
+    key = (places, streams, tuple(asynchronous), id(where), first, previous, waited_async, sync_wait_s)
+
+    def make() -> _CommOrder:
+        return _comm_order(places, streams, asynchronous, where, first, previous, waited_async, sync_wait_s)
+
+    order = kept(_comm_orders, key, make, CACHED_SHAPES)
+    if order.where is not where:  # a `where` since freed left its id to this one
+        order = _comm_orders[key] = make()
+    for consumer, positions in order.waits:
+        waits.setdefault(consumer, []).extend(positions)
+    rows = list(map(_ROW, events))
+    durations = map(add, map(_TIME, costs), order.sync_waits_s)
+    fields = zip(
+        order.keys,
+        map(_LABEL, events),
+        streams,
+        map(_OP, rows),
+        durations,
+        map(_PAYLOAD, rows),
+        order.after,
+        strict=True,
+    )
+    return CommTasks(list(map(_new_task, fields)), order.previous, order.waited_async)
+
+
+class _CommOrder(NamedTuple):
+    """What `build_comm_tasks` makes of a run of events' places: every task's issue key, the tasks it starts after and
+    the wait for the later rank it pays, and the calls each compute task waits for."""
+
+    where: dict[tuple[str, int, int], int]
+    """The compute tasks' places it was made for (held, so no other dict takes its id while it is kept)."""
+    keys: tuple[float, ...]
+    after: tuple[tuple[int, ...], ...]
+    sync_waits_s: tuple[float, ...]
+    """The wait each call pays for the later rank: sync_wait_s or 0.0."""
+    waits: tuple[tuple[int, tuple[int, ...]], ...]
+    """(compute task, the calls it waits for), in the order the consumers first appear."""
+    previous: Place | None
+    waited_async: bool
+
+
+_comm_orders: dict[tuple[object, ...], _CommOrder] = {}
+
+
+def _comm_order(
+    places: tuple[Place, ...],
+    streams: tuple[str, ...],
+    asynchronous: Sequence[bool],
+    where: dict[tuple[str, int, int], int],
+    first: int,
+    previous: Place | None,
+    waited_async: bool,
+    sync_wait_s: float,
+) -> _CommOrder:
     optimizer = where[("optimizer", 0, -1)]
-    tasks: list[Task] = []
     placed = _placements_of(where)
-    places = list(map(_PLACE, events))
     for place in set(places).difference(placed):
         placed[place] = _placement(place, where, optimizer)
-    streams = map(STREAM_OF_GROUP.get, map(_GROUP, events), repeat("comm"))
-    for position, (event, cost, issued_async, place, stream) in enumerate(
-        zip(events, costs, asynchronous, places, streams, strict=True), first
-    ):
+    keys: list[float] = []
+    afters: list[tuple[int, ...]] = []
+    sync_waits: list[float] = []
+    waits: dict[int, list[int]] = {}
+    for position, (place, stream, issued_async) in enumerate(zip(places, streams, asynchronous, strict=True), first):
         key, after, consumer = placed[place]
         if consumer is not None:
             waits.setdefault(consumer, []).append(position)
-        duration = cost.time_s
+        wait = 0.0
         if place == previous:  # a copy then its gather, a reduce-scatter then its all-reduce and offload copy
             after += (position - 1,)
         elif stream != "host" and not (waited_async and issued_async):
-            duration += sync_wait_s  # the first collective after compute waits for the later rank
+            wait = sync_wait_s  # the first collective after compute waits for the later rank
             waited_async = waited_async or issued_async
-        row = event.row
-        tasks.append(_new_task((key, event.label, stream, row.op, duration, row.payload_bytes, after)))
+        keys.append(key)
+        afters.append(after)
+        sync_waits.append(wait)
         previous = place
-    return CommTasks(tasks, previous, waited_async)
+    return _CommOrder(
+        where=where,
+        keys=tuple(keys),
+        after=tuple(afters),
+        sync_waits_s=tuple(sync_waits),
+        waits=tuple((consumer, tuple(positions)) for consumer, positions in waits.items()),
+        previous=previous,
+        waited_async=waited_async,
+    )
+
+
+_ROW = attrgetter("row")
+_TIME = attrgetter("time_s")
+_LABEL = attrgetter("label")
+_OP = attrgetter("op")
+_PAYLOAD = attrgetter("payload_bytes")
 
 
 def slow_beside_async(
