@@ -86,15 +86,22 @@ class ParamLayout:
             object.__setattr__(self, name, value)
 
     def tensors(self) -> tuple[ParamTensor, ...]:
-        """All tensors in creation order: embeddings, blocks, final norm and head."""
-        embeddings = tuple(t for t in self.root if t.name.startswith("embed"))
-        tail = tuple(t for t in self.root if not t.name.startswith("embed"))
-        blocks = tuple(
-            ParamTensor(name=f"layers.{index}.{t.name}", shape=t.shape)
-            for index in range(self.num_blocks)
-            for t in self.block
-        )
-        return embeddings + blocks + tail
+        """All tensors in creation order: embeddings, blocks, final norm and head (made once per layout: the
+        planner's steps of DDP and ZeRO-1 list a 405B model's thousand tensors at every GPU count)."""
+        return _tensors(self)
+
+
+@cache
+def _tensors(layout: ParamLayout) -> tuple[ParamTensor, ...]:
+    """`ParamLayout.tensors`, kept by the layout's identity (one layout per model and cut: `param_layout`)."""
+    embeddings = tuple(t for t in layout.root if t.name.startswith("embed"))
+    tail = tuple(t for t in layout.root if not t.name.startswith("embed"))
+    blocks = tuple(
+        ParamTensor(name=f"layers.{index}.{t.name}", shape=t.shape)
+        for index in range(layout.num_blocks)
+        for t in layout.block
+    )
+    return embeddings + blocks + tail
 
 
 def _linear(name: str, out_features: int, in_features: int, bias: bool) -> tuple[ParamTensor, ...]:

@@ -142,6 +142,74 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     return _rank_memory(scenario, rules_for(scenario), pipeline_rank, rank_stages(scenario, pipeline_rank), {})
 
 
+class _RankParts(NamedTuple):
+    """What a pipeline rank's memory and its floor read: its model, its schedule and what that keeps in flight."""
+
+    model: _RankModel
+    weights: tuple[tuple[int, int], ...]
+    """Activation bytes per micro-batch of each of its stages."""
+    schedule: RankSchedule
+    in_flight_bytes: int
+    counts: tuple[int, ...]
+    """Micro-batches of each stage in flight at the fullest moment."""
+    receive_bytes: int
+    """The point-to-point receive buffers it keeps for the step."""
+
+
+def _rank_parts(
+    scenario: Scenario,
+    rules: EngineRules,
+    pipeline_rank: int,
+    stages: tuple[PipelineStage, ...],
+    models: dict[tuple[int, bool, bool], _RankModel],
+) -> _RankParts:
+    """The parts of pipeline rank `pipeline_rank`, with `models` the rank models of the scenario made so far (by
+    layers and ends held)."""
+    layers = sum(stage.layers for stage in stages)
+    embedding, head = any(stage.embedding for stage in stages), any(stage.head for stage in stages)
+    held = models.get((layers, embedding, head))
+    if held is None:
+        proxy = stage_proxy(scenario, layers, embedding, head)
+        states = rules.rank_states(proxy, 0)
+        acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
+        held = models[layers, embedding, head] = _RankModel(proxy, states, acts)
+    acts = held.activations
+    weights = tuple((stage.index, rules.pipeline_stage_activations(scenario, acts, stage)) for stage in stages)
+    schedule = rank_schedule(scenario, pipeline_rank)
+    in_flight_bytes, counts = in_flight_peak(schedule, weights)
+    last = scenario.strategy.pipeline_stages - 1
+    receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
+    receive_bytes = receives * scenario.training.grad_accum_steps * boundary_bytes(scenario)
+    return _RankParts(held, weights, schedule, in_flight_bytes, counts, receive_bytes)
+
+
+def _by_rank(scenario: Scenario) -> list[tuple[PipelineStage, ...]]:
+    """Each pipeline rank's stages, first rank to last."""
+    by_rank: list[list[PipelineStage]] = [[] for _ in range(scenario.strategy.pp)]
+    for stage in pipeline_stages(scenario):
+        by_rank[stage.rank].append(stage)
+    return [tuple(stages) for stages in by_rank]
+
+
+def pipeline_peak_floor_bytes(scenario: Scenario) -> int:
+    """A floor under the busiest pipeline rank's peak (`pipeline_memory`), at a fraction of its cost: the planner
+    asks it before it estimates a pipeline, and one whose floor already breaks the budget cannot fit.
+
+    Every engine's pipeline moments include the optimizer step (the weights, every gradient, the optimizer state, the
+    persistent and receive buffers) and a moment of the schedule's fullest, which holds the weights, the optimizer
+    state, those buffers and every micro-batch in flight then. So each rank's peak is at least the framework context
+    plus the weights, optimizer state and buffers, plus the larger of its gradients and its activations in flight.
+    tests/core/test_pipeline_peak_floor.py holds it under every rank's peak of every engine and schedule."""
+    rules, floor = rules_for(scenario), 0
+    models: dict[tuple[int, bool, bool], _RankModel] = {}
+    for rank, stages in enumerate(_by_rank(scenario)):
+        parts = _rank_parts(scenario, rules, rank, stages, models)
+        states = parts.model.states
+        held = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
+        floor = max(floor, held + parts.receive_bytes + max(states.gradients_bytes, parts.in_flight_bytes))
+    return floor + scenario.overheads.context_bytes
+
+
 def _rank_memory(
     scenario: Scenario,
     rules: EngineRules,
@@ -151,20 +219,11 @@ def _rank_memory(
 ) -> tuple[StageMemory, int]:
     """`pipeline_rank_memory`, with `models` the rank models of the scenario made so far (by layers and ends held)."""
     strategy, training, model = scenario.strategy, scenario.training, scenario.model
+    parts = _rank_parts(scenario, rules, pipeline_rank, stages, models)
+    held, weights, schedule, counts = parts.model, parts.weights, parts.schedule, parts.counts
+    states, acts = held.states, held.activations
     layers = sum(stage.layers for stage in stages)
     embedding, head = any(stage.embedding for stage in stages), any(stage.head for stage in stages)
-    held = models.get((layers, embedding, head))
-    if held is None:
-        proxy = stage_proxy(scenario, layers, embedding, head)
-        states = rules.rank_memory(proxy, 0).states
-        acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
-        held = models[layers, embedding, head] = _RankModel(proxy, states, acts)
-    states, acts = held.states, held.activations
-    weights = tuple((stage.index, rules.pipeline_stage_activations(scenario, acts, stage)) for stage in stages)
-    schedule = rank_schedule(scenario, pipeline_rank)
-    in_flight_bytes, counts = in_flight_peak(schedule, weights)
-    last = strategy.pipeline_stages - 1
-    receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
     # the head stage's loss: its forward spike, or the start of its backward (the log-softmax's gradient), the larger
     spike = max(acts.loss_forward_spike_bytes, acts.loss_backward_spike_bytes + LOSS_GRAD_BYTES) if head else 0
     # the first backward after the warm-up starts with every micro-batch in flight: a block's backward working set
@@ -178,10 +237,10 @@ def _rank_memory(
         activations=acts,
         schedule=schedule,
         weights=weights,
-        in_flight_bytes=in_flight_bytes,
+        in_flight_bytes=parts.in_flight_bytes,
         in_flight=sum(counts),
         step_activations=rules.pipeline_step_activations(scenario, stages),
-        receive_bytes=receives * training.grad_accum_steps * boundary_bytes(scenario),
+        receive_bytes=parts.receive_bytes,
         working_bytes=max(spike, working),
         shard_degree=held.proxy.shard_degree,
     )
@@ -228,12 +287,9 @@ class PipelineMemory:
 
 def pipeline_memory(scenario: Scenario) -> PipelineMemory:
     """The memory of every pipeline rank of the scenario."""
-    rules, pp = rules_for(scenario), scenario.strategy.pp
-    by_rank: list[list[PipelineStage]] = [[] for _ in range(pp)]
-    for stage in pipeline_stages(scenario):
-        by_rank[stage.rank].append(stage)
+    rules = rules_for(scenario)
     models: dict[tuple[int, bool, bool], _RankModel] = {}  # the scenario's own: at most one per rank
-    entries = [_rank_memory(scenario, rules, rank, tuple(stages), models) for rank, stages in enumerate(by_rank)]
+    entries = [_rank_memory(scenario, rules, rank, stages, models) for rank, stages in enumerate(_by_rank(scenario))]
     return PipelineMemory(per_stage=tuple(entry for entry, _ in entries), host_bytes=tuple(host for _, host in entries))
 
 

@@ -130,6 +130,6 @@ def busiest_states_bytes(scenario: Scenario) -> int:
     held = 0
     proxies = {rank_proxy(scenario, rank_stages(scenario, rank)) for rank in range(scenario.strategy.pp)}
     for proxy in proxies:
-        states = rules.rank_memory(proxy, 0).states
+        states = rules.rank_states(proxy, 0)
         held = max(held, states.parameters_bytes + states.gradients_bytes + states.optimizer_state_bytes)
     return held

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from shardscope.choices import Checkpointing
 from shardscope.core.peak_floor import batch_floor_bytes
+from shardscope.core.pipeline_memory import pipeline_peak_floor_bytes
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.budget import fits_budget, over_by
 from shardscope.planner.evaluator import Evaluator
@@ -173,6 +174,9 @@ class _Search:
                             states_checked = True
                             if busiest_states_bytes(scenario) > self.budget_bytes:
                                 break  # no micro-batch or checkpointing fits the model states
+                        if pipelined and self._hopeless(variant.family, pipeline_peak_floor_bytes(scenario)):
+                            failed = True  # it cannot fit, nor be its family's closest miss
+                            continue
                         memory = self.evaluator.new_memory(scenario)
                         if not fits_budget(memory, request, self.budget_bytes):
                             failed = True
