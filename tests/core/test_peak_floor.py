@@ -4,6 +4,7 @@ it to be worth asking."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from shardscope.choices import SpecError
 from shardscope.core.memory import estimate_memory
+from shardscope.core.model_states import STEP_TENSOR_BYTES
+from shardscope.core.params import param_layout
 from shardscope.core.peak_floor import batch_floor_bytes, held_floor, peak_floor_bytes
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
@@ -132,10 +135,24 @@ def test_the_floor_is_close_to_the_peak(engine: str) -> None:
     assert statistics.median(ratios) >= 0.5
 
 
-def test_the_floor_reads_the_busiest_rank() -> None:
-    """ZeroRedundancyOptimizer gives whole tensors to ranks, so one holds more: the floor is that rank's, as the
-    estimate is."""
-    scenario = _scenario("tiny-llama", "pytorch", "zero1", "none", "none", "bf16-mixed", (1, 1, 1), 1, 1, False)
-    busiest = estimate_memory(scenario).rank
-    per_rank = [held_floor(scenario, rank).states_bytes for rank in range(8)]
-    assert held_floor(scenario).states_bytes == per_rank[busiest] == max(per_rank)
+def test_the_floor_takes_the_least_share_of_the_busiest_rank() -> None:
+    """ZeroRedundancyOptimizer gives whole tensors to ranks, so one holds more, and which one takes the greedy
+    assignment of every tensor: the floor takes the least the busiest rank's share can be, the largest tensor or an
+    even share of the elements, whichever is more. With a rank per tensor or more that is the busiest rank's own
+    share (the largest tensor alone); with fewer ranks it is under it."""
+    layout = param_layout(model_preset("tiny-llama"))
+    for world_size, exact in ((layout.tensor_count, True), (3, False)):
+        scenario = dataclasses.replace(
+            _scenario("tiny-llama", "pytorch", "zero1", "none", "none", "bf16-mixed", (1, 1, 1), 1, 1, False),
+            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world_size, gpus_per_node=1),
+        )
+        busiest = estimate_memory(scenario).rank
+        per_rank = [held_floor(scenario, rank).states_bytes for rank in range(world_size)]
+        assert per_rank[busiest] == max(per_rank)
+        floor = held_floor(scenario).states_bytes
+        assert floor == per_rank[busiest] if exact else floor < per_rank[busiest]
+        # the weights, DDP's gradient buckets and the gradients in fp32 (autocast), then Adam's two fp32 moments of
+        # the least share and one step counter
+        least = max(layout.largest_tensor_numel, -(-layout.total_numel // world_size))
+        context = scenario.overheads.context_bytes
+        assert floor == context + 3 * 4 * layout.total_numel + 2 * 4 * least + STEP_TENSOR_BYTES

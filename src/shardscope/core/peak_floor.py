@@ -49,11 +49,10 @@ class HeldFloor:
 
 
 def held_floor(scenario: Scenario, rank: int | None = None) -> HeldFloor:
-    """The part of the floor of `rank` (the busiest when None, as `estimate_memory`) its states give."""
+    """The part of the floor of `rank` its states give; when None, of the busiest rank (as `estimate_memory`), from
+    its engine's `floor_states` (no larger than its own)."""
     rules = rules_for(scenario)
-    if rank is None:
-        rank = rules.busiest_rank(scenario)
-    states = rules.rank_states(scenario, rank)
+    states = rules.floor_states(scenario) if rank is None else rules.rank_states(scenario, rank)
     held = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
     return HeldFloor(
         held_bytes=held + scenario.overheads.context_bytes,

@@ -14,7 +14,7 @@ An engine adds moments of its own where its mechanism makes one (see its module)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -117,6 +117,12 @@ class EngineRules(Protocol):
         """The rank that holds the most."""
         ...
 
+    def floor_states(self, scenario: Scenario) -> ModelStates:
+        """States no larger than the busiest rank's in its weights, gradients, optimizer state and persistent buffers
+        (what `core.peak_floor` reads), for the floor under its peak: the busiest rank's own where they are cheap to
+        find."""
+        ...
+
     def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
         """Optimizer elements per rank where ranks hold different amounts; None where every rank holds the same."""
         ...
@@ -194,10 +200,16 @@ class RulesDefaults:
     megatron_tensor_parallel = False
     parameters_sharded_from_stage = 3
     experts_placed_from_stage = 4
+    rank_states: Callable[[Scenario, int], ModelStates]
+    """Every engine's own (`EngineRules.rank_states`)."""
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """Every rank holds the same: rank 0."""
         return 0
+
+    def floor_states(self, scenario: Scenario) -> ModelStates:
+        """The busiest rank's states."""
+        return self.rank_states(scenario, self.busiest_rank(scenario))
 
     def optimizer_shard_numels(self, scenario: Scenario) -> tuple[int, ...] | None:
         """Every rank holds the same."""

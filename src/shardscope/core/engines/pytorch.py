@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import NamedTuple
 
 from shardscope.choices import EngineName
 from shardscope.core.activations import INDEX_BYTES, ActivationEstimate
@@ -83,6 +84,17 @@ class PyTorchRules(RulesDefaults):
         if not runs_on_ddp(scenario):
             return fsdp2_states(scenario, rank)
         return _offloaded_replicated(scenario, rank)
+
+    def floor_states(self, scenario: Scenario) -> ModelStates:
+        """ZeroRedundancyOptimizer's busiest rank is known only from the greedy assignment of every tensor, which a
+        planner sweep would make at every GPU count: the floor takes the least its optimizer share can be instead, the
+        largest tensor or an even share of the elements, whichever is more, in one tensor (the busiest rank holds at
+        least the average, and at least the rank that took the largest tensor)."""
+        if scenario.strategy.stage != 1 or not scenario.model.has_shape or not runs_on_ddp(scenario):
+            return super().floor_states(scenario)
+        layout = rank_layout(scenario)
+        least = max(layout.largest_tensor_numel, flat_shard_numel(layout.total_numel, scenario.state_ranks))
+        return offload(scenario, _replicated(scenario, 0, OptimizerShare(least, 1, 0)))
 
     def busiest_rank(self, scenario: Scenario) -> int:
         """ZeroRedundancyOptimizer's uneven assignment of whole tensors makes one rank the busiest."""
@@ -274,8 +286,17 @@ def _offloaded_replicated(scenario: Scenario, rank: int) -> ModelStates:
     return kept(_STATES_CACHE, key, lambda: offload(scenario, _replicated(scenario, rank)), KEPT_STATES_LIMIT)
 
 
-def _replicated(scenario: Scenario, rank: int) -> ModelStates:
-    """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1)."""
+class OptimizerShare(NamedTuple):
+    """What ZeroRedundancyOptimizer gives one rank: its elements, its tensors and the largest of them."""
+
+    numel: int
+    tensors: int
+    largest: int
+
+
+def _replicated(scenario: Scenario, rank: int, share: OptimizerShare | None = None) -> ModelStates:
+    """DistributedDataParallel, alone (ddp) or under ZeroRedundancyOptimizer (zero1, `rank`'s share of its
+    assignment unless `share` is given)."""
     training, strategy = scenario.training, scenario.strategy
     total, layout = rank_facts(scenario)
     stored = 4 if training.is_mixed else dtype_bytes(training.precision)  # mixed keeps fp32 weights
@@ -283,6 +304,8 @@ def _replicated(scenario: Scenario, rank: int) -> ModelStates:
     if strategy.stage == 0:
         optimizer_numel, optimizer_tensors = total, layout.tensor_count if layout else 1
         largest = layout.largest_tensor_numel if layout else total
+    elif share is not None:
+        optimizer_numel, optimizer_tensors, largest = share
     elif layout is not None:
         shards = whole_tensor_shards(layout, scenario.state_ranks)
         optimizer_numel, optimizer_tensors = shards.numel_per_rank[rank], shards.tensors_per_rank[rank]
