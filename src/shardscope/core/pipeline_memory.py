@@ -139,7 +139,8 @@ def pipeline_rank_memory(scenario: Scenario, pipeline_rank: int) -> tuple[StageM
     """One pipeline rank's memory (every rank of its data- and tensor-parallel group holds the same) and its host
     bytes under offload: each category at its largest over the engine's moments (`pipeline_moments`), and the
     largest moment as the peak."""
-    return _rank_memory(scenario, rules_for(scenario), pipeline_rank, rank_stages(scenario, pipeline_rank), {})
+    stages = rank_stages(scenario, pipeline_rank)
+    return _rank_memory(scenario, rules_for(scenario), pipeline_rank, stages, _shared(scenario))
 
 
 class _RankParts(NamedTuple):
@@ -156,31 +157,52 @@ class _RankParts(NamedTuple):
     """The point-to-point receive buffers it keeps for the step."""
 
 
+class _Shared(NamedTuple):
+    """What the pipeline ranks of one scenario share, made as the first of them needs it."""
+
+    models: dict[tuple[int, bool, bool], _RankModel]
+    """The rank models, by the layers and ends a rank holds."""
+    stage_bytes: dict[tuple[int, bool, bool], int]
+    """A stage's activations per micro-batch (the engine's `pipeline_stage_activations`), by its layers and ends."""
+    boundary_bytes: int
+    """`boundary_bytes` of the scenario."""
+
+
+def _shared(scenario: Scenario) -> _Shared:
+    return _Shared({}, {}, boundary_bytes(scenario))
+
+
 def _rank_parts(
-    scenario: Scenario,
-    rules: EngineRules,
-    pipeline_rank: int,
-    stages: tuple[PipelineStage, ...],
-    models: dict[tuple[int, bool, bool], _RankModel],
+    scenario: Scenario, rules: EngineRules, pipeline_rank: int, stages: tuple[PipelineStage, ...], shared: _Shared
 ) -> _RankParts:
-    """The parts of pipeline rank `pipeline_rank`, with `models` the rank models of the scenario made so far (by
-    layers and ends held)."""
+    """The parts of pipeline rank `pipeline_rank`, with `shared` what the scenario's ranks made so far."""
     layers = sum(stage.layers for stage in stages)
     embedding, head = any(stage.embedding for stage in stages), any(stage.head for stage in stages)
-    held = models.get((layers, embedding, head))
+    held = shared.models.get((layers, embedding, head))
     if held is None:
         proxy = stage_proxy(scenario, layers, embedding, head)
         states = rules.rank_states(proxy, 0)
         acts = activations_for(scenario, states.autocast, rules.megatron_tensor_parallel)
-        held = models[layers, embedding, head] = _RankModel(proxy, states, acts)
-    acts = held.activations
-    weights = tuple((stage.index, rules.pipeline_stage_activations(scenario, acts, stage)) for stage in stages)
+        held = shared.models[layers, embedding, head] = _RankModel(proxy, states, acts)
+    weights = tuple((stage.index, _stage_bytes(scenario, rules, held.activations, stage, shared)) for stage in stages)
     schedule = rank_schedule(scenario, pipeline_rank)
     in_flight_bytes, counts = in_flight_peak(schedule, weights)
     last = scenario.strategy.pipeline_stages - 1
     receives = sum((stage.index > 0) + (stage.index < last) for stage in stages)
-    receive_bytes = receives * scenario.training.grad_accum_steps * boundary_bytes(scenario)
+    receive_bytes = receives * scenario.training.grad_accum_steps * shared.boundary_bytes
     return _RankParts(held, weights, schedule, in_flight_bytes, counts, receive_bytes)
+
+
+def _stage_bytes(
+    scenario: Scenario, rules: EngineRules, acts: ActivationEstimate, stage: PipelineStage, shared: _Shared
+) -> int:
+    """The engine's `pipeline_stage_activations` of `stage`, which reads only its layers and ends, once per kind of
+    stage (the ranks of a pipeline hold a few kinds: the first, the last and the rest)."""
+    kind = (stage.layers, stage.embedding, stage.head)
+    found = shared.stage_bytes.get(kind)
+    if found is None:
+        found = shared.stage_bytes[kind] = rules.pipeline_stage_activations(scenario, acts, stage)
+    return found
 
 
 def _by_rank(scenario: Scenario) -> list[tuple[PipelineStage, ...]]:
@@ -200,10 +222,9 @@ def pipeline_peak_floor_bytes(scenario: Scenario) -> int:
     state, those buffers and every micro-batch in flight then. So each rank's peak is at least the framework context
     plus the weights, optimizer state and buffers, plus the larger of its gradients and its activations in flight.
     tests/core/test_pipeline_peak_floor.py holds it under every rank's peak of every engine and schedule."""
-    rules, floor = rules_for(scenario), 0
-    models: dict[tuple[int, bool, bool], _RankModel] = {}
+    rules, floor, shared = rules_for(scenario), 0, _shared(scenario)
     for rank, stages in enumerate(_by_rank(scenario)):
-        parts = _rank_parts(scenario, rules, rank, stages, models)
+        parts = _rank_parts(scenario, rules, rank, stages, shared)
         states = parts.model.states
         held = states.parameters_bytes + states.optimizer_state_bytes + states.persistent_buffers_bytes
         floor = max(floor, held + parts.receive_bytes + max(states.gradients_bytes, parts.in_flight_bytes))
@@ -215,11 +236,11 @@ def _rank_memory(
     rules: EngineRules,
     pipeline_rank: int,
     stages: tuple[PipelineStage, ...],
-    models: dict[tuple[int, bool, bool], _RankModel],
+    shared: _Shared,
 ) -> tuple[StageMemory, int]:
-    """`pipeline_rank_memory`, with `models` the rank models of the scenario made so far (by layers and ends held)."""
+    """`pipeline_rank_memory`, with `shared` what the scenario's ranks made so far."""
     strategy, training, model = scenario.strategy, scenario.training, scenario.model
-    parts = _rank_parts(scenario, rules, pipeline_rank, stages, models)
+    parts = _rank_parts(scenario, rules, pipeline_rank, stages, shared)
     held, weights, schedule, counts = parts.model, parts.weights, parts.schedule, parts.counts
     states, acts = held.states, held.activations
     layers = sum(stage.layers for stage in stages)
@@ -288,8 +309,8 @@ class PipelineMemory:
 def pipeline_memory(scenario: Scenario) -> PipelineMemory:
     """The memory of every pipeline rank of the scenario."""
     rules = rules_for(scenario)
-    models: dict[tuple[int, bool, bool], _RankModel] = {}  # the scenario's own: at most one per rank
-    entries = [_rank_memory(scenario, rules, rank, stages, models) for rank, stages in enumerate(_by_rank(scenario))]
+    shared = _shared(scenario)
+    entries = [_rank_memory(scenario, rules, rank, stages, shared) for rank, stages in enumerate(_by_rank(scenario))]
     return PipelineMemory(per_stage=tuple(entry for entry, _ in entries), host_bytes=tuple(host for _, host in entries))
 
 
