@@ -246,6 +246,8 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
                 f"offload {closest.strategy.offload}, checkpointing {closest.training.checkpointing}, micro-batch "
                 f"{closest.training.micro_batch_size})"
             )
+    if request.pipeline_parallel == (1,):
+        lines += ["", "pipelines were not searched: --pp 1,2,4,8 adds them (a slower search)"]
     return "\n".join(lines)
 
 
