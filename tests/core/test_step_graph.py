@@ -1,6 +1,6 @@
 """A step's model-parallel tasks and compute tasks, built once per shape and reused by every strategy, offload and GPU
-count of it (`core.step_graph`), give the task graph that building every call and task of the step again gives, to
-the last bit: for every pipeline rank of uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B,
+count of it (`core.step_graph`), and the order of its calls kept by their places (`core.timeline_tasks`), give the
+task graph that building every call and task of the step again gives, to the last bit: for every pipeline rank of uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B,
 so the same simulated steps, and the planner's answer is the same whether it reuses them or not."""
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def rebuilt(scenario: Scenario, profile: HardwareProfile, placement: EventPlacem
     `comm_events` (the data-parallel ones as a pipeline rank's `placement` places them)."""
     model_parallel_comm._calls.clear()
     timeline_tasks._stage_tasks.clear()
+    timeline_tasks._comm_orders.clear()
     data_parallel, model_parallel, offload = comm_event_parts(scenario)
     events = (placement(scenario, data_parallel) if placement else data_parallel) + model_parallel + offload
     compute = compute_model(scenario, profile)
