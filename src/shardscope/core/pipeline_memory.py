@@ -162,8 +162,9 @@ class _Shared(NamedTuple):
 
     models: dict[tuple[int, bool, bool], _RankModel]
     """The rank models, by the layers and ends a rank holds."""
-    stage_bytes: dict[tuple[int, bool, bool], int]
-    """A stage's activations per micro-batch (the engine's `pipeline_stage_activations`), by its layers and ends."""
+    stage_bytes: dict[tuple[int, int, bool, bool], int]
+    """A stage's activations per micro-batch (the engine's `pipeline_stage_activations`), by the identity of the
+    rank model's activations (held in `models` meanwhile) and the stage's layers and ends."""
     boundary_bytes: int
     """`boundary_bytes` of the scenario."""
 
@@ -196,9 +197,9 @@ def _rank_parts(
 def _stage_bytes(
     scenario: Scenario, rules: EngineRules, acts: ActivationEstimate, stage: PipelineStage, shared: _Shared
 ) -> int:
-    """The engine's `pipeline_stage_activations` of `stage`, which reads only its layers and ends, once per kind of
-    stage (the ranks of a pipeline hold a few kinds: the first, the last and the rest)."""
-    kind = (stage.layers, stage.embedding, stage.head)
+    """The engine's `pipeline_stage_activations` of `stage`, which reads only its layers and ends of the stage, once
+    per kind of stage (the ranks of a pipeline hold a few kinds: the first, the last and the rest)."""
+    kind = (id(acts), stage.layers, stage.embedding, stage.head)
     found = shared.stage_bytes.get(kind)
     if found is None:
         found = shared.stage_bytes[kind] = rules.pipeline_stage_activations(scenario, acts, stage)
