@@ -4,17 +4,18 @@ cut, and is close enough to it to be worth asking."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from test_peak_floor import FAMILIES
+from test_peak_floor import _scenario as _flat_scenario
 
 from shardscope.choices import SpecError
 from shardscope.core.pipeline_memory import pipeline_memory, pipeline_peak_floor_bytes
-from shardscope.presets import gpu_preset, model_preset
-from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+from shardscope.specs import Scenario
 
-FAMILIES = {"ddp": ("ddp", 0), "zero1": ("zero1", 0), "zero2": ("zero2", 0), "zero3": ("zero3", 0), "hsdp": ("hsdp", 2)}
 PIPELINES = [  # (pp, schedule, virtual stages, layers per stage)
     (2, "gpipe", 0, ()),
     (2, "1f1b", 0, ()),
@@ -37,32 +38,20 @@ def _scenario(
 ) -> Scenario | None:
     """The choices as a scenario of tiny-llama (2 layers) or llama-3-8b (32) on 16 GPUs, None where the specs refuse
     them (offload of an unsharded family, a split the model's layers cannot make, ...)."""
-    name, group = FAMILIES[family]
     pp, schedule, virtual, layers = pipeline
     model = "tiny-llama" if layers else "llama-3-8b"
+    choices = (model, engine, family, offload, checkpointing, precision, (tp, 1, 1), micro_batch, grad_accum, False)
     try:
-        return Scenario(
-            model=model_preset(model),
-            cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=16, gpus_per_node=8),
-            training=TrainingSpec(
-                micro_batch_size=micro_batch,
-                sequence_length=256,
-                grad_accum_steps=grad_accum,
-                precision=precision,  # type: ignore[arg-type]
-                checkpointing=checkpointing,  # type: ignore[arg-type]
-            ),
-            strategy=Strategy(
-                name=name,  # type: ignore[arg-type]
-                engine=engine,  # type: ignore[arg-type]
-                shard_group=group,
-                offload=offload,  # type: ignore[arg-type]
-                tp=tp,
-                pp=pp,
-                pp_schedule=schedule,  # type: ignore[arg-type]
-                pp_virtual_stages=virtual,
-                pp_layers=layers,
-            ),
+        flat = _flat_scenario(*choices)
+        strategy = dataclasses.replace(
+            flat.strategy,
+            pp=pp,
+            pp_schedule=schedule,  # type: ignore[arg-type]
+            pp_virtual_stages=virtual,
+            pp_layers=layers,
+            sequence_parallel=None,
         )
+        return dataclasses.replace(flat, cluster=dataclasses.replace(flat.cluster, world_size=16), strategy=strategy)
     except SpecError:
         return None
 
