@@ -23,7 +23,8 @@ from shardscope.planner.evaluator import Evaluator
 from shardscope.planner.search import _Search
 from shardscope.planner.space import batch_shapes
 from shardscope.planner.timing import compute_lower_bound_s, micro_batch_compute_s
-from shardscope.presets import model_preset
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
 
 def _greedy_reference(numels: list[int], world_size: int) -> WholeTensorShards:
@@ -124,6 +125,26 @@ def test_kept_states_equal_fresh_ones(small_request: PlanRequest) -> None:
             else:
                 kept = pytorch._offloaded_replicated(scenario, rank)
                 assert kept == offload(scenario, pytorch._replicated(scenario, rank))
+
+
+def test_kept_states_tell_expert_parallel_degrees_apart() -> None:
+    """A rank holds num_experts / ep of an MoE's experts, so the states kept for one expert parallel degree are not
+    another's: mixtral-8x7b on 8 GPUs, the estimate with ep 1 is the same whether ep 2's was made first or not."""
+    for family in ("zero1", "zero3"):
+        one, two = (
+            Scenario(
+                model=model_preset("mixtral-8x7b"),
+                cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=8, gpus_per_node=8),
+                training=TrainingSpec(sequence_length=256, precision="bf16-mixed"),
+                strategy=Strategy(name=family, engine="pytorch", ep=ep),  # type: ignore[arg-type]
+            )
+            for ep in (1, 2)
+        )
+        fresh = estimate_memory(one)
+        fsdp2._STATES_CACHE.clear()
+        pytorch._STATES_CACHE.clear()
+        assert estimate_memory(two).per_rank != fresh.per_rank
+        assert estimate_memory(one) == fresh, family
 
 
 def test_kept_sharded_calls_equal_fresh_ones(small_request: PlanRequest) -> None:

@@ -90,15 +90,16 @@ _STATES_CACHE: dict[tuple[object, ...], tuple[ModelStates, _UnitMoments]] = {}
 
 
 def _offloaded_states(scenario: Scenario, rank: int) -> tuple[ModelStates, _UnitMoments]:
-    """`_states` after `offload`, kept by what the two read: the model, the precision and optimizer, tp, the stage,
-    resharding, offload, the shard degree, the backend and the rank (tests/planner/test_speed_caches.py holds the
-    kept value to a fresh one)."""
+    """`_states` after `offload`, kept by what the two read: the model, the precision and optimizer, tp and ep, the
+    stage, resharding, offload, the shard degree, the backend and the rank (tests/planner/test_speed_caches.py holds
+    the kept value to a fresh one)."""
     training, strategy = scenario.training, scenario.strategy
     key = (
         scenario.model,
         training.precision,
         training.optimizer,
         strategy.tp,
+        strategy.ep,
         strategy.stage,
         strategy.reshard_after_forward,
         strategy.offload,

@@ -267,7 +267,7 @@ _STATES_CACHE: dict[tuple[object, ...], ModelStates] = {}
 
 
 def _offloaded_replicated(scenario: Scenario, rank: int) -> ModelStates:
-    """`_replicated` after `offload`, kept by what the two read: the model, the precision and optimizer, tp, the
+    """`_replicated` after `offload`, kept by what the two read: the model, the precision and optimizer, tp and ep, the
     stage, the state ranks and shard degree, the bucket view, offload and the rank (tests/planner/test_speed_caches.py
     holds the kept value to a fresh one)."""
     training, strategy = scenario.training, scenario.strategy
@@ -276,6 +276,7 @@ def _offloaded_replicated(scenario: Scenario, rank: int) -> ModelStates:
         training.precision,
         training.optimizer,
         strategy.tp,
+        strategy.ep,
         strategy.stage,
         scenario.state_ranks,
         scenario.shard_degree,
