@@ -1,7 +1,8 @@
 """A step's model-parallel tasks and compute tasks, built once per shape and reused by every strategy, offload and GPU
 count of it (`core.step_graph`), and the order of its calls kept by their places (`core.timeline_tasks`), give the
-task graph that building every call and task of the step again gives, to the last bit: for every pipeline rank of uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B,
-so the same simulated steps, and the planner's answer is the same whether it reuses them or not."""
+task graph that building every call and task of the step again gives, to the last bit: for every pipeline rank of
+uniform and non-uniform pipelines under 1F1B, GPipe and interleaved 1F1B, so the same simulated steps, and the
+planner's answer is the same whether it reuses them or not."""
 
 from __future__ import annotations
 
