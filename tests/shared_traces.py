@@ -1,14 +1,17 @@
-"""Traces that test modules share for the whole session (the `shared_trace` fixture, tests/trace/conftest.py): each
-request replayed once, and those a module will read replayed side by side.
+"""Traces that test modules share for the whole session (the `shared_trace` fixture, tests/conftest.py): each request
+replayed once, and the ones the modules read by default replayed side by side.
 
 A trace is deterministic and its result frozen, so tests in different modules that replay the same request (up to its
 time limit, which bounds the replay and changes nothing it finds) read one result. A trace's subprocess keeps one core
-busy while the test waits on it, so a test that asks for a trace can name the others its module reads (`together`):
-those not replayed yet run at the same time, as many at once as this process may use cores."""
+busy while the test waits on it, so a module registers the requests its default tests read when it is imported
+(`register`); the first time a test asks for one of them, every registered request of a module with a selected test
+using the fixture replays, as many at once as this process may use cores. A request registered by no module (a case
+under -m long) replays alone."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -16,6 +19,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shardscope.trace.request import TraceRequest
     from shardscope.trace.result import TraceResult
+
+REGISTERED: dict[str, list[TraceRequest]] = {}
+"""Module name -> the trace requests its default tests read."""
+
+
+def register(module: str, requests: Iterable[TraceRequest]) -> None:
+    """Hand a module's default traces to the session's shared replays (module: the test module's __name__)."""
+    REGISTERED[module] = list(requests)
 
 
 def _key(request: TraceRequest) -> TraceRequest:
@@ -26,25 +37,24 @@ def _key(request: TraceRequest) -> TraceRequest:
 class SharedTraces:
     """run_in_subprocess, once per request for the whole session."""
 
-    def __init__(self) -> None:
+    def __init__(self, together: Iterable[TraceRequest] = ()) -> None:
+        self._together = {_key(request): request for request in together}
         self._results: dict[TraceRequest, TraceResult] = {}
 
-    def __call__(self, request: TraceRequest, *together: TraceRequest) -> TraceResult:
-        """The request's trace (TraceError as run_in_subprocess raises it). `together`: the requests the module reads
-        by default; when the request is one of them, those not replayed yet replay beside it, for the tests that read
-        them next (one that fails is replayed again, and fails, in the test that asks for it). A request outside them
-        (a case under -m long) replays alone."""
+    def __call__(self, request: TraceRequest) -> TraceResult:
+        """The request's trace (TraceError as run_in_subprocess raises it). When it is one of the requests replayed
+        together, those not replayed yet replay beside it, for the tests that read them later; one that fails is
+        replayed again, and fails, in the test that asks for it."""
         from shardscope.trace.runner import run_in_subprocess
 
-        wanted = {_key(each): each for each in together}
-        if _key(request) not in wanted:
-            wanted = {_key(request): request}
-        missing = {key: each for key, each in wanted.items() if key not in self._results}
+        key = _key(request)
+        wanted = self._together if key in self._together else {key: request}
+        missing = {each: wanted[each] for each in wanted if each not in self._results}
         running: dict[TraceRequest, Future[TraceResult]] = {}
         if missing:
             with ThreadPoolExecutor(max_workers=min(len(missing), len(os.sched_getaffinity(0)))) as pool:
-                running = {key: pool.submit(run_in_subprocess, each) for key, each in missing.items()}
-            self._results.update((key, done.result()) for key, done in running.items() if done.exception() is None)
-        if _key(request) not in self._results:
-            return running[_key(request)].result()  # raises the request's own TraceError
-        return self._results[_key(request)]
+                running = {each: pool.submit(run_in_subprocess, missing[each]) for each in missing}
+            self._results.update((each, done.result()) for each, done in running.items() if done.exception() is None)
+        if key not in self._results:
+            return running[key].result()  # raises the request's own TraceError
+        return self._results[key]

@@ -1,4 +1,4 @@
-"""Fixtures of the trace tests: traces shared across modules, and refusals checked in this process."""
+"""The trace tests' refusals checked in this process."""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ from collections.abc import Callable
 import pytest
 
 from shardscope.trace.request import TraceRequest
-from shared_traces import SharedTraces
-
-
-@pytest.fixture(scope="session")
-def shared_trace() -> SharedTraces:
-    """Each trace once for the whole session, the ones a module reads replayed side by side (shared_traces.py)."""
-    return SharedTraces()
 
 
 @pytest.fixture

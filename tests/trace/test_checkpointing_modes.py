@@ -21,6 +21,7 @@ from shardscope.specs import Scenario
 from shardscope.validate.cases import ValidationCase
 from shared_launch import register
 from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest
@@ -49,14 +50,14 @@ def _request(scenario: Scenario) -> TraceRequest:
     return TraceRequest(scenario=scenario, time_limit_s=120)
 
 
-# what the module replays by default, side by side (shared_traces.py): the cases without marks (-m long's are
-# pytest.param's with one)
-REPLAYED = [_request(_scenario(*case)) for case in CASES if not getattr(case, "marks", ())]
+# what the module replays by default, replayed side by side (shared_traces.py): the cases without marks (-m long's
+# are pytest.param's with one)
+register_traces(__name__, [_request(_scenario(*case)) for case in CASES if not getattr(case, "marks", ())])
 
 
 def _traced(shared_trace: SharedTraces, scenario: Scenario) -> MemoryBreakdown:
     """Rank 0's traced bytes; a trace is deterministic, so the core's test and the run's share one."""
-    return shared_trace(_request(scenario), *REPLAYED).per_rank
+    return shared_trace(_request(scenario)).per_rank
 
 
 def _held_by_checkpoints(scenario: Scenario) -> int:

@@ -13,9 +13,9 @@ from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
 from shared_launch import register
 from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 torch = pytest.importorskip("torch")
-from shardscope.trace.result import TraceResult  # noqa: E402
 
 GLOO_ATTEMPTS = 2  # as in test_trace.py: gloo can move a measured figure by one buffer between runs
 Runs = dict[str, dict[str, RunResult]]
@@ -52,13 +52,7 @@ SHARED = [
     ("ddp", "fp32", "none"),
 ]  # the cases `make test` runs (others: -m long)
 register(__name__, {" ".join(case): _run_config(*case) for case in SHARED})
-REPLAYED = [
-    _request(*case) for case in SHARED
-]  # the traces of the same cases, replayed side by side (shared_traces.py)
-
-
-def _trace(shared_trace: SharedTraces, strategy: str, precision: str, checkpointing: str = "none") -> TraceResult:
-    return shared_trace(_request(strategy, precision, checkpointing), *REPLAYED)
+register_traces(__name__, [_request(*case) for case in SHARED])  # their traces, side by side (shared_traces.py)
 
 
 def _runs(shared_runs: Runs, strategy: str, precision: str, checkpointing: str) -> Iterator[RunResult]:
@@ -82,7 +76,7 @@ def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_a
     shared_trace: SharedTraces, precision: str, checkpointing: str
 ) -> None:
     """Was: optimizer state taken from the core and no broadcasts (ZeroRedundancyOptimizer did not run)."""
-    result = _trace(shared_trace, "zero1", precision, checkpointing)
+    result = shared_trace(_request("zero1", precision, checkpointing))
     # tied lm_head counted once: before trace.ddp.materialise tied it again, the trace's parameters were 547,840 B
     # against the run's 482,304 B, one more 65,536 B lm_head
     total_bytes = 4 * param_layout(model_preset("tiny-gpt2")).total_numel
@@ -111,7 +105,7 @@ def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(
 ) -> None:
     """Activations were 28-44% under the run (the trace used replicate's MixedPrecisionPolicy, the run autocast
     over fp32 weights, which saves 16-bit copies of the weights); zero1's ledger lacked the optimizer's broadcasts."""
-    trace = _trace(shared_trace, strategy, "bf16-mixed", checkpointing)
+    trace = shared_trace(_request(strategy, "bf16-mixed", checkpointing))
     for run in _runs(shared_runs, strategy, "bf16-mixed", checkpointing):
         real = run.per_rank[0]
         same = (
@@ -142,7 +136,7 @@ def test_ddp_and_zero1_peak_within_one_percent_of_the_real_run(
     bucket exists. The run's tracker first saw DDP's bucket (allocated by the reducer in C++ at the rebuild, step 2)
     when backward copied a gradient into it, labelled it 'backward', and the bucket was then added again as the
     reducer's hidden bytes. The trace counts the bucket once, from when its comm hook first sees it (step 2)."""
-    trace = _trace(shared_trace, strategy, precision, checkpointing)
+    trace = shared_trace(_request(strategy, precision, checkpointing))
     for run in _runs(shared_runs, strategy, precision, checkpointing):
         measured = run.per_rank[0].peak_bytes
         if abs(trace.per_rank.peak_bytes - measured) <= 0.01 * measured:

@@ -15,7 +15,7 @@ from shardscope.core.params import param_layout
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
-from shared_traces import SharedTraces
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,19 +40,20 @@ def _request(implementation: str, attention: str = "sdpa", attn_implementation: 
     )
 
 
+register(__name__, [_request("hf"), _request("reference")])  # replayed side by side (shared_traces.py)
+
+
 def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations(shared_trace: SharedTraces) -> None:
     """transformers' LlamaForCausalLM from tiny-llama's config: FSDP2 shards (dim 0 padded to 3 ranks) of exactly the
     tensors the core counts, and more activations than the reference module (its RMSNorm keeps fp32 copies)."""
-    # the reference side replays beside it (shared_traces.py); test_trace.py's zero3 padding test reads it too
-    pair = (_request("hf"), _request("reference"))
-    hf = shared_trace(pair[0], *pair)
+    hf = shared_trace(_request("hf"))
     tensors = param_layout(model_preset("tiny-llama")).tensors()
     shards = sum(math.ceil(t.shape[0] / 3) * math.prod(t.shape[1:]) * 4 for t in tensors)
     assert hf.per_rank.parameters_bytes == shards == hf.per_rank.gradients_bytes
     assert hf.per_rank.optimizer_state_bytes == 2 * shards + 4 * len(tensors)  # exp_avg, exp_avg_sq, step
     assert "built by transformers from llama's config.json, attn_implementation=sdpa" in hf.notes
     assert hf.peak_moment.startswith("backward: model.layers.")
-    reference = shared_trace(pair[1], *pair)
+    reference = shared_trace(_request("reference"))  # test_trace.py's zero3 padding test reads the same replay
     assert reference.per_rank.parameters_bytes == shards
     assert hf.per_rank.activations_bytes > reference.per_rank.activations_bytes
 

@@ -13,7 +13,7 @@ from shardscope.core.pipeline_time import pipeline_ledger, pipeline_rank_ledger
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
-from shared_traces import SharedTraces
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
@@ -50,16 +50,19 @@ def _interleaved() -> Scenario:
 
 
 SENT_OUTPUT = 2 * 32 * 64 * 2  # one micro-batch's stage output: 2 sequences x 32 tokens x hidden 64 x bf16
-# what the module replays by default, side by side (shared_traces.py): its two default cases, interleaved 1F1B and
-# zero2 in a pipeline
-REPLAYED = [
-    TraceRequest(scenario=scenario, time_limit_s=300)
-    for scenario in (_scenario(2, "1f1b"), _scenario(4, "gpipe"), _interleaved(), _scenario(4, "1f1b", "zero2"))
-]
+# what the module replays by default, replayed side by side (shared_traces.py): its two default cases, interleaved
+# 1F1B and zero2 in a pipeline
+register(
+    __name__,
+    [
+        TraceRequest(scenario=scenario, time_limit_s=300)
+        for scenario in (_scenario(2, "1f1b"), _scenario(4, "gpipe"), _interleaved(), _scenario(4, "1f1b", "zero2"))
+    ],
+)
 
 
 def _replay(shared_trace: SharedTraces, scenario: Scenario) -> TraceResult:
-    return shared_trace(TraceRequest(scenario=scenario, time_limit_s=300), *REPLAYED)
+    return shared_trace(TraceRequest(scenario=scenario, time_limit_s=300))
 
 
 def _trace(shared_trace: SharedTraces, world_size: int, schedule: str) -> TraceResult:

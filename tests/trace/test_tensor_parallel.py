@@ -15,7 +15,7 @@ from shardscope.core.result import CollectiveRow
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
-from shared_traces import SharedTraces
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
@@ -35,17 +35,20 @@ def _request(scenario: Scenario) -> TraceRequest:
     return TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0)
 
 
-# what the module replays by default, side by side (shared_traces.py): with sequence parallelism (the module's
-# fixture), loss parallelism without it in bf16-mixed, and full checkpointing without it
-REPLAYED = [
-    _request(_scenario()),
-    _request(_scenario(sequence_parallel=False, precision="bf16-mixed")),
-    _request(_scenario(sequence_parallel=False, checkpointing="full")),
-]
+# what the module replays by default, replayed side by side (shared_traces.py): with sequence parallelism (the
+# module's fixture), loss parallelism without it in bf16-mixed, and full checkpointing without it
+register(
+    __name__,
+    [
+        _request(_scenario()),
+        _request(_scenario(sequence_parallel=False, precision="bf16-mixed")),
+        _request(_scenario(sequence_parallel=False, checkpointing="full")),
+    ],
+)
 
 
 def _trace(shared_trace: SharedTraces, scenario: Scenario) -> TraceResult:
-    return shared_trace(_request(scenario), *REPLAYED)
+    return shared_trace(_request(scenario))
 
 
 def _calls(rows: tuple[CollectiveRow, ...], group: str | None = None) -> Counter[tuple[str, str, str, int, int]]:

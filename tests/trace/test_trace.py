@@ -13,11 +13,10 @@ from shardscope.core.params import param_layout
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest, request_from_json
-from shared_traces import SharedTraces
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.runtime.api import RunResult  # noqa: E402
-from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 
@@ -66,18 +65,17 @@ def _hsdp_request() -> TraceRequest:
     return TraceRequest(scenario=hsdp, time_limit_s=120)
 
 
-# what the module replays by default, side by side (shared_traces.py): zero3 on 3 ranks, hsdp on 4 and ddp on 2, and
-# zero3 on a 2-rank gloo cluster
-REPLAYED = [
-    _request("tiny-llama", 3, "zero3"),
-    _hsdp_request(),
-    _request("tiny-gpt2", 2, "ddp"),
-    _request("tiny-llama", 2, "zero3", backend="gloo"),
-]
-
-
-def _trace(shared_trace: SharedTraces, request: TraceRequest) -> TraceResult:
-    return shared_trace(request, *REPLAYED)
+# what the module replays by default, replayed side by side (shared_traces.py): zero3 on 3 ranks, hsdp on 4 and ddp on
+# 2, and zero3 on a 2-rank gloo cluster
+register(
+    __name__,
+    [
+        _request("tiny-llama", 3, "zero3"),
+        _hsdp_request(),
+        _request("tiny-gpt2", 2, "ddp"),
+        _request("tiny-llama", 2, "zero3", backend="gloo"),
+    ],
+)
 
 
 def test_request_survives_json() -> None:
@@ -87,7 +85,7 @@ def test_request_survives_json() -> None:
 
 def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step(shared_trace: SharedTraces) -> None:
     # the trace test_hf_implementation.py compares transformers' model with (shared_trace: one replay for both)
-    result = _trace(shared_trace, _request("tiny-llama", 3, "zero3"))
+    result = shared_trace(_request("tiny-llama", 3, "zero3"))
     shard_bytes, tensors = _sharded_bytes("tiny-llama", 3, 4)
     assert result.per_rank.parameters_bytes == shard_bytes
     assert result.per_rank.gradients_bytes == shard_bytes
@@ -99,11 +97,11 @@ def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_ste
 
 
 def test_hsdp_reduces_across_groups_and_ddp_all_reduces(shared_trace: SharedTraces) -> None:
-    result = _trace(shared_trace, _hsdp_request())
+    result = shared_trace(_hsdp_request())
     ops = {(row.op, row.group_size) for row in result.ledger}
     assert ("reduce_scatter", 2) in ops and ("all_reduce", 2) in ops
     # ddp on 2 ranks, the replay test_ddp.py's fp32 peak test compares with its run (shared_trace: one for both)
-    ddp = _trace(shared_trace, _request("tiny-gpt2", 2, "ddp"))
+    ddp = shared_trace(_request("tiny-gpt2", 2, "ddp"))
     assert {row.op for row in ddp.ledger} == {"all_reduce"}
     assert ddp.per_rank.parameters_bytes == 4 * param_layout(model_preset("tiny-gpt2")).total_numel
 
@@ -160,7 +158,7 @@ def test_trace_peak_within_one_percent_of_real_run(
         _request("tiny-llama", world, "zero3", backend="gloo").scenario,
         strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
     )
-    trace = _trace(shared_trace, TraceRequest(scenario=scenario, time_limit_s=120))
+    trace = shared_trace(TraceRequest(scenario=scenario, time_limit_s=120))
     run = _tiny_llama_run(strategy, world, shard_group)
     assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
 
@@ -169,7 +167,7 @@ def test_zero3_peak_equals_the_gloo_runs(shared_trace: SharedTraces) -> None:
     """Quick guard on the measured figure (tiny-llama, 2 ranks, fp32, micro-batch 2, seq 32, torch 2.13): the gloo
     run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020.
     Traced as a gloo cluster, the run's (a GPU trace runs CUDA's RMSNorm)."""
-    trace = _trace(shared_trace, _request("tiny-llama", 2, "zero3", backend="gloo"))
+    trace = shared_trace(_request("tiny-llama", 2, "zero3", backend="gloo"))
     assert trace.per_rank.peak_bytes == 2_133_468
     assert trace.peak_moment == "backward: layers.1"
 
