@@ -13,6 +13,7 @@ from shardscope.schemas import load_schema
 
 if TYPE_CHECKING:
     from shardscope.runtime import RunResult
+    from shared_traces import SharedTraces
 
 # Objects used as maps (keys are data, not names), where any key is allowed.
 OPEN_MAPS = ("peak_flops_per_s", "notes")
@@ -96,3 +97,13 @@ def shared_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, RunResult
         for (module, name, _), result in zip(launch, run_suite([run[2] for run in launch]), strict=True):
             found[module][name] = result
     return found
+
+
+@pytest.fixture(scope="session")
+def shared_trace(request: pytest.FixtureRequest) -> SharedTraces:
+    """Each trace once for the whole session (shared_traces.py): the first time a test asks for a registered one, the
+    registered traces of every module with a selected test that uses this fixture replay side by side."""
+    from shared_traces import REGISTERED, SharedTraces
+
+    wanted = {item.module.__name__ for item in request.session.items if "shared_trace" in item.fixturenames}
+    return SharedTraces(each for module in REGISTERED if module in wanted for each in REGISTERED[module])

@@ -17,6 +17,8 @@ import pytest
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_suite
 from shared_launch import register
+from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("torch")
@@ -58,12 +60,15 @@ def _run_and_trace(options: dict[str, Any]) -> tuple[RunResult, TraceResult]:
 
 CONFIG = RunConfig.from_options(**OPTIONS)
 register(__name__, {"fsdp cp2": CONFIG})
+TRACE = TraceRequest(scenario=CONFIG.scenario(), time_limit_s=240, traced_blocks=0)
+register_traces(__name__, [TRACE])
 
 
 @pytest.fixture(scope="module")
-def fsdp_cp(shared_runs: dict[str, dict[str, RunResult]]) -> tuple[RunResult, TraceResult]:
-    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario."""
-    trace = run_in_subprocess(TraceRequest(scenario=CONFIG.scenario(), time_limit_s=240, traced_blocks=0))
+def fsdp_cp(shared_runs: dict[str, dict[str, RunResult]], shared_trace: SharedTraces) -> tuple[RunResult, TraceResult]:
+    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario
+    (replayed beside the other modules' default traces: shared_traces.py)."""
+    trace = shared_trace(TRACE)
     return shared_runs[__name__]["fsdp cp2"], trace
 
 

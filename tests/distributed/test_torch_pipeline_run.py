@@ -22,7 +22,10 @@ from shardscope.core.pipeline_time import pipeline_rank_ledger
 from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult, run_training
 from shardscope.specs import SpecError
+from shardscope.trace.request import TraceRequest
 from shared_launch import register
+from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 pytestmark = pytest.mark.distributed
 OPTIONS = {
@@ -75,16 +78,20 @@ def compare(config: RunConfig, result: RunResult, states: tuple[str, ...] = STAT
     return result
 
 
-def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction(
-    shared_runs: dict[str, dict[str, RunResult]],
-) -> None:
-    from shardscope.trace.request import TraceRequest
-    from shardscope.trace.runner import run_in_subprocess
+def _trace_request(config: RunConfig) -> TraceRequest:
+    return TraceRequest(scenario=config.scenario(), time_limit_s=300)
 
+
+register_traces(__name__, [_trace_request(ONE_F_ONE_B)])  # replayed beside the other modules' (shared_traces.py)
+
+
+def test_pp2_dp2_one_f_one_b_matches_one_process_and_its_prediction(
+    shared_runs: dict[str, dict[str, RunResult]], shared_trace: SharedTraces
+) -> None:
     result = compare(ONE_F_ONE_B, shared_runs[__name__]["1f1b"])
     scenario = ONE_F_ONE_B.scenario()
     predicted = pipeline_memory(scenario).per_stage
-    traced = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300)).per_stage
+    traced = shared_trace(_trace_request(ONE_F_ONE_B)).per_stage
     for rank, memory in enumerate(result.per_rank):
         pipeline_rank = rank // 2
         measured = memory.peak_bytes

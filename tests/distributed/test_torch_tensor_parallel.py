@@ -12,12 +12,13 @@ from shardscope.core.result import CollectiveRow
 from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import Scenario
 from shared_launch import register
+from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest  # noqa: E402
 from shardscope.trace.result import TraceResult  # noqa: E402
-from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 OPTIONS = {
     "model": "tiny-llama",
@@ -41,14 +42,19 @@ def _calls(rows: tuple[CollectiveRow, ...]) -> Counter[tuple[str, str, str, int,
 
 CONFIG = RunConfig.from_options(**OPTIONS)
 register(__name__, {"fsdp tp2": CONFIG})
+TRACE = TraceRequest(scenario=CONFIG.scenario(), time_limit_s=240, traced_blocks=0)
+register_traces(__name__, [TRACE])
 
 
 @pytest.fixture(scope="module")
-def run_and_trace(shared_runs: dict[str, dict[str, RunResult]]) -> tuple[RunResult, TraceResult, Scenario]:
-    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario."""
+def run_and_trace(
+    shared_runs: dict[str, dict[str, RunResult]], shared_trace: SharedTraces
+) -> tuple[RunResult, TraceResult, Scenario]:
+    """The run (launched with the other modules' 4-rank runs: shared_launch.py) and the trace of its scenario
+    (replayed beside the other modules' default traces: shared_traces.py)."""
     run = shared_runs[__name__]["fsdp tp2"]
     scenario = CONFIG.scenario()
-    trace = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0))
+    trace = shared_trace(TRACE)
     return run, trace, scenario
 
 

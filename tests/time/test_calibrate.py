@@ -47,8 +47,9 @@ def test_bad_values_are_one_line_and_exit_2_before_any_rank(
 
 @pytest.mark.distributed
 def test_calibrate_two_gloo_ranks_writes_a_readable_profile() -> None:
-    # hard timeout: the launcher kills both ranks after timeout_s and raises RunError
-    result = calibrate(world_size=2, payloads=(2**12, 2**16, 2**20), repeats=3, timeout_s=90)
+    # hard timeout: the launcher kills both ranks after timeout_s and raises RunError; 3 timing windows per
+    # collective and per framework micro-benchmark (the command's 20 and 30 are for a profile worth keeping)
+    result = calibrate(world_size=2, payloads=(2**12, 2**16, 2**20), repeats=3, timeout_s=90, framework_repeats=3)
     assert len(result.samples) == 12  # 3 payloads x all_reduce, all_gather, reduce_scatter, broadcast
     assert profile_has_framework_terms(result.profile)
     assert all(sample.seconds > 0 for sample in result.samples)

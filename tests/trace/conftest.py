@@ -1,32 +1,38 @@
-"""A trace shared by the test modules that replay the same scenario."""
+"""The trace tests' refusals checked in this process."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import pytest
 
 from shardscope.trace.request import TraceRequest
 
-if TYPE_CHECKING:
-    from shardscope.trace.result import TraceResult
 
+@pytest.fixture
+def refused_in_process(monkeypatch: pytest.MonkeyPatch) -> Callable[[TraceRequest], None]:
+    """The trace worker's body in this process, for requests the trace refuses before it replays anything: run_trace,
+    its error put in one line as the worker does (worker.explain), raised as the TraceError run_in_subprocess raises;
+    it also stands in for run_in_subprocess, so `shardscope trace` refuses through it. No subprocess starting torch
+    for each refusal (tests/trace/test_trace.py keeps the failures a subprocess reports); a request that reaches the
+    fake process group fails the test."""
+    from shardscope.trace import engine, pipeline, runner
+    from shardscope.trace.worker import explain
 
-@pytest.fixture(scope="session")
-def shared_trace() -> Callable[[TraceRequest], TraceResult]:
-    """run_in_subprocess, once per request for the whole session: a trace is deterministic and its result frozen, so
-    tests in different modules that replay the same request (up to its time limit, which bounds the replay and changes
-    nothing it finds) read one result."""
-    from shardscope.trace.runner import run_in_subprocess
+    def no_replay(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the request was not refused before the replay")
 
-    results: dict[TraceRequest, TraceResult] = {}
+    monkeypatch.setattr(engine, "init_fake_process_group", no_replay)
+    monkeypatch.setattr(pipeline, "init_fake_process_group", no_replay)
 
-    def trace(request: TraceRequest) -> TraceResult:
-        key = replace(request, time_limit_s=1.0)
-        if key not in results:
-            results[key] = run_in_subprocess(request)
-        return results[key]
+    def refuse(request: TraceRequest, _on_progress: object = None) -> None:
+        try:
+            engine.run_trace(request)
+        except AssertionError:
+            raise
+        except Exception as error:  # as the worker: every failure becomes one line
+            raise runner.TraceError(explain(error)) from None
+        raise AssertionError("the trace did not refuse the request")
 
-    return trace
+    monkeypatch.setattr(runner, "run_in_subprocess", refuse)
+    return refuse

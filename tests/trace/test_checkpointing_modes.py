@@ -9,7 +9,6 @@ which over-predicts these modes more than it does 'full'."""
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
 
 import pytest
 
@@ -21,10 +20,11 @@ from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import Scenario
 from shardscope.validate.cases import ValidationCase
 from shared_launch import register
+from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 pytest.importorskip("torch")
 from shardscope.trace.request import TraceRequest
-from shardscope.trace.runner import run_in_subprocess
 
 CASES = [  # by default tiny-llama under each mode in fp32; the other model, attention and precision under -m long
     ("tiny-llama", "fp32", "sdpa", "op"),
@@ -46,10 +46,18 @@ def _scenario(model: str, precision: str, attention: str, checkpointing: str) ->
     return replace(scenario, training=replace(scenario.training, attention=attention))
 
 
-@cache
-def _traced(scenario: Scenario) -> MemoryBreakdown:
+def _request(scenario: Scenario) -> TraceRequest:
+    return TraceRequest(scenario=scenario, time_limit_s=120)
+
+
+# what the module replays by default, replayed side by side (shared_traces.py): the cases without marks (-m long's
+# are pytest.param's with one)
+register_traces(__name__, [_request(_scenario(*case)) for case in CASES if not getattr(case, "marks", ())])
+
+
+def _traced(shared_trace: SharedTraces, scenario: Scenario) -> MemoryBreakdown:
     """Rank 0's traced bytes; a trace is deterministic, so the core's test and the run's share one."""
-    return run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=120)).per_rank
+    return shared_trace(_request(scenario)).per_rank
 
 
 def _held_by_checkpoints(scenario: Scenario) -> int:
@@ -67,10 +75,12 @@ def _held_by_checkpoints(scenario: Scenario) -> int:
 
 
 @pytest.mark.parametrize(("model", "precision", "attention", "checkpointing"), CASES)
-def test_core_equals_the_trace(model: str, precision: str, attention: str, checkpointing: str) -> None:
+def test_core_equals_the_trace(
+    shared_trace: SharedTraces, model: str, precision: str, attention: str, checkpointing: str
+) -> None:
     scenario = _scenario(model, precision, attention, checkpointing)
     core = estimate_memory(scenario, rank=0).per_rank
-    trace = _traced(scenario)
+    trace = _traced(shared_trace, scenario)
     held = _held_by_checkpoints(scenario)
     assert core.activations_bytes == trace.activations_bytes - held
     assert core.peak_bytes == trace.peak_bytes - held
@@ -107,14 +117,16 @@ register(__name__, {"op": _run_config("op")})  # the case `make test` runs joins
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("checkpointing", ["op", pytest.param("every:2", marks=pytest.mark.long)])
-def test_gloo_run_matches_the_trace(shared_runs: dict[str, dict[str, RunResult]], checkpointing: str) -> None:
+def test_gloo_run_matches_the_trace(
+    shared_trace: SharedTraces, shared_runs: dict[str, dict[str, RunResult]], checkpointing: str
+) -> None:
     """tiny-llama zero3 on 2 real gloo ranks (rank 0), fp32, micro-batch 2, seq 32: the run trains under the mode and
     its activations and peak are the trace's to the byte (measured with torch 2.13: op 360,708 B and 1,925,084 B,
     every:2 466,692 B and 2,134,492 B; as tests/trace/test_trace.py finds for zero3 without checkpointing)."""
     from shardscope.runtime import run_training
 
     scenario = _scenario("tiny-llama", "fp32", "sdpa", checkpointing)
-    trace = _traced(scenario)
+    trace = _traced(shared_trace, scenario)
     shared = shared_runs[__name__].get(checkpointing)
     real = (shared or run_training(_run_config(checkpointing))).per_rank[0]
     assert (trace.activations_bytes, trace.peak_bytes) == (real.activations_bytes, real.peak_bytes), (trace, real)

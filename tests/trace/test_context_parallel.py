@@ -14,6 +14,7 @@ from shardscope.core.result import CollectiveRow
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
@@ -32,18 +33,25 @@ def _scenario(strategy: str = "fsdp", world: int = 4, tp: int = 1) -> Scenario:
     )
 
 
+def _request(scenario: Scenario) -> TraceRequest:
+    return TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0)
+
+
 def _trace(scenario: Scenario) -> TraceResult:
-    return run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0))
+    return run_in_subprocess(_request(scenario))
 
 
 def _calls(rows: tuple[CollectiveRow, ...]) -> Counter[tuple[str, str, str, int, int]]:
     return Counter({(row.phase, row.op, row.group, row.group_size, row.payload_bytes): row.count for row in rows})
 
 
+register(__name__, [_request(_scenario())])  # replayed beside the other modules' default traces (shared_traces.py)
+
+
 @pytest.fixture(scope="module")
-def fsdp() -> tuple[Scenario, TraceResult]:
+def fsdp(shared_trace: SharedTraces) -> tuple[Scenario, TraceResult]:
     scenario = _scenario()
-    return scenario, _trace(scenario)
+    return scenario, shared_trace(_request(scenario))
 
 
 def test_model_states_per_rank_equal_the_core_exactly(fsdp: tuple[Scenario, TraceResult]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,12 +12,12 @@ from shardscope.runtime import RunConfig, RunResult
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
 from shared_launch import register
+from shared_traces import SharedTraces
+from shared_traces import register as register_traces
 
 torch = pytest.importorskip("torch")
-from shardscope.trace.result import TraceResult  # noqa: E402
 
 GLOO_ATTEMPTS = 2  # as in test_trace.py: gloo can move a measured figure by one buffer between runs
-Trace = Callable[[TraceRequest], TraceResult]
 Runs = dict[str, dict[str, RunResult]]
 
 
@@ -52,6 +52,7 @@ SHARED = [
     ("ddp", "fp32", "none"),
 ]  # the cases `make test` runs (others: -m long)
 register(__name__, {" ".join(case): _run_config(*case) for case in SHARED})
+register_traces(__name__, [_request(*case) for case in SHARED])  # their traces, side by side (shared_traces.py)
 
 
 def _runs(shared_runs: Runs, strategy: str, precision: str, checkpointing: str) -> Iterator[RunResult]:
@@ -72,7 +73,7 @@ def _runs(shared_runs: Runs, strategy: str, precision: str, checkpointing: str) 
     [pytest.param("fp32", "none", marks=pytest.mark.long), ("bf16-mixed", "full")],
 )
 def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_after_the_step(
-    shared_trace: Trace, precision: str, checkpointing: str
+    shared_trace: SharedTraces, precision: str, checkpointing: str
 ) -> None:
     """Was: optimizer state taken from the core and no broadcasts (ZeroRedundancyOptimizer did not run)."""
     result = shared_trace(_request("zero1", precision, checkpointing))
@@ -100,7 +101,7 @@ def test_zero1_keeps_one_shard_of_the_optimizer_and_broadcasts_every_parameter_a
     ],
 )
 def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(
-    shared_trace: Trace, shared_runs: Runs, strategy: str, checkpointing: str
+    shared_trace: SharedTraces, shared_runs: Runs, strategy: str, checkpointing: str
 ) -> None:
     """Activations were 28-44% under the run (the trace used replicate's MixedPrecisionPolicy, the run autocast
     over fp32 weights, which saves 16-bit copies of the weights); zero1's ledger lacked the optimizer's broadcasts."""
@@ -129,7 +130,7 @@ def test_ddp_and_zero1_under_bf16_mixed_equal_the_real_run(
     [("ddp", "fp32", "none"), pytest.param("zero1", "bf16-mixed", "full", marks=pytest.mark.long)],
 )
 def test_ddp_and_zero1_peak_within_one_percent_of_the_real_run(
-    shared_trace: Trace, shared_runs: Runs, strategy: str, precision: str, checkpointing: str
+    shared_trace: SharedTraces, shared_runs: Runs, strategy: str, precision: str, checkpointing: str
 ) -> None:
     """The run measured one gradient bucket more than the trace (ddp fp32: 3,155,064 B against 2,688,888): no second
     bucket exists. The run's tracker first saw DDP's bucket (allocated by the reducer in C++ at the rebuild, step 2)

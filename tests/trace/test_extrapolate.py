@@ -10,6 +10,7 @@ from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.extrapolate import RESERVED_NOT_EXTRAPOLATED
 from shardscope.trace.request import TraceRequest
+from shared_traces import SharedTraces, register
 
 pytest.importorskip("torch")
 from shardscope.trace.runner import run_in_subprocess
@@ -17,21 +18,28 @@ from shardscope.trace.runner import run_in_subprocess
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize(
-    ("strategy", "precision", "checkpointing", "world"),
-    [pytest.param("zero3", "bf16-mixed", "full", 8, marks=pytest.mark.long), ("zero2", "fp32", "none", 2)],
-)
-def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
-    strategy: str, precision: str, checkpointing: str, world: int
-) -> None:
+def _whole_and_cut(strategy: str, precision: str, checkpointing: str, world: int) -> list[TraceRequest]:
+    """tiny-llama cut to 10 blocks, traced whole and traced at 5 and 6 blocks then extrapolated."""
     scenario = Scenario(
         model=replace(model_preset("tiny-llama"), num_layers=10, name="tiny-llama-10"),
         cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=world),
         training=TrainingSpec(precision=precision, micro_batch_size=2, sequence_length=32, checkpointing=checkpointing),
         strategy=Strategy(name=strategy),
     )
-    full = run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=0, time_limit_s=240))
-    short = run_in_subprocess(TraceRequest(scenario=scenario, traced_blocks=6, time_limit_s=240))
+    return [TraceRequest(scenario=scenario, traced_blocks=blocks, time_limit_s=240) for blocks in (0, 6)]
+
+
+register(__name__, _whole_and_cut("zero2", "fp32", "none", 2))  # the default case's, side by side (shared_traces.py)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision", "checkpointing", "world"),
+    [pytest.param("zero3", "bf16-mixed", "full", 8, marks=pytest.mark.long), ("zero2", "fp32", "none", 2)],
+)
+def test_extrapolated_trace_of_10_blocks_equals_the_full_trace(
+    shared_trace: SharedTraces, strategy: str, precision: str, checkpointing: str, world: int
+) -> None:
+    full, short = (shared_trace(request) for request in _whole_and_cut(strategy, precision, checkpointing, world))
     assert full.traced_blocks == () and short.traced_blocks == (5, 6)
     assert short.per_rank == full.per_rank
     assert (short.peak_moment, dict(short.peak_by_category)) == (full.peak_moment, dict(full.peak_by_category))

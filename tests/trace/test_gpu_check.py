@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -29,13 +28,14 @@ GPU_CHECK = _module()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("worlds", ["2", pytest.param("2,4", marks=pytest.mark.long)])
-def test_cpu_path_measures_every_case_and_times_the_kernels(tmp_path: Path, worlds: str) -> None:
-    """Each case is a process of its own: one world size by default, a second under -m long for the comparison."""
+def test_cpu_path_measures_every_case_and_times_the_kernels(
+    tmp_path: Path, worlds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each case is a process of its own, started by the script's main (called here; it times the kernels in this
+    process): one world size by default, a second under -m long for the comparison."""
     out = tmp_path / "check.json"
-    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny-llama", "--blocks", "2"]
-    command += ["--seq-len", "64", "--worlds", worlds, "--modes", "none,full", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr
+    argv = ["--device", "cpu", "--model", "tiny-llama", "--blocks", "2", "--seq-len", "64", "--worlds", worlds]
+    assert GPU_CHECK.main([*argv, "--modes", "none,full", "--out", str(out)]) == 0
     document = json.loads(out.read_text())
     cases = {(row["world"], row["mode"]): row["measured"] for row in document["rows"]}
     sizes = [int(world) for world in worlds.split(",")]
@@ -49,7 +49,7 @@ def test_cpu_path_measures_every_case_and_times_the_kernels(tmp_path: Path, worl
         assert cases[4, "none"]["allocated_peak_bytes"] < cases[2, "none"]["allocated_peak_bytes"]
     kernels = {kernel["kernel"] for kernel in document["kernels"]}
     assert {"q_proj forward", "lm_head weight grad", "attention forward+backward", "device copy"} <= kernels
-    assert f"| {sizes[-1]} | full |" in done.stdout
+    assert f"| {sizes[-1]} | full |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ from shardscope.core.params import param_layout
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 CONFIGS = Path(__file__).parent.parent / "data" / "hf-configs"
@@ -41,12 +40,13 @@ def _request(implementation: str, attention: str = "sdpa", attn_implementation: 
     )
 
 
-def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations(
-    shared_trace: Callable[[TraceRequest], TraceResult],
-) -> None:
+register(__name__, [_request("hf"), _request("reference")])  # replayed side by side (shared_traces.py)
+
+
+def test_hf_llama_holds_the_core_parameter_layout_and_its_own_activations(shared_trace: SharedTraces) -> None:
     """transformers' LlamaForCausalLM from tiny-llama's config: FSDP2 shards (dim 0 padded to 3 ranks) of exactly the
     tensors the core counts, and more activations than the reference module (its RMSNorm keeps fp32 copies)."""
-    hf = run_in_subprocess(_request("hf"))
+    hf = shared_trace(_request("hf"))
     tensors = param_layout(model_preset("tiny-llama")).tensors()
     shards = sum(math.ceil(t.shape[0] / 3) * math.prod(t.shape[1:]) * 4 for t in tensors)
     assert hf.per_rank.parameters_bytes == shards == hf.per_rank.gradients_bytes

@@ -3,6 +3,7 @@ time, against the core's pytorch-engine prediction of the same scenario (core.pi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -12,10 +13,11 @@ from shardscope.core.pipeline_time import pipeline_ledger, pipeline_rank_ledger
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
-from shardscope.trace.runner import TraceError, run_in_subprocess  # noqa: E402
+from shardscope.trace.runner import TraceError  # noqa: E402
 
 # pp 2 under 1F1B and pp 2 x dp 2 under GPipe by default; the other two under -m long
 CASES = [
@@ -36,25 +38,45 @@ def _scenario(world_size: int, schedule: str, strategy: str = "fsdp") -> Scenari
     )
 
 
+def _interleaved() -> Scenario:
+    """tiny-llama cut to 4 layers on 2 ranks x 2 virtual stages under interleaved 1F1B."""
+    base = _scenario(2, "1f1b")
+    return Scenario(
+        model=replace(model_preset("tiny-llama"), num_layers=4),
+        cluster=base.cluster,
+        training=base.training,
+        strategy=Strategy(name="fsdp", engine="pytorch", pp=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
+    )
+
+
 SENT_OUTPUT = 2 * 32 * 64 * 2  # one micro-batch's stage output: 2 sequences x 32 tokens x hidden 64 x bf16
-_RESULTS: dict[tuple[int, str], TraceResult] = {}
+# what the module replays by default, replayed side by side (shared_traces.py): its two default cases, interleaved
+# 1F1B and zero2 in a pipeline
+register(
+    __name__,
+    [
+        TraceRequest(scenario=scenario, time_limit_s=300)
+        for scenario in (_scenario(2, "1f1b"), _scenario(4, "gpipe"), _interleaved(), _scenario(4, "1f1b", "zero2"))
+    ],
+)
 
 
-def _trace(world_size: int, schedule: str) -> TraceResult:
-    if (world_size, schedule) not in _RESULTS:
-        request = TraceRequest(scenario=_scenario(world_size, schedule), time_limit_s=300)
-        _RESULTS[world_size, schedule] = run_in_subprocess(request)
-    return _RESULTS[world_size, schedule]
+def _replay(shared_trace: SharedTraces, scenario: Scenario) -> TraceResult:
+    return shared_trace(TraceRequest(scenario=scenario, time_limit_s=300))
+
+
+def _trace(shared_trace: SharedTraces, world_size: int, schedule: str) -> TraceResult:
+    return _replay(shared_trace, _scenario(world_size, schedule))
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
-def test_ledger_equals_the_prediction(world_size: int, schedule: str) -> None:
+def test_ledger_equals_the_prediction(shared_trace: SharedTraces, world_size: int, schedule: str) -> None:
     """Per micro-batch each stage sends its output forward and its input's gradient back, as core predicts: the
     sends and receives reach the fake process group through torch's own P2POps. With dp 2, FSDP2's calls too: one
     reduce-scatter per unit for the step, and an all-gather wherever the schedule reaches a stage whose units a
     forward has resharded (core.engines.fsdp2_pipeline)."""
     scenario = _scenario(world_size, schedule)
-    for entry in _trace(world_size, schedule).per_stage:
+    for entry in _trace(shared_trace, world_size, schedule).per_stage:
         traced = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
         predicted = sorted(
             (row.phase, row.op, row.group, row.payload_bytes, row.count)
@@ -68,23 +90,23 @@ def test_ledger_equals_the_prediction(world_size: int, schedule: str) -> None:
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
-def test_peak_equals_the_prediction(world_size: int, schedule: str) -> None:
+def test_peak_equals_the_prediction(shared_trace: SharedTraces, world_size: int, schedule: str) -> None:
     """Each pipeline rank's peak within 1% of core.pipeline_memory (less its assumed context), which follows the
     schedule action by action with FSDP2 keeping a stage's units gathered and its gradients unsharded between
     micro-batches."""
     predicted = pipeline_memory(_scenario(world_size, schedule)).per_stage
-    for entry, expected in zip(_trace(world_size, schedule).per_stage, predicted, strict=True):
+    for entry, expected in zip(_trace(shared_trace, world_size, schedule).per_stage, predicted, strict=True):
         tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes  # the trace has no context
         assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.01)
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
-def test_model_states_equal_the_prediction(world_size: int, schedule: str) -> None:
+def test_model_states_equal_the_prediction(shared_trace: SharedTraces, world_size: int, schedule: str) -> None:
     """Each pipeline rank's parameters and gradients, sharded over its data-parallel ranks, byte for byte; the
     optimizer state within the step counters (4 bytes per parameter tensor, which the core splits by elements)."""
     scenario = _scenario(world_size, schedule)
     predicted = pipeline_memory(scenario).per_stage
-    result = _trace(world_size, schedule)
+    result = _trace(shared_trace, world_size, schedule)
     assert [entry.stages for entry in result.per_stage] == [("embed+layer 0",), ("layer 1+head",)]
     for entry, expected in zip(result.per_stage, predicted, strict=True):
         assert entry.per_rank.parameters_bytes == expected.per_rank.parameters_bytes
@@ -96,7 +118,7 @@ def test_model_states_equal_the_prediction(world_size: int, schedule: str) -> No
 
 
 @pytest.mark.parametrize(("world_size", "schedule"), CASES)
-def test_activations_equal_the_prediction(world_size: int, schedule: str) -> None:
+def test_activations_equal_the_prediction(shared_trace: SharedTraces, world_size: int, schedule: str) -> None:
     """Each stage's saved activations at its fullest moment, within 16 bytes of core.pipeline_memory (the loss
     values torch's schedule keeps per micro-batch) beside what its send Works keep: under 1F1B a stage with two
     warm-up forwards or more keeps the Work of the last warm-up send it fires, and so that output, to the end of
@@ -104,26 +126,20 @@ def test_activations_equal_the_prediction(world_size: int, schedule: str) -> Non
     micro-batches on the first stage and 1 on the last, GPipe all 4 on both."""
     scenario = _scenario(world_size, schedule)
     predicted = pipeline_memory(scenario).per_stage
-    for entry, expected in zip(_trace(world_size, schedule).per_stage, predicted, strict=True):
+    for entry, expected in zip(_trace(shared_trace, world_size, schedule).per_stage, predicted, strict=True):
         warm_up = min(4, 2 - entry.pipeline_rank)  # Schedule1F1B's: min(micro-batches, stages - stage index)
         held = SENT_OUTPUT if schedule == "1f1b" and warm_up >= 2 else 0
         assert abs(entry.per_rank.activations_bytes - expected.per_rank.activations_bytes - held) <= 16
     assert [entry.in_flight for entry in predicted] == ([(2,), (1,)] if schedule == "1f1b" else [(4,), (4,)])
 
 
-def test_interleaved_1f1b_equals_the_prediction() -> None:
+def test_interleaved_1f1b_equals_the_prediction(shared_trace: SharedTraces) -> None:
     """tiny-llama cut to 4 layers on 2 ranks x 2 virtual stages (torchtitan's split: 1, 2, 1, 0 layers): rank 0
     holds stages 0 and 2, rank 1 stages 1 and 3 (the head alone); ledger equal, activations within 1% beside the
     stage outputs the rank sends: this schedule keeps every send's Work, and so what it sent, to the step's end,
     which core.pipeline_memory does not yet count."""
-    base = _scenario(2, "1f1b")
-    scenario = Scenario(
-        model=replace(model_preset("tiny-llama"), num_layers=4),
-        cluster=base.cluster,
-        training=base.training,
-        strategy=Strategy(name="fsdp", engine="pytorch", pp=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
-    )
-    result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300))
+    scenario = _interleaved()
+    result = _replay(shared_trace, scenario)
     predicted = pipeline_memory(scenario).per_stage
     assert [entry.stages for entry in result.per_stage] == [("embed+layer 0", "layer 3"), ("layers 1-2", "head")]
     for entry, expected in zip(result.per_stage, predicted, strict=True):
@@ -137,11 +153,11 @@ def test_interleaved_1f1b_equals_the_prediction() -> None:
         )
 
 
-def test_zero2_keeps_every_unit_gathered_for_the_step() -> None:
+def test_zero2_keeps_every_unit_gathered_for_the_step(shared_trace: SharedTraces) -> None:
     """fully_shard(reshard_after_forward=False) inside the pipeline: each unit is gathered once, in the step's first
     forward, and kept to the step's end; ledger equal to the prediction, peak within 1%."""
     scenario = _scenario(4, "1f1b", strategy="zero2")
-    result = run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=300))
+    result = _replay(shared_trace, scenario)
     for entry, expected in zip(result.per_stage, pipeline_memory(scenario).per_stage, strict=True):
         traced = sorted((row.phase, row.op, row.group, row.payload_bytes, row.count) for row in entry.ledger)
         predicted = pipeline_rank_ledger(scenario, entry.pipeline_rank)
@@ -152,9 +168,9 @@ def test_zero2_keeps_every_unit_gathered_for_the_step() -> None:
         assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.01)
 
 
-def test_the_busiest_stage_is_reported() -> None:
+def test_the_busiest_stage_is_reported(shared_trace: SharedTraces) -> None:
     """per_rank and the peak are the pipeline rank with the highest peak."""
-    result = _trace(4, "gpipe")
+    result = _trace(shared_trace, 4, "gpipe")
     peaks = [entry.per_rank.peak_bytes for entry in result.per_stage]
     assert result.per_rank.peak_bytes == max(peaks)
     assert "pipelining ScheduleGPipe" in result.engine
@@ -162,17 +178,18 @@ def test_the_busiest_stage_is_reported() -> None:
 
 @pytest.mark.long  # by default test_activations_equal_the_prediction holds each schedule's stages to the prediction
 # of its micro-batches in flight (1F1B 2 and 1, GPipe 4 and 4); this one compares two pp 2 traces, one a long case
-def test_gpipe_keeps_every_micro_batch_and_1f1b_fewer() -> None:
+def test_gpipe_keeps_every_micro_batch_and_1f1b_fewer(shared_trace: SharedTraces) -> None:
     """The first stage holds all 4 micro-batches' activations under GPipe, 2 (pp - stage) under 1F1B, beside the
     step's token ids (4 x 2 x 32 int64, held whole by the schedule, which splits them into micro-batches); under
     1F1B also the output its kept warm-up send holds (test_activations_equal_the_prediction)."""
     ids = 4 * 2 * 32 * 8
-    gpipe = _trace(2, "gpipe").per_stage[0].per_rank.activations_bytes - ids
-    one_f_one_b = _trace(2, "1f1b").per_stage[0].per_rank.activations_bytes - ids - SENT_OUTPUT
+    gpipe = _trace(shared_trace, 2, "gpipe").per_stage[0].per_rank.activations_bytes - ids
+    one_f_one_b = _trace(shared_trace, 2, "1f1b").per_stage[0].per_rank.activations_bytes - ids - SENT_OUTPUT
     assert gpipe == 2 * one_f_one_b
 
 
-def test_ddp_under_a_pipeline_is_refused() -> None:
+def test_ddp_under_a_pipeline_is_refused(refused_in_process: Callable[[TraceRequest], None]) -> None:
+    """The trace worker refuses it before it replays anything: its body runs in this process (trace/conftest.py)."""
     request = TraceRequest(scenario=_scenario(2, "1f1b", strategy="ddp"), time_limit_s=120)
     with pytest.raises(TraceError, match="--strategy ddp: the pipeline trace shards stages with fully_shard"):
-        run_in_subprocess(request)
+        refused_in_process(request)

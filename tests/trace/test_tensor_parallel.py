@@ -4,6 +4,7 @@ fake tensors, against the core's pytorch-engine prediction of the same scenario,
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -14,10 +15,10 @@ from shardscope.core.result import CollectiveRow
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.trace.result import TraceResult  # noqa: E402
-from shardscope.trace.runner import run_in_subprocess  # noqa: E402
 
 
 def _scenario(sequence_parallel: bool = True, checkpointing: str = "none", precision: str = "fp32") -> Scenario:
@@ -30,8 +31,24 @@ def _scenario(sequence_parallel: bool = True, checkpointing: str = "none", preci
     )
 
 
-def _trace(scenario: Scenario) -> TraceResult:
-    return run_in_subprocess(TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0))
+def _request(scenario: Scenario) -> TraceRequest:
+    return TraceRequest(scenario=scenario, time_limit_s=240, traced_blocks=0)
+
+
+# what the module replays by default, replayed side by side (shared_traces.py): with sequence parallelism (the
+# module's fixture), loss parallelism without it in bf16-mixed, and full checkpointing without it
+register(
+    __name__,
+    [
+        _request(_scenario()),
+        _request(_scenario(sequence_parallel=False, precision="bf16-mixed")),
+        _request(_scenario(sequence_parallel=False, checkpointing="full")),
+    ],
+)
+
+
+def _trace(shared_trace: SharedTraces, scenario: Scenario) -> TraceResult:
+    return shared_trace(_request(scenario))
 
 
 def _calls(rows: tuple[CollectiveRow, ...], group: str | None = None) -> Counter[tuple[str, str, str, int, int]]:
@@ -45,9 +62,9 @@ def _calls(rows: tuple[CollectiveRow, ...], group: str | None = None) -> Counter
 
 
 @pytest.fixture(scope="module")
-def sequence_parallel() -> tuple[Scenario, TraceResult]:
+def sequence_parallel(shared_trace: SharedTraces) -> tuple[Scenario, TraceResult]:
     scenario = _scenario()
-    return scenario, _trace(scenario)
+    return scenario, _trace(shared_trace, scenario)
 
 
 def test_model_states_per_rank_equal_the_core_exactly(sequence_parallel: tuple[Scenario, TraceResult]) -> None:
@@ -95,7 +112,7 @@ def test_flops_are_one_tensor_parallel_rank_s(sequence_parallel: tuple[Scenario,
     assert traced.flops.forward_flops == 2 * tokens * matmul_weights // tp + attention
 
 
-def test_loss_parallel_counts_no_global_size_tensors() -> None:
+def test_loss_parallel_counts_no_global_size_tensors(shared_trace: SharedTraces) -> None:
     # Under fake tensors DTensor re-derives the global shape of loss parallel's log-softmax and NLL outputs at every
     # call, on fake tensors of the whole vocabulary (b x s x 256 fp32, 65,536 B each), where a real rank reads its
     # cache; counted, they made the loss the peak of this case at 881,876 B. A real gloo run of it (`shardscope
@@ -103,7 +120,7 @@ def test_loss_parallel_counts_no_global_size_tensors() -> None:
     # --precisions bf16-mixed`) peaks in the backward of layers.1 at 868,060 B: 1,024 B more than the trace, which
     # are rank 0's batch, there views into the inputs and targets of both data-parallel ranks (4 x 32 int64 tokens,
     # 1,024 B each) where the trace makes this rank's own (512 B each); its activations differ by the same 1,024 B.
-    traced = _trace(_scenario(sequence_parallel=False, precision="bf16-mixed"))
+    traced = _trace(shared_trace, _scenario(sequence_parallel=False, precision="bf16-mixed"))
     assert traced.peak_moment == "backward: layers.1"
     assert traced.per_rank.peak_bytes == 868_060 - 1_024
     assert traced.per_rank.activations_bytes == 358_660 - 1_024
@@ -121,12 +138,12 @@ def test_loss_parallel_counts_no_global_size_tensors() -> None:
     ],
 )
 def test_ledger_equals_the_core_with_and_without_sequence_parallelism(
-    sequence_parallel: bool, checkpointing: str
+    shared_trace: SharedTraces, sequence_parallel: bool, checkpointing: str
 ) -> None:
     # without it each region is entered once (Megatron's f); a fully checkpointed block's re-forward stops before
     # its MLP's leaving reduce-scatter or all-reduce (torch.utils.checkpoint's early stop)
     scenario = _scenario(sequence_parallel, checkpointing)
-    traced = _trace(scenario)
+    traced = _trace(shared_trace, scenario)
     assert _calls(traced.ledger) == _calls(collective_ledger(scenario))
     assert traced.per_rank.parameters_bytes == estimate_memory(scenario).per_rank.parameters_bytes
 
@@ -145,7 +162,10 @@ def test_ledger_equals_the_core_with_and_without_sequence_parallelism(
         ),
     ],
 )
-def test_what_torch_cannot_replay_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_what_torch_cannot_replay_is_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str], refused_in_process: Callable[[TraceRequest], None]
+) -> None:
+    # the trace worker refuses these before it replays anything: its body runs in this process (tests/trace/conftest.py)
     code = main(["trace", *argv, "--seq-len", "32", "--micro-batch", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2

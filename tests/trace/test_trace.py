@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
 
@@ -14,17 +13,11 @@ from shardscope.core.params import param_layout
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 from shardscope.trace.request import TraceRequest, request_from_json
+from shared_traces import SharedTraces, register
 
 torch = pytest.importorskip("torch")
 from shardscope.runtime.api import RunResult  # noqa: E402
-from shardscope.trace.result import TraceResult  # noqa: E402
 from shardscope.trace.runner import run_in_subprocess  # noqa: E402
-
-
-@cache
-def _trace(request: TraceRequest) -> TraceResult:
-    """A trace is deterministic: tests that need the same one share it."""
-    return run_in_subprocess(request)
 
 
 @cache
@@ -66,14 +59,31 @@ def _sharded_bytes(model: str, world: int, element: int) -> tuple[int, int]:
     return total, len(tensors)
 
 
+def _hsdp_request() -> TraceRequest:
+    request = _request("tiny-gpt2", 4, "zero3")
+    hsdp = replace(request.scenario, strategy=Strategy(name="hsdp", shard_group=2))
+    return TraceRequest(scenario=hsdp, time_limit_s=120)
+
+
+# what the module replays by default, replayed side by side (shared_traces.py): zero3 on 3 ranks, hsdp on 4 and ddp on
+# 2, and zero3 on a 2-rank gloo cluster
+register(
+    __name__,
+    [
+        _request("tiny-llama", 3, "zero3"),
+        _hsdp_request(),
+        _request("tiny-gpt2", 2, "ddp"),
+        _request("tiny-llama", 2, "zero3", backend="gloo"),
+    ],
+)
+
+
 def test_request_survives_json() -> None:
     request = _request("tiny-llama", 4, "zero3")
     assert request_from_json(request.to_json()) == request
 
 
-def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step(
-    shared_trace: Callable[[TraceRequest], TraceResult],
-) -> None:
+def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_step(shared_trace: SharedTraces) -> None:
     # the trace test_hf_implementation.py compares transformers' model with (shared_trace: one replay for both)
     result = shared_trace(_request("tiny-llama", 3, "zero3"))
     shard_bytes, tensors = _sharded_bytes("tiny-llama", 3, 4)
@@ -86,15 +96,8 @@ def test_zero3_shards_are_padded_per_tensor_and_adam_keeps_two_moments_and_a_ste
     assert result.flops.attention_formula_flops > 0
 
 
-def test_hsdp_reduces_across_groups_and_ddp_all_reduces(shared_trace: Callable[[TraceRequest], TraceResult]) -> None:
-    request = _request("tiny-gpt2", 4, "zero3")
-    hsdp = Scenario(
-        model=request.scenario.model,
-        cluster=request.scenario.cluster,
-        training=request.scenario.training,
-        strategy=Strategy(name="hsdp", shard_group=2),
-    )
-    result = run_in_subprocess(TraceRequest(scenario=hsdp, time_limit_s=120))
+def test_hsdp_reduces_across_groups_and_ddp_all_reduces(shared_trace: SharedTraces) -> None:
+    result = shared_trace(_hsdp_request())
     ops = {(row.op, row.group_size) for row in result.ledger}
     assert ("reduce_scatter", 2) in ops and ("all_reduce", 2) in ops
     # ddp on 2 ranks, the replay test_ddp.py's fp32 peak test compares with its run (shared_trace: one for both)
@@ -144,7 +147,9 @@ def test_trace_equals_real_gloo_run_for_model_states_and_ledger() -> None:
         pytest.param("hsdp", 4, 2, marks=pytest.mark.long),
     ],
 )
-def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, shard_group: int) -> None:
+def test_trace_peak_within_one_percent_of_real_run(
+    shared_trace: SharedTraces, strategy: str, world: int, shard_group: int
+) -> None:
     """Was 7.1% high: torch's FlopCounterMode, active in the measured step, decomposes composite ops (silu_backward
     into sigmoid, mul, add...) and so allocated temporaries a real step does not; FLOPs are now counted in step 1.
     What remains (1 KiB) is the batch: the run's tracker counts its global targets tensor, the trace rank 0's own.
@@ -153,16 +158,16 @@ def test_trace_peak_within_one_percent_of_real_run(strategy: str, world: int, sh
         _request("tiny-llama", world, "zero3", backend="gloo").scenario,
         strategy=Strategy(name=strategy, **({"shard_group": shard_group} if shard_group else {})),
     )
-    trace = _trace(TraceRequest(scenario=scenario, time_limit_s=120))
+    trace = shared_trace(TraceRequest(scenario=scenario, time_limit_s=120))
     run = _tiny_llama_run(strategy, world, shard_group)
     assert abs(trace.per_rank.peak_bytes - run.per_rank[0].peak_bytes) <= 0.01 * run.per_rank[0].peak_bytes
 
 
-def test_zero3_peak_equals_the_gloo_runs() -> None:
+def test_zero3_peak_equals_the_gloo_runs(shared_trace: SharedTraces) -> None:
     """Quick guard on the measured figure (tiny-llama, 2 ranks, fp32, micro-batch 2, seq 32, torch 2.13): the gloo
     run's rank 0 peaks at 2,133,468 B. Before FLOPs moved out of the measured step the trace said 2,285,020.
     Traced as a gloo cluster, the run's (a GPU trace runs CUDA's RMSNorm)."""
-    trace = _trace(_request("tiny-llama", 2, "zero3", backend="gloo"))
+    trace = shared_trace(_request("tiny-llama", 2, "zero3", backend="gloo"))
     assert trace.per_rank.peak_bytes == 2_133_468
     assert trace.peak_moment == "backward: layers.1"
 

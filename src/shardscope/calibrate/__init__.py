@@ -30,6 +30,7 @@ from shardscope.calibrate.collectives import (
 )
 from shardscope.calibrate.hooks import measure_async_slowdown, measure_hook_s
 from shardscope.calibrate.overheads import (
+    FRAMEWORK_REPEATS,
     FRAMEWORK_UNITS,
     FRAMEWORK_WIDTH,
     framework_overheads,
@@ -64,7 +65,7 @@ def calibrate_rank(rank: int, world: int, port: int, options: dict[str, Any]) ->
     dist.barrier()
     compute = measure_compute(device, torch.float32)  # every rank at once, as in training
     dist.barrier()
-    compute.update(measure_framework(compute["matmul_flops_per_s"]))
+    compute.update(measure_framework(compute["matmul_flops_per_s"], options["framework_repeats"]))
     dist.barrier()
     compute["sync_wait_s"] = measure_sync_wait()
     dist.barrier()
@@ -80,19 +81,28 @@ def calibrate_rank(rank: int, world: int, port: int, options: dict[str, Any]) ->
 
 
 def run_local(
-    world_size: int, payloads: tuple[int, ...], repeats: int, timeout_s: float
+    world_size: int,
+    payloads: tuple[int, ...],
+    repeats: int,
+    timeout_s: float,
+    framework_repeats: int = FRAMEWORK_REPEATS,
 ) -> tuple[list[Sample], dict[str, float]]:
     """Measure on world_size local gloo ranks; RunError naming the rank when one fails or the deadline passes."""
-    options = {"payloads": list(payloads), "repeats": repeats}
+    options = {"payloads": list(payloads), "repeats": repeats, "framework_repeats": framework_repeats}
     report = run_function(calibrate_rank, world_size, options, timeout_s)[0]
     return [Sample(**sample) for sample in report["samples"]], report["compute"]
 
 
 def calibrate(
-    world_size: int = 2, payloads: tuple[int, ...] = DEFAULT_PAYLOADS, repeats: int = 20, timeout_s: float = 300.0
+    world_size: int = 2,
+    payloads: tuple[int, ...] = DEFAULT_PAYLOADS,
+    repeats: int = 20,
+    timeout_s: float = 300.0,
+    framework_repeats: int = FRAMEWORK_REPEATS,
 ) -> Calibration:
-    """Measure this host with world_size gloo ranks and fit a profile."""
-    samples, compute = run_local(world_size, payloads, repeats, timeout_s)
+    """Measure this host with world_size gloo ranks and fit a profile. repeats: timing windows per collective and
+    payload; framework_repeats: per framework micro-benchmark (measure_framework; fewer is quicker and noisier)."""
+    samples, compute = run_local(world_size, payloads, repeats, timeout_s, framework_repeats)
     call, step, bandwidth, error = fit_samples(samples)
     op_costs = {op: fit_op(samples, op) for op in OPS}
     overheads = framework_overheads(compute, op_costs, world_size)

@@ -256,7 +256,11 @@ def _paired_extra_s(plain: Any, variant: Any, repeats: int) -> float:
     return trimmed_mean(differences)
 
 
-def measure_framework(matmul_flops_per_s: float, repeats: int = 30) -> dict[str, float]:
+FRAMEWORK_REPEATS = 30
+"""Timing windows of each framework micro-benchmark (the optimizer step's and the bookkeeping op's: half as many)."""
+
+
+def measure_framework(matmul_flops_per_s: float, repeats: int = FRAMEWORK_REPEATS) -> dict[str, float]:
     """Per-op, per-tensor and per-unit framework costs on this machine (gloo, CPU; every rank runs it at once).
 
     Returned raw: seconds per forward and backward op as the core counts them (measure_model_ops), per optimizer
@@ -277,8 +281,9 @@ def measure_framework(matmul_flops_per_s: float, repeats: int = 30) -> dict[str,
         tensor.grad = torch.ones_like(tensor)
     adam = torch.optim.AdamW(tensors, lr=1e-3, foreach=False)
     optimizer_tensor_s = _typical_seconds(adam.step, repeats, cpu) / len(tensors)
-    optimizer_step_s = measure_optimizer_step_overhead()  # the slowest to time, and the least noisy in a prediction
-    bookkeeping_op_s = measure_bookkeeping_op()
+    # the slowest to time, and the least noisy in a prediction
+    optimizer_step_s = measure_optimizer_step_overhead(max(1, repeats // 2))
+    bookkeeping_op_s = measure_bookkeeping_op(max(1, repeats // 2))
     inputs = torch.randn(FRAMEWORK_WIDTH, FRAMEWORK_WIDTH)
 
     def train_step(module: torch.nn.Module) -> None:
