@@ -45,11 +45,15 @@ PIPELINE_TEXT = (
     "and GPipe, which the pytorch engine predicts (FSDP2 keeping a stage's units gathered and its gradients "
     "unsharded between micro-batches: core/engines/fsdp2_pipeline.py) and `trace --pp` replays. Rank 0 holds the "
     "first stage. Expert parallelism: tiny-moe's experts split over ep 2 inside fsdp on 4 ranks, run by the "
-    "teaching implementation. Targets as above; point_to_point_payload is the pipeline's sends and receives. "
+    "teaching implementation, dropless and under GShard's capacity rule (capacity factor 1.25: every expert takes "
+    "ceil(1.25 x 32 x 2 / 4) = 20 rows of each sequence, padded); and the capacity rule without expert parallelism "
+    "inside torch's fully_shard on 2 ranks, which the trace replays. Targets as above; point_to_point_payload is "
+    "the pipeline's sends and receives. "
     "Under 1F1B the torch pipeline's first stage holds one micro-batch's output more than the prediction: "
     "Schedule1F1B keeps the last warm-up send it fires, and so the tensor it sent, to the end of its steady "
     "phase (docs/trace.md, the pipeline section); the trace replays that, the core does not yet. The MoE router's "
-    "routing is data-dependent: the prediction assumes even all-to-alls, the run's are not."
+    "routing is data-dependent: dropless, the prediction assumes even all-to-alls, the run's are not; under the "
+    "capacity rule every buffer and message has a size the routing does not change."
 )
 SECTION_OPTIONS = {
     MODEL_PARALLEL_HEADING: ("--model-parallel", MODEL_PARALLEL_TEXT),
@@ -208,7 +212,7 @@ def write(results: list[CaseResult], out: Path, seconds: float, command: str, de
 
 
 def _pipeline_or_experts(result: CaseResult) -> bool:
-    return result.case.pp > 1 or result.case.ep > 1
+    return result.case.pp > 1 or result.case.ep > 1 or result.case.capacity_factor > 0
 
 
 def main() -> None:

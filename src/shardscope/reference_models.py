@@ -23,6 +23,7 @@ from torch.utils.checkpoint import (
 )
 
 from shardscope.choices import checkpoints_block
+from shardscope.expert_routing import capacity_rows, combine, dispatch, route
 from shardscope.specs import ModelSpec, TrainingSpec
 
 INIT_STD = 0.02  # GPT-2's initializer_range
@@ -201,19 +202,25 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts; the k routing weights are renormalised to sum to 1 (Mixtral of Experts)."""
+    """Top-k routed SwiGLU experts; the k routing weights are renormalised to sum to 1 (Mixtral of Experts).
+    Dropless, or under the spec's capacity rule (expert_routing.py)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.top_k = spec.experts_per_token
+        self.expert_capacity = spec.expert_capacity
         self.router = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(spec.hidden_size, spec.ffn_hidden_size) for _ in range(spec.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(tokens), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = route(self.router, tokens, self.top_k)
+        capacity = self.expert_capacity(x.shape[1])
+        if capacity:
+            rows = capacity_rows(chosen.view(*x.shape[:2], self.top_k), len(self.experts), capacity)
+            buffer = dispatch(tokens, rows, len(self.experts) * x.shape[0] * capacity, self.top_k)
+            outputs = [expert(part) for expert, part in zip(self.experts, buffer.chunk(len(self.experts)), strict=True)]
+            return combine(torch.cat(outputs).to(tokens.dtype), rows, weights).view_as(x)
         out = torch.zeros_like(tokens)
         for index, expert in enumerate(self.experts):
             rows, slot = (chosen == index).nonzero(as_tuple=True)

@@ -7,7 +7,9 @@ take one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from shardscope.choices import (
@@ -80,6 +82,12 @@ class ModelSpec:
     """Experts per MoE layer ('moe' only)."""
     experts_per_token: int = 0
     """Experts each token is routed to, top-k ('moe' only)."""
+    capacity_factor: float = 0.0
+    """Rows each expert takes per sequence, as a multiple of an even share ('moe' only): 0 routes dropless, every
+    token to its top-k experts (Mixtral, torchtitan); F > 0 gives every expert `expert_capacity` rows per sequence,
+    padded when fewer tokens choose it and dropping the routed copies past them (GShard's capacity per local group,
+    a group being one sequence: "GShard: Scaling Giant Models with Conditional Computation and Automatic
+    Sharding")."""
     declared_parameters: int = 0
     """The parameter count, for family 'count' only; shaped families derive it from the shape."""
     source: str = ""
@@ -113,8 +121,29 @@ class ModelSpec:
         if self.family == "moe":
             require_int(owner, "num_experts", self.num_experts, 1, 100_000)
             require_int(owner, "experts_per_token", self.experts_per_token, 1, self.num_experts)
-        elif self.num_experts or self.experts_per_token:
-            raise SpecError(f"{owner}.num_experts={self.num_experts} is only allowed for family 'moe'")
+            _require_capacity_factor(self)
+        elif self.num_experts or self.experts_per_token or self.capacity_factor:
+            raise SpecError(
+                f"{owner}.num_experts={self.num_experts}, capacity_factor={self.capacity_factor} are only allowed for "
+                "family 'moe'"
+            )
+
+    def expert_capacity(self, sequence_length: int) -> int:
+        """Rows of one expert per sequence under the capacity rule (0: dropless, no capacity):
+        ceil(capacity_factor x sequence_length x top-k / num_experts), the factor read as the decimal it was given."""
+        if not self.capacity_factor:
+            return 0
+        factor = Fraction(self.capacity_factor).limit_denominator(10**6)
+        return math.ceil(factor * sequence_length * self.experts_per_token / self.num_experts)
+
+    def expert_rows(self, sequences: int, positions: int) -> int:
+        """Rows the experts of one MoE layer run on, all of them together, for `sequences` sequences of `positions`
+        tokens each: every token top-k times (dropless), or every expert's capacity rows of every sequence, padded
+        (the capacity rule). 0 without experts."""
+        capacity = self.expert_capacity(positions)
+        if capacity:
+            return self.num_experts * sequences * capacity
+        return sequences * positions * self.experts_per_token
 
     @property
     def has_shape(self) -> bool:
@@ -124,6 +153,19 @@ class ModelSpec:
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON object."""
         return asdict(self)
+
+
+def _require_capacity_factor(model: ModelSpec) -> None:
+    """SpecError naming the value unless it is 0 (dropless) or a number over 0 and at most num_experts / top-k,
+    where every expert can take every token of a sequence and nothing is dropped."""
+    factor, most = model.capacity_factor, model.num_experts / model.experts_per_token
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor):
+        raise SpecError(f"ModelSpec.capacity_factor={factor!r} must be a number")
+    if factor < 0 or factor > most:
+        raise SpecError(
+            f"ModelSpec.capacity_factor={factor} must be 0 (dropless) or over 0 and at most num_experts / "
+            f"experts_per_token = {most:g}, where no token is dropped"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +349,11 @@ class Scenario:
                     f"ep {strategy.ep} must divide hsdp's shard group {strategy.shard_group} x cp {strategy.cp} = "
                     f"{self.shard_degree}"
                 )
+        if self.model.capacity_factor and max(tp, cp, pp) > 1:
+            raise SpecError(
+                f"ModelSpec.capacity_factor={self.model.capacity_factor} with tp {tp}, cp {cp}, pp {pp}: the capacity "
+                "rule is modelled with data and expert parallelism only (route dropless, capacity_factor 0, there)"
+            )
 
     @property
     def state_ranks(self) -> int:

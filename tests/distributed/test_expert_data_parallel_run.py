@@ -40,7 +40,10 @@ def config_of(strategy: str, ep: int, shard_group: int = 0) -> RunConfig:
 
 
 FSDP_EP2 = config_of("fsdp", ep=2)
-register(__name__, {"fsdp ep2": FSDP_EP2})  # the default case joins the session's 4-rank launch (shared_launch.py)
+# GShard's capacity rule: 4 experts x 2 sequences x ceil(1.25 x 32 x 2 / 4) = 20 rows each, padded
+FSDP_EP2_CAPACITY = replace(FSDP_EP2, capacity_factor=1.25)
+# the default cases join the session's 4-rank launch (shared_launch.py)
+register(__name__, {"fsdp ep2": FSDP_EP2, "fsdp ep2 capacity": FSDP_EP2_CAPACITY})
 
 
 def run_and_compare(strategy: str, ep: int, per_rank: bool = True, shard_group: int = 0) -> RunResult:
@@ -102,6 +105,31 @@ def test_ep2_inside_fsdp_on_4_ranks_matches_one_process_and_the_prediction(
     assert result.per_rank[0].optimizer_state_bytes == 2 * 63_696 * 8 + 5 * 4
     experts = [row for row in result.ledger if row.op == "reduce_scatter" and row.group_size == 2]
     assert experts == [replace(experts[0], payload_bytes=49_152 * 8, count=2)]
+
+
+def test_under_the_capacity_rule_every_message_and_every_ranks_activations_are_known(
+    shared_runs: dict[str, dict[str, RunResult]],
+) -> None:
+    # The capacity rule pads every expert's rows, so what a rank sends and saves does not depend on the routing:
+    # every call of every rank's step, the all-to-alls included, is the predicted one, byte for byte (no counts are
+    # swapped: 4 experts x 2 sequences x 20 rows x 64 float64 = 81,920 B per dispatch and per combine), and every
+    # rank saves the same activations: 2,457,608 B measured against 2,456,584 predicted, 8 B per token and layer
+    # not attributed, as without the capacity rule (tests/distributed/test_expert_parallel_run.py).
+    result = shared_runs[__name__]["fsdp ep2 capacity"]
+    assert result.parity.max_abs_diff <= 1e-10, result.parity
+    scenario = FSDP_EP2_CAPACITY.scenario()
+    assert dispatch_bytes(scenario) == 81_920
+    expected = estimate_memory(scenario, rank=0).per_rank
+    want = Counter({(r.phase, r.op, r.group_size, r.payload_bytes): r.count for r in collective_ledger(scenario)})
+    assert want[("forward", "all_to_all", 2, 81_920)] == 4
+    for rank, (measured, ledger) in enumerate(zip(result.per_rank, result.ledgers, strict=True)):
+        for name in STATES:
+            assert getattr(measured, name) == getattr(expected, name), (rank, name, getattr(measured, name))
+        assert measured.activations_bytes == result.per_rank[0].activations_bytes, rank
+        assert measured.activations_bytes == pytest.approx(expected.activations_bytes, rel=0.001), rank
+        assert measured.peak_bytes == pytest.approx(expected.peak_bytes, rel=TOLERANCE), rank
+        got = Counter({(r.phase, r.op, r.group_size, r.payload_bytes): r.count for r in ledger if r.phase != "setup"})
+        assert got == want, rank
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ modules run forward (single process, saved-tensor hooks, storages deduplicated, 
 hooks; tests/trace/test_checkpointing_modes.py checks it against the trace."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 from shardscope.core.activations import estimate_activations  # noqa: E402
 from shardscope.presets import model_preset  # noqa: E402
 from shardscope.reference_models import build_model, lm_loss, sample_batch  # noqa: E402
-from shardscope.specs import TrainingSpec  # noqa: E402
+from shardscope.specs import ModelSpec, TrainingSpec  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16-mixed": torch.bfloat16}
 CASES = list(
@@ -26,10 +27,10 @@ CASES = list(
 )
 
 
-def saved_bytes(model_name: str, training: TrainingSpec, autocast: bool = False) -> int:
-    spec = model_preset(model_name)
-    model = build_model(spec, training, dtype=torch.float32 if autocast else DTYPES[training.precision])
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+def saved_bytes(model: str | ModelSpec, training: TrainingSpec, autocast: bool = False) -> int:
+    spec = model_preset(model) if isinstance(model, str) else model
+    module = build_model(spec, training, dtype=torch.float32 if autocast else DTYPES[training.precision])
+    parameters = {p.untyped_storage()._cdata for p in module.parameters()}
     ids, targets = sample_batch(spec, training, num_sequences=training.micro_batch_size)
     seen: dict[int, int] = {}
 
@@ -42,9 +43,9 @@ def saved_bytes(model_name: str, training: TrainingSpec, autocast: bool = False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         if autocast:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                lm_loss(model(ids), targets)
+                lm_loss(module(ids), targets)
         else:
-            lm_loss(model(ids), targets)
+            lm_loss(module(ids), targets)
     return sum(seen.values())
 
 
@@ -79,3 +80,23 @@ def test_autocast_over_fp32_weights(model_name: str, attention: str, checkpointi
     )
     predicted = estimate_activations(model_preset(model_name), training, autocast=True).saved_bytes
     assert predicted == saved_bytes(model_name, training, autocast=True)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "factor", "precision", "autocast", "checkpointing"),
+    [
+        (top_k, factor, precision, autocast, checkpointing)
+        for top_k, factor in ((2, 1.25), (1, 0.75))
+        for precision, autocast in (("fp32", False), ("bf16-mixed", False), ("bf16-mixed", True))
+        for checkpointing in ("none", "full", "selective", "every:2")
+    ],
+)
+def test_the_capacity_rule(top_k: int, factor: float, precision: str, autocast: bool, checkpointing: str) -> None:
+    # tiny-moe under GShard's capacity rule, top-2 (4 experts x 2 sequences x ceil(1.25 x 32 x 2 / 4) = 20 padded
+    # rows each) and top-1 with tokens dropped (4 x 2 x ceil(0.75 x 32 / 4) = 6 rows each, of 16 an even share
+    # would bring)
+    spec = replace(model_preset("tiny-moe"), experts_per_token=top_k, capacity_factor=factor)
+    training = TrainingSpec(micro_batch_size=2, sequence_length=32, precision=precision, checkpointing=checkpointing)
+    assert spec.expert_rows(2, 32) == {2: 160, 1: 48}[top_k]
+    predicted = estimate_activations(spec, training, autocast=autocast).saved_bytes
+    assert predicted == saved_bytes(spec, training, autocast=autocast)

@@ -213,11 +213,15 @@ def test_the_pipeline_and_expert_parallel_cases_run() -> None:
         "tiny-llama fsdp pytorch w4 pp2 1f1b m4 fp32",
         "tiny-llama fsdp pytorch w4 pp2 gpipe m4 fp32",
         "tiny-moe fsdp paper w4 ep2 fp32",
+        "tiny-moe fsdp paper w4 ep2 capacity 1.25 fp32",
+        "tiny-moe fsdp pytorch w2 capacity 1.25 fp32",
     ]
     assert all(case.not_runnable() == "" for case in cases)
     assert every_case()[-len(cases) :] == cases
-    assert cases[-1].to_json()["parallelism"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1, "ep": 2}
-    assert cases[-1].scenario().strategy.ep == 2
+    experts = cases[-3]
+    assert experts.to_json()["parallelism"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1, "ep": 2}
+    assert experts.scenario().strategy.ep == 2
+    assert cases[-1].to_json()["capacity_factor"] == cases[-1].scenario().model.capacity_factor == 1.25
     assert cases[0].to_json()["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2, "ep": 1}
     assert cases[3].scenario().strategy.pipeline_stages == 8
     ring = ValidationCase(model="tiny-llama", strategy="fsdp", engine="paper", world_size=4, pp=2, cp=2, grad_accum=4)

@@ -86,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if args.global_batch_tokens:
         if args.params:
             raise CliError("--params gives only a parameter count; planning needs the model's shape")
+        if args.capacity_factor:
+            raise CliError(
+                f"--capacity-factor {args.capacity_factor:g}: plans are searched for dropless routing only; "
+                "leave --global-batch-tokens out to report this scenario"
+            )
         gpu = gpu_from_args(args)
         price = args.price_per_gpu_hour
         model = model_from_args(args)

@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             pp_virtual_stages=args.pp_virtual_stages,
             pp_layers=args.pp_layers,
             ep=args.ep,
+            capacity_factor=args.capacity_factor,
             timeout_s=args.timeout,
             fault=args.inject_fault,
         )

@@ -193,6 +193,14 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         "tp, cp or pp)",
     )
     parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="MoE models: each expert takes ceil(F x seq-len x top-k / experts) rows per sequence, padded, and drops "
+        "the routed tokens past them (GShard's capacity rule); 0, the default, routes dropless",
+    )
+    parser.add_argument(
         "--pp",
         type=positive_int,
         default=1,
@@ -232,7 +240,7 @@ def pipeline_degrees(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """The ModelSpec named by --model, --config or --params (or the --from file)."""
+    """The ModelSpec named by --model, --config or --params (or the --from file), under --capacity-factor."""
     if args.model_required and not any(getattr(args, name, None) is not None for name in ("model", "config", "params")):
         raise CliError("one of the arguments --model --config --params is required (or a --from file that names it)")
     if plans(args, args.command):  # a plan builds no scenario here; the others print once their scenarios are valid
@@ -240,15 +248,29 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     if getattr(args, "config", None) is not None:
         if not args.config:
             raise CliError("--config '' is empty; give the path of a Hugging Face config.json")
-        return read_hf_config(args.config)
+        return with_capacity(read_hf_config(args.config), args)
     if getattr(args, "params", None) is not None:
         if not args.params.strip():
             raise CliError(f"--params {args.params!r} is empty; give a parameter count such as 7.5B or 70e9")
         count = parse_count(args.params)
         if not 1 <= count <= MAX_PARAMETERS:
             raise CliError(f"--params {args.params} is outside 1 to {MAX_PARAMETERS:.0e} parameters")
-        return ModelSpec(name=f"{args.params} parameters", family="count", declared_parameters=count, source="--params")
-    return model_preset(args.model)
+        return with_capacity(
+            ModelSpec(name=f"{args.params} parameters", family="count", declared_parameters=count, source="--params"),
+            args,
+        )
+    return with_capacity(model_preset(args.model), args)
+
+
+def with_capacity(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """The model under --capacity-factor (an MoE model's capacity rule), when the command has the flag and it is
+    given."""
+    factor = getattr(args, "capacity_factor", 0.0)
+    if not factor:
+        return model
+    if model.family != "moe":
+        raise CliError(f"--capacity-factor {factor:g}: {model.name} has no experts to route to (MoE models only)")
+    return replace(model, capacity_factor=factor)
 
 
 def sequence_length_from_args(args: argparse.Namespace, model: ModelSpec, command: str) -> int:

@@ -129,6 +129,13 @@ def _mlp_bytes(model: ModelSpec, sizes: Sizes) -> int:
     # token: its gathered input, SwiGLU's four tensors, its output and weight, and the nonzero() row index pairs.
     # Under tensor parallelism the router runs on every rank over the gathered tokens; each expert's FFN is split.
     router = sizes.gathered + tokens * experts * element + routed * (8 + element) + tokens * element
+    if model.capacity_factor:
+        # The capacity rule (expert_routing.py): the experts' padded rows, each with its input, SwiGLU's four
+        # tensors and the int64 token it holds (the dispatch's index), then per routed copy its output read back
+        # from the buffer, its weight and its int64 row (the combine's). Measured with saved_tensors_hooks on
+        # tiny-moe, with expert parallelism and without.
+        rows_bytes = sizes.expert_rows * (hidden * element + 4 * sizes.ffn * element + INDEX_BYTES)
+        return router + rows_bytes + routed * (hidden * element + element + INDEX_BYTES)
     per_routed = 3 * hidden * element + 4 * sizes.ffn * element + 16 + element
     if sizes.experts < model.num_experts:
         # Expert parallelism (runtime/teaching/expert_parallel.py): the expert's rank keeps each output (its combine
@@ -166,11 +173,30 @@ def _moe_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int) -> int:
     group's tokens routed to them, dropless and even: core/expert_parallel.py)."""
     element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // sizes.experts)
+    per_expert = -(-sizes.expert_rows // sizes.experts)
     others = sizes.experts - 1
+    if model.capacity_factor:
+        return _capacity_backward_bytes(model, sizes, weight, per_expert)
     saved_per_row = hidden * element + 4 * ffn * element + 16  # gathered input, SwiGLU's four, the row pair
     freed = routed * (2 * hidden * element + element) + others * per_expert * saved_per_row
     made = others * 3 * weight + weight + 2 * per_expert * ffn * element + sizes.tokens * hidden * element
+    return made - freed
+
+
+def _capacity_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int, per_expert: int) -> int:
+    """The capacity rule's MLP backward (expert_routing.py) at the same moment, the SwiGLU product's backward of the
+    last expert to run backward: the combine has freed each routed copy's output, weight and row; the other experts
+    have freed SwiGLU's four tensors and hold their three weight gradients and their input's gradient (the
+    dispatch's backward joins them only once every expert is done); this expert holds its output projection's weight
+    gradient and two of its rows x ffn gradients. Their inputs are views of the one dispatched buffer, kept until
+    the last expert is done, except under expert parallelism, where each expert's rows are a copy of their own."""
+    element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
+    others = sizes.experts - 1
+    freed = sizes.tokens * model.experts_per_token * (hidden * element + element + INDEX_BYTES)
+    freed += others * per_expert * 4 * ffn * element
+    if sizes.experts < model.num_experts:
+        freed += others * per_expert * hidden * element
+    made = others * 3 * weight + weight + 2 * per_expert * ffn * element + others * per_expert * hidden * element
     return made - freed
 
 
@@ -225,6 +251,14 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
     # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
     routed = sizes.tokens * model.experts_per_token * model.hidden_size * 3 * widen // 2
+    if model.capacity_factor:
+        # The capacity rule: each expert's gate and up projections cast its rows to 16 bits apart (two copies, one
+        # counted), and the routed copies' outputs are read back from the buffer in fp32; in a block, one tokens x
+        # hidden 16-bit tensor fewer than the MoE layer alone holds (measured with saved_tensors_hooks, both ways:
+        # tests/validate/test_activation_accounting.py holds the block's count).
+        copies = sizes.tokens * model.experts_per_token
+        routed = (sizes.expert_rows - sizes.tokens) * model.hidden_size * sizes.element
+        routed += copies * model.hidden_size * widen
     # Three more tokens x hidden 16-bit tensors around the rotated q and k: split with the heads.
     rotary = 3 * sizes.tokens * (model.hidden_size // share.tp) * sizes.element
     return block_weights + rotary + selective + routed, boundary, head_weight + rope
@@ -236,7 +270,7 @@ def _op_cached_bytes(model: ModelSpec, training: TrainingSpec, sizes: Sizes, sha
     matmuls' outputs, scores and context), and MoE's top-k (weights and int64 indices). MoE routing is data-
     dependent: each expert is assumed to get an even share of the routed rows."""
     routed = sizes.tokens * model.experts_per_token
-    per_expert = -(-routed // max(1, sizes.experts))
+    per_expert = -(-sizes.expert_rows // max(1, sizes.experts))
     linears = sum(
         (per_expert if ".experts." in tensor.name else sizes.tokens) * tensor.shape[0] * sizes.element
         for tensor, saved in saved_linears(model, share.tp, share.ep)

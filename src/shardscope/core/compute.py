@@ -131,13 +131,22 @@ def compute_dtype(training: TrainingSpec) -> str:
     return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(training.precision, training.precision)
 
 
-def _matmul_flops(tensors: tuple[ParamTensor, ...], tokens: int, experts_per_token: int, num_experts: int) -> float:
-    """2 x tokens x in x out for every weight matrix; each token uses experts_per_token of the experts' matrices."""
+def _expert_share(model: ModelSpec, training: TrainingSpec, cp: int) -> float:
+    """The rows each expert's matrices see, as a share of the rank's tokens: top-k / experts (dropless, balanced
+    routing), or its padded capacity rows (ModelSpec.expert_rows) over the tokens."""
+    if model.capacity_factor:
+        tokens = training.tokens_per_micro_batch // cp
+        return model.expert_rows(training.micro_batch_size, training.sequence_length // cp) / model.num_experts / tokens
+    return model.experts_per_token / max(1, model.num_experts)
+
+
+def _matmul_flops(tensors: tuple[ParamTensor, ...], tokens: int, expert_share: float) -> float:
+    """2 x tokens x in x out for every weight matrix; the experts' matrices see `expert_share` of the tokens."""
     flops = 0.0
     for tensor in tensors:
         if len(tensor.shape) != 2:
             continue
-        share = experts_per_token / num_experts if ".experts." in tensor.name else 1.0
+        share = expert_share if ".experts." in tensor.name else 1.0
         flops += 2.0 * tokens * tensor.numel * share
     return flops
 
@@ -164,7 +173,8 @@ def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int =
     head and loss."""
     layout = param_layout(model, tp)
     tokens = training.tokens_per_micro_batch // cp
-    block_matmuls = _matmul_flops(layout.block, tokens, model.experts_per_token, max(1, model.num_experts))
+    expert_share = _expert_share(model, training, cp)
+    block_matmuls = _matmul_flops(layout.block, tokens, expert_share)
     attention = _attention_core_flops(model, training, tp, cp)
     block_forward = block_matmuls + attention
     block_kernels, block_backward = (float(count) for count in OPS_PER_BLOCK[(model.family, training.attention)])
@@ -175,7 +185,7 @@ def stage_flops(model: ModelSpec, training: TrainingSpec, tp: int = 1, cp: int =
     partial = {
         "selective": (attention, 1.0),
         "op": (
-            _matmul_flops(recomputed_linears(model, tp), tokens, model.experts_per_token, max(1, model.num_experts)),
+            _matmul_flops(recomputed_linears(model, tp), tokens, expert_share),
             block_kernels - op_saved,
         ),
     }.get(training.checkpointing, (0.0, 0.0))

@@ -31,6 +31,11 @@ share, so (ep - 1) / ep of those bytes leave the rank (core/network.py applies t
 two all-to-alls again, each the other's conjugate, in reverse order; a whole block's re-forward (full checkpointing)
 repeats both, while torchtitan's op policy saves all_to_all_single's output (shardscope.reference_models.OP_SAVE_LIST)
 and selective checkpointing recomputes only attention.
+
+Under the capacity rule (ModelSpec.capacity_factor, expert_routing.py) the send buffer has a fixed size whatever the
+routing: every expert's capacity rows of each of the rank's sequences, num_experts x sequences x capacity rows, padded;
+each rank sends an even 1 / ep of it to every rank of its group and gets as much back, so no counts are swapped and
+every message is known.
 """
 
 from __future__ import annotations
@@ -51,11 +56,12 @@ def expert_numel(model: ModelSpec, tp: int = 1, ep: int = 1) -> int:
 
 
 def dispatch_bytes(scenario: Scenario) -> int:
-    """Bytes one rank sends in one dispatch (or combine) all-to-all of one MoE layer: its tokens x top-k x hidden in
-    the working dtype (the send buffer; core/network.py counts the (ep - 1) / ep of it that leaves the rank)."""
+    """Bytes one rank sends in one dispatch (or combine) all-to-all of one MoE layer: the rows its experts' layer
+    runs on (tokens x top-k, or the capacity rule's padded buffer: ModelSpec.expert_rows) x hidden in the working
+    dtype (the send buffer; core/network.py counts the (ep - 1) / ep of it that leaves the rank)."""
     model, training = scenario.model, scenario.training
-    tokens = training.micro_batch_size * training.sequence_length // scenario.strategy.cp
-    return tokens * model.experts_per_token * model.hidden_size * dtype_bytes(training.precision)
+    rows = model.expert_rows(training.micro_batch_size, training.sequence_length // scenario.strategy.cp)
+    return rows * model.hidden_size * dtype_bytes(training.precision)
 
 
 COUNT_BYTES = 8  # the row counts per expert are int64 (torch.bincount's dtype)
@@ -183,7 +189,9 @@ def expert_parallel_events(scenario: Scenario, micro_batch: int) -> list[CommEve
         return []
     rows, counts = dispatch_bytes(scenario), scenario.model.num_experts * COUNT_BYTES
     layers, checkpointing = scenario.model.num_layers, scenario.training.checkpointing
-    forward = (("counts", counts), ("dispatch", rows), ("combine", rows))
+    forward: tuple[tuple[str, int], ...] = (("dispatch", rows), ("combine", rows))
+    if not scenario.model.capacity_factor:  # dropless: the receivers learn the rows' counts first
+        forward = (("counts", counts), *forward)
     events: list[CommEvent] = []
 
     def exchange(phase: str, block: int, at: Place, calls: tuple[tuple[str, int], ...]) -> None:

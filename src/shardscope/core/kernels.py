@@ -96,23 +96,25 @@ def attention_core_s(scenario: Scenario, compute: ComputeModel, ceilings: Kernel
     return forward + scores_bytes / streaming, backward + 2 * scores_bytes / streaming
 
 
-def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare = WHOLE) -> float:
+def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare = WHOLE, expert_rows: int = 0) -> float:
     """Bytes the memory-bound ops of one block move in forward: two norms (read and write h), two residual adds
     (read 2h, write h), and the MLP's activation (GELU: read and write the ffn width; SwiGLU: read gate and up,
     write one); llama-family blocks add rotary embeddings on q and k, and MoE blocks run the activation once per
     routed expert and combine the experts' outputs. `tokens` are the rank's; its norms and residual adds run on
-    1/tp of them under sequence parallelism, and its activation and rotary embeddings on 1/tp of the widths."""
+    1/tp of them under sequence parallelism, and its activation and rotary embeddings on 1/tp of the widths.
+    `expert_rows`: the rows an MoE layer's experts run on (ModelSpec.expert_rows; tokens x top-k when 0)."""
     hidden, ffn, tp = model.hidden_size, model.ffn_hidden_size // share.tp, share.tp
     boundary = (4 * hidden + 6 * hidden) * (tokens // share.boundary_split)
     elements = 0
     if model.family == "gpt2":
-        elements += 2 * ffn
+        elements += 2 * ffn * tokens
     else:
-        elements += 2 * (model.num_heads // tp + model.num_kv_heads // tp) * model.head_dim
-        elements += 3 * ffn * (model.experts_per_token if model.num_experts else 1)
+        elements += 2 * (model.num_heads // tp + model.num_kv_heads // tp) * model.head_dim * tokens
+        activation_rows = (expert_rows or tokens * model.experts_per_token) if model.num_experts else tokens
+        elements += 3 * ffn * activation_rows
         if model.num_experts:
-            elements += (model.experts_per_token + 1) * hidden
-    return float((boundary + elements * tokens) * ACTIVATION_BYTES)
+            elements += (model.experts_per_token + 1) * hidden * tokens
+    return float((boundary + elements) * ACTIVATION_BYTES)
 
 
 def _linears_s(
@@ -122,6 +124,8 @@ def _linears_s(
     routing). `tensors` are one tensor-parallel rank's slices; the tokens are the rank's (1/cp)."""
     model, tokens = scenario.model, scenario.training.tokens_per_micro_batch // scenario.strategy.cp
     routed = math.ceil(tokens * model.experts_per_token / max(1, model.num_experts))
+    if model.capacity_factor:  # each expert runs on its padded capacity rows
+        routed = scenario.training.micro_batch_size * model.expert_capacity(scenario.training.sequence_length)
     forward = backward = 0.0
     for tensor in tensors:
         if len(tensor.shape) == 2:
@@ -159,7 +163,8 @@ def stage_seconds(scenario: Scenario, compute: ComputeModel) -> tuple[list[float
     block_forward, block_backward = _linears_s(param_layout(model, share.tp).block, scenario, ceilings, rate)
     head_forward, head_backward = _head_s(scenario, ceilings, rate)
     attention_forward, attention_backward = attention_core_s(scenario, compute, ceilings)
-    elementwise = block_elementwise_bytes(model, tokens, share) / streaming
+    expert_rows = model.expert_rows(training.micro_batch_size, training.sequence_length // share.cp)
+    elementwise = block_elementwise_bytes(model, tokens, share, expert_rows) / streaming
     block_forward += attention_forward + elementwise
     block_backward += attention_backward + 2 * elementwise
     embed = 2.0 * tokens * model.hidden_size * ACTIVATION_BYTES / streaming  # gather: read and write h per token

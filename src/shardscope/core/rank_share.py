@@ -113,6 +113,7 @@ class Sizes:
     ffn: int  # the FFN width one rank holds: ffn_hidden_size / tp
     ring: bool  # attention runs as ring attention (context parallelism), which never holds a score matrix
     experts: int = 0  # the MoE experts one rank runs: num_experts / ep
+    expert_rows: int = 0  # rows an MoE layer's experts run on for the rank's tokens (ModelSpec.expert_rows)
 
 
 def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Sizes:
@@ -136,6 +137,7 @@ def sizes_of(model: ModelSpec, training: TrainingSpec, share: RankShare) -> Size
         ffn=model.ffn_hidden_size // share.tp,
         ring=share.cp > 1,
         experts=model.num_experts // share.ep,
+        expert_rows=model.expert_rows(batch, rows),
     )
 
 

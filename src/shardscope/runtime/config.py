@@ -121,7 +121,7 @@ MODEL_PARALLEL_REFUSALS: dict[EngineName, Callable[[Scenario], str]] = {
 }
 """Why an engine cannot run a model-parallel scenario its stages allow ('' when it can), with what runs it instead:
 torch's plan has its own limits (trace/tensor_parallel.py), the teaching pipeline its own."""
-OWN_OPTIONS = ("model", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
+OWN_OPTIONS = ("model", "capacity_factor", "world_size", "steps", "timeout_s", "seed", "backend", "rendezvous", "fault")
 OPTIONS = (*OWN_OPTIONS, *STRATEGY_OPTIONS, *TRAINING_OPTIONS)
 
 
@@ -139,6 +139,8 @@ class RunConfig:
 
     model: str = "tiny-gpt2"
     """Model preset id (a shaped family: gpt2, llama or moe)."""
+    capacity_factor: float = 0.0
+    """An MoE model's capacity rule (ModelSpec.capacity_factor; 0: dropless, as the preset routes)."""
     training: TrainingSpec = field(default_factory=_default_training)
     """One rank's step: precision fp64, fp32 or bf16-mixed (16-bit parameters and gradients, fp32 master and
     moments), one micro-batch per step."""
@@ -160,7 +162,7 @@ class RunConfig:
     """Tests only: 'KIND:RANK' with KIND raise, exit or hang, injected in that rank's first forward."""
 
     def __post_init__(self) -> None:
-        model_spec = model_preset(self.model)
+        model_spec = self.model_spec
         if not model_spec.has_shape:
             raise SpecError(f"RunConfig.model={self.model!r} has no shape to build; choose a gpt2, llama or moe preset")
         parse_choice("RunConfig.strategy.engine", self.strategy.engine, RUN_ENGINES)
@@ -250,8 +252,9 @@ class RunConfig:
 
     @property
     def model_spec(self) -> ModelSpec:
-        """The preset's ModelSpec."""
-        return model_preset(self.model)
+        """The preset's ModelSpec, under the run's capacity rule."""
+        preset = model_preset(self.model)
+        return replace(preset, capacity_factor=self.capacity_factor) if self.capacity_factor else preset
 
     @property
     def parallelism(self) -> Parallelism:

@@ -268,11 +268,14 @@ def validate_schema() -> Schema:
         "device": enum(DEVICE_BACKEND),
         "parallelism": ref("parallelism"),
         "sequence_parallel": BOOLEAN,  # present when tp > 1
+        "pp_schedule": STRING,  # these two when pp > 1
+        "grad_accum": DEGREE,
+        "capacity_factor": NUMBER,  # when the MoE model routes under a capacity rule
     }
     rows = []
     for quantities, unit, value in ((tuple(TARGETS), "bytes", BYTES), (REPORTED_ONLY, "s", NUMBER)):
         row = {
-            "case": closed(case, optional=("sequence_parallel",)),
+            "case": closed(case, optional=("sequence_parallel", "pp_schedule", "grad_accum", "capacity_factor")),
             "category": enum(quantities),
             f"predicted_{unit}": value,
             f"traced_{unit}": nullable(value),

@@ -31,7 +31,8 @@ def explain(error: BaseException) -> str:
         op = getattr(error, "func", None) or str(error).split("\n")[0]
         return (
             f"the model cannot run on fake tensors: op {op} needs real data (its output depends on the values, "
-            f"e.g. routing or nonzero); use `shardscope estimate` for this model"
+            f"e.g. routing or nonzero); use `shardscope estimate` for this model, or for an MoE model "
+            f"--capacity-factor (the capacity rule's buffers have fixed shapes)"
         )
     first = str(error).strip().split("\n")[0][:300]
     return f"the trace failed: {type(error).__name__}: {first}"

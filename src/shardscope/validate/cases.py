@@ -66,6 +66,8 @@ class ValidationCase:
     """Micro-batches per step (a pipeline's)."""
     ep: int = 1
     """Expert-parallel degree: ranks of the data-parallel ranks that split a MoE model's experts between them."""
+    capacity_factor: float = 0.0
+    """An MoE model's capacity rule (ModelSpec.capacity_factor); 0 routes dropless."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine", parse_choice("ValidationCase.engine", engine_name(self.engine), RUN_ENGINES))
@@ -107,6 +109,7 @@ class ValidationCase:
         """A short name for tables."""
         mesh = (f" tp{self.tp}" if self.tp > 1 else "") + (f" cp{self.cp}" if self.cp > 1 else "")
         mesh += f" ep{self.ep}" if self.ep > 1 else ""
+        mesh += f" capacity {self.capacity_factor:g}" if self.capacity_factor else ""
         if self.pp > 1:
             mesh += f" pp{self.pp} {self.pp_schedule} m{self.grad_accum}"
         return (
@@ -119,8 +122,9 @@ class ValidationCase:
 
     def scenario(self) -> Scenario:
         """The case as the core and the trace read it."""
+        preset = model_preset(self.model)
         return Scenario(
-            model=model_preset(self.model),
+            model=replace(preset, capacity_factor=self.capacity_factor) if self.capacity_factor else preset,
             cluster=ClusterSpec(
                 gpu=RUN_GPU, world_size=self.world_size, gpus_per_node=self.world_size, backend=self.backend
             ),
@@ -153,24 +157,32 @@ class ValidationCase:
 
     def run_options(self, steps: int) -> dict[str, object]:
         """The case as `RunConfig.from_options` reads it."""
-        return {
-            "model": self.model,
-            "strategy": self.strategy,
-            "engine": self.engine,
-            "world_size": self.world_size,
-            "steps": steps,
-            "precision": self.precision,
-            "micro_batch_size": self.micro_batch_size,
-            "sequence_length": self.sequence_length,
-            "checkpointing": self.checkpointing,
-            "shard_group": self.shard_group,
-            "backend": self.backend,
-            "tp": self.tp,
-            "cp": self.cp,
-            "sequence_parallel": self.sequence_parallel,
-            "ep": self.ep,
-            **self._pipeline_fields(),
-        } | ({"grad_accum": self.grad_accum} if self.pp > 1 else {})
+        return (
+            {
+                "model": self.model,
+                "strategy": self.strategy,
+                "engine": self.engine,
+                "world_size": self.world_size,
+                "steps": steps,
+                "precision": self.precision,
+                "micro_batch_size": self.micro_batch_size,
+                "sequence_length": self.sequence_length,
+                "checkpointing": self.checkpointing,
+                "shard_group": self.shard_group,
+                "backend": self.backend,
+                "tp": self.tp,
+                "cp": self.cp,
+                "sequence_parallel": self.sequence_parallel,
+                "ep": self.ep,
+                **self._pipeline_fields(),
+            }
+            | ({"grad_accum": self.grad_accum} if self.pp > 1 else {})
+            | self._capacity()
+        )
+
+    def _capacity(self) -> dict[str, object]:
+        """The capacity rule, where the case has one (dropless cases read as before)."""
+        return {"capacity_factor": self.capacity_factor} if self.capacity_factor else {}
 
     def not_runnable(self) -> str:
         """Why no run engine can run this case yet ('' when one can): the run's own check, e.g. FSDP under tensor
@@ -198,6 +210,7 @@ class ValidationCase:
             }
             | ({"sequence_parallel": self.sequence_parallel} if self.tp > 1 else {})
             | ({"pp_schedule": self.pp_schedule, "grad_accum": self.grad_accum} if self.pp > 1 else {})
+            | self._capacity()
         )
 
 
@@ -308,8 +321,13 @@ def _llama_pipeline(strategy: str, *, world_size: int, tp: int = 1) -> Validatio
 
 def expert_parallel_matrix(device: str = "cpu") -> tuple[ValidationCase, ...]:
     """Expert parallelism: tiny-moe's experts split over ep 2 inside fsdp on 4 ranks, run by the teaching
-    implementation (all-to-all dispatch and combine)."""
-    return (ValidationCase(model="tiny-moe", strategy="fsdp", engine="paper", world_size=4, ep=2, device=device),)
+    implementation (all-to-all dispatch and combine), dropless and under GShard's capacity rule (factor 1.25); and
+    the capacity rule without expert parallelism inside torch's fully_shard on 2 ranks, which the trace replays."""
+    experts = ValidationCase(model="tiny-moe", strategy="fsdp", engine="paper", world_size=4, ep=2, device=device)
+    capacity = ValidationCase(
+        model="tiny-moe", strategy="fsdp", engine="pytorch", world_size=2, capacity_factor=1.25, device=device
+    )
+    return experts, replace(experts, capacity_factor=1.25), capacity
 
 
 def every_case(device: str = "cpu") -> tuple[ValidationCase, ...]:

@@ -11,6 +11,9 @@ norms stay whole). Its MoE layer, for its own tokens:
    outputs of each token and adds them up.
 Backward sends the gradients through the same two all-to-alls in reverse (`_AllToAll`, whose conjugate is itself
 with the splits swapped). Routing is dropless: no capacity, no token dropped (core/expert_parallel.py predicts it).
+Under the model's capacity rule (expert_routing.py) steps 2 and 3 send a buffer of fixed size instead: every expert's
+capacity rows of each of the rank's sequences, padded, so no counts are swapped and every rank sends and receives
+num_experts / ep x sequences x capacity rows to and from each rank of the group.
 
 expert_data_parallel.py trains a model so inside each teaching data-parallel strategy.
 """
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardscope.expert_routing import capacity_rows, combine, dispatch, route
 from shardscope.reference_models import MoE
 
 
@@ -50,14 +54,16 @@ class ExpertParallelMoE(nn.Module):
         self.group, self.ep, index = group, dist.get_world_size(group), dist.get_rank(group)
         self.top_k, self.num_experts = moe.top_k, len(moe.experts)
         self.local = self.num_experts // self.ep
+        self.expert_capacity = moe.expert_capacity
         self.router = moe.router
         self.experts = nn.ModuleList(moe.experts[index * self.local : (index + 1) * self.local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(tokens), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, chosen = route(self.router, tokens, self.top_k)
+        capacity = self.expert_capacity(x.shape[1])
+        if capacity:
+            return self._capacity_forward(x, tokens, weights, chosen, capacity)
         # 2. the tokens x k rows in expert order, and the row counts the group swaps
         order = chosen.reshape(-1).argsort(stable=True)
         counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
@@ -78,6 +84,23 @@ class ExpertParallelMoE(nn.Module):
         back = _AllToAll.apply(out, recv, send, self.group)
         weighted = back * weights.reshape(-1)[order, None]
         return torch.zeros_like(tokens).index_add(0, order // self.top_k, weighted.to(tokens.dtype)).view_as(x)
+
+    def _capacity_forward(
+        self, x: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, capacity: int
+    ) -> torch.Tensor:
+        """The capacity rule's layer: the expert-major buffer (experts x sequences x capacity rows) split evenly over
+        the group, each local expert run on its rows from every rank, the outputs sent back and combined."""
+        sequences = x.shape[0]
+        rows = capacity_rows(chosen.view(sequences, x.shape[1], self.top_k), self.num_experts, capacity)
+        buffer = dispatch(tokens, rows, self.num_experts * sequences * capacity, self.top_k)
+        even = [self.local * sequences * capacity] * self.ep
+        received = _AllToAll.apply(buffer, even, even, self.group).view(self.ep, self.local, sequences * capacity, -1)
+        outputs = [expert(received[:, index].reshape(-1, x.shape[-1])) for index, expert in enumerate(self.experts)]
+        # back to sender-major: (ep, local, sequences x capacity, hidden)
+        out = torch.stack([each.view(self.ep, -1, x.shape[-1]) for each in outputs], dim=1)
+        out = out.to(tokens.dtype).reshape(-1, x.shape[-1])
+        back = _AllToAll.apply(out, even, even, self.group)
+        return combine(back, rows, weights).view_as(x)
 
 
 def expert_groups(ep: int, shard_group: int = 0) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
