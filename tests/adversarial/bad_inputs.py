@@ -289,6 +289,10 @@ CASES: list[tuple[list[str], str]] = [
     (["estimate", "--model", "mixtral-8x7b", "--capacity-factor", "5"], "capacity_factor=5.0 must be 0 (dropless)"),
     (["estimate", "--model", "llama-3-8b", "--capacity-factor", "1.25"], "llama-3-8b has no experts"),
     (["run", "--model", "tiny-llama", "--capacity-factor", "1"], "capacity_factor=1.0 are only allowed"),
+    (
+        ["trace", "--model", "mixtral-8x7b", "--implementation", "hf", "--capacity-factor", "1"],
+        "transformers' Mixtral is dropless",
+    ),
     (["run", "--model", "tiny-moe", "--world-size", "4", "--tp", "2", "--capacity-factor", "1"], "with tp 2"),
     (["timeline", "--model", "mixtral-8x7b", "--pp", "2", "--grad-accum", "2", "--capacity-factor", "1"], "pp 2"),
     (["run", "--model", "tiny-llama", "--world-size", "4", "--ep", "2"], "'tiny-llama' is a 'llama' model"),

@@ -55,6 +55,12 @@ class TraceRequest:
             )
         if self.config_path and self.implementation != "hf":
             raise SpecError("TraceRequest.config_path is built by transformers: implementation must be 'hf'")
+        if self.scenario.model.capacity_factor and (self.implementation == "hf" or self.factory):
+            source = "--module" if self.factory else "--implementation hf"
+            raise SpecError(
+                f"capacity factor {self.scenario.model.capacity_factor:g} with {source}: only shardscope's reference "
+                "MoE routes under the capacity rule (transformers' Mixtral is dropless); trace --model without it"
+            )
         if self.attn_implementation and self.implementation != "hf":
             raise SpecError(
                 f"TraceRequest.attn_implementation={self.attn_implementation!r} applies to implementation 'hf' only"
