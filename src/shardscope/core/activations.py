@@ -189,7 +189,9 @@ def _capacity_backward_bytes(model: ModelSpec, sizes: Sizes, weight: int, per_ex
     have freed SwiGLU's four tensors and hold their three weight gradients and their input's gradient (the
     dispatch's backward joins them only once every expert is done); this expert holds its output projection's weight
     gradient and two of its rows x ffn gradients. Their inputs are views of the one dispatched buffer, kept until
-    the last expert is done, except under expert parallelism, where each expert's rows are a copy of their own."""
+    the last expert is done, except under expert parallelism, where each expert's rows are a copy of their own.
+    Read from the code path (expert_routing.py), not measured yet: the validated cases (docs/accuracy.md) reach
+    their peak elsewhere."""
     element, hidden, ffn = sizes.element, model.hidden_size, sizes.ffn
     others = sizes.experts - 1
     freed = sizes.tokens * model.experts_per_token * (hidden * element + element + INDEX_BYTES)
