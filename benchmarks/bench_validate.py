@@ -49,11 +49,11 @@ PIPELINE_TEXT = (
     "ceil(1.25 x 32 x 2 / 4) = 20 rows of each sequence, padded); and the capacity rule without expert parallelism "
     "inside torch's fully_shard on 2 ranks, which the trace replays. Targets as above; point_to_point_payload is "
     "the pipeline's sends and receives. "
-    "Under 1F1B the torch pipeline's first stage holds one micro-batch's output more than the prediction: "
-    "Schedule1F1B keeps the last warm-up send it fires, and so the tensor it sent, to the end of its steady "
-    "phase (docs/trace.md, the pipeline section); the trace replays that, the core does not yet. The MoE router's "
-    "routing is data-dependent: dropless, the prediction assumes even all-to-alls, the run's are not; under the "
-    "capacity rule every buffer and message has a size the routing does not change."
+    "Under 1F1B the torch pipeline's first stage holds one micro-batch's output past its backward: "
+    "Schedule1F1B keeps the Works of its second-to-last warm-up send, and so the tensor it sent, to the end of its "
+    "steady phase (docs/trace.md, the pipeline section); the trace replays that and the core counts it. The MoE "
+    "router's routing is data-dependent: dropless, the prediction assumes even all-to-alls, the run's are not; "
+    "under the capacity rule every buffer and message has a size the routing does not change."
 )
 SECTION_OPTIONS = {
     MODEL_PARALLEL_HEADING: ("--model-parallel", MODEL_PARALLEL_TEXT),

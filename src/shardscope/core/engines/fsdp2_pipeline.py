@@ -131,7 +131,8 @@ def _walk_action_moments(
     # each kind's largest (the first of them): its bytes beside what every moment of a backward holds
     # (`_live`), the action's stage, direction and micro-batch, and (activations, buffers, temporary)
     found: dict[str, tuple[int, int, bool, int, _Terms]] = {}
-    fullest = fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights)
+    output = load.activations.hidden_bytes  # what a stage sends forward: one micro-batch's output
+    fullest = fullest_actions(load.schedule, _reshards_after_forward(scenario), load.weights, output)
     for (backward, index, gathered, backwarded), in_flight, micro_batch in fullest:
         held = load.step_activations + in_flight
         own = units[index]

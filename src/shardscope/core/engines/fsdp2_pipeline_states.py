@@ -24,24 +24,32 @@ FullestActions = tuple[tuple[ActionState, int, int], ...]
 """(state, most activations in flight there, the micro-batch of the first action meeting them), in the step's order."""
 
 
-def fullest_actions(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> FullestActions:
+HELD_SEND = -1
+"""The key, among the stages in flight, of a micro-batch's output that Schedule1F1B keeps past its backward."""
+
+
+def fullest_actions(
+    schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...], output_bytes: int
+) -> FullestActions:
     """For each state an action of the schedule starts in, in the step's order: the most activations in flight it
-    meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not), and the
-    micro-batch of the first action that meets them: every moment grows with the activations alone, so these actions
-    hold each moment's largest. Kept per shape and weights: the planner's scenarios that differ in how the
-    data-parallel ranks shard their states share them."""
-    return kept(
-        _fullest_kept, (schedule, reshards, weights), lambda: _walk_fullest(schedule, reshards, weights), CACHED_FULLEST
-    )
+    meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not, and the output
+    of `output_bytes` that torch's Schedule1F1B holds in a send: `_held_send`), and the micro-batch of the first
+    action that meets them: every moment grows with the activations alone, so these actions hold each moment's
+    largest. Kept per shape and weights: the planner's scenarios that differ in how the data-parallel ranks shard
+    their states share them."""
+    key = (schedule, reshards, weights, output_bytes)
+    return kept(_fullest_kept, key, lambda: _walk_fullest(schedule, reshards, weights, output_bytes), CACHED_FULLEST)
 
 
 CACHED_FULLEST = 16384
-_fullest_kept: dict[tuple[RankSchedule, bool, tuple[tuple[int, int], ...]], FullestActions] = {}
+_fullest_kept: dict[tuple[RankSchedule, bool, tuple[tuple[int, int], ...], int], FullestActions] = {}
 
 
-def _walk_fullest(schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...]) -> FullestActions:
+def _walk_fullest(
+    schedule: RankSchedule, reshards: bool, weights: tuple[tuple[int, int], ...], output_bytes: int
+) -> FullestActions:
     """`fullest_actions`, computed."""
-    per_stage = dict(weights)
+    per_stage = dict(weights) | {HELD_SEND: output_bytes}
     fullest: dict[ActionState, tuple[int, int, int]] = {}
     for key, counts, micro_batch, place in _action_states(schedule, reshards):
         held = 0
@@ -66,13 +74,30 @@ def _action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
 _states_kept: dict[tuple[RankSchedule, bool], _StatesMet] = {}
 
 
+def _held_send(schedule: RankSchedule) -> tuple[int, int]:
+    """(the place of the backward after which a micro-batch's output outlives it, the place of the last action it
+    lives through), or (-1, -1) where none does. torch 2.13's Schedule1F1B (torch/distributed/pipelining/
+    schedules.py, `_step_microbatches`) keeps the Works of the warm-up's second-to-last forward send in `send_work`
+    until its 1B1F phase ends, and a Work holds the tensor it sent (gloo's, measured by tests/distributed/
+    test_torch_pipeline_run.py; the trace holds them under every backend, NCCL's not measured yet): on a stage of
+    w >= 2 warm-up forwards (w = min(micro-batches, pp - stage)), micro-batch w - 2's output lives from its backward
+    to the backward of micro-batch m - w, the phase's last (docs/trace.md, the pipeline section)."""
+    warmup = min(schedule.micro_batches, schedule.pp - schedule.rank)
+    if schedule.schedule != "1f1b" or warmup < 2:
+        return -1, -1
+    backwards = {action.micro_batch: place for place, action in enumerate(schedule.actions) if action.backward}
+    return backwards[warmup - 2], backwards[schedule.micro_batches - warmup]
+
+
 def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
     """`_action_states`, computed."""
     gathered = backwarded = 0
     in_flight: dict[int, int] = {}
     seen: dict[tuple[ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
+    held_from, held_to = _held_send(schedule)
     for place, action in enumerate(schedule.actions):
         index = action.stage
+        in_flight[HELD_SEND] = 1 if held_from < place <= held_to else 0
         if not action.backward:
             in_flight[index] = in_flight.get(index, 0) + 1
         state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
