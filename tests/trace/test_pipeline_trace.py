@@ -122,7 +122,7 @@ def test_activations_equal_the_prediction(shared_trace: SharedTraces, world_size
     """Each stage's saved activations at its fullest moment, within 16 bytes of core.pipeline_memory (the loss
     values torch's schedule keeps per micro-batch), with what its send Works keep: under 1F1B a stage with two
     warm-up forwards or more keeps the Work of the second-to-last warm-up send, and so that output (SENT_OUTPUT),
-    to the end of its steady phase (core.engines.fsdp2_pipeline_states `_held_send`). In flight: 1F1B holds 2
+    to the end of its steady phase (core.engines.fsdp2_pipeline_states `_held_sends`). In flight: 1F1B holds 2
     micro-batches on the first stage and 1 on the last, GPipe all 4 on both."""
     scenario = _scenario(world_size, schedule)
     predicted = pipeline_memory(scenario).per_stage
@@ -133,9 +133,9 @@ def test_activations_equal_the_prediction(shared_trace: SharedTraces, world_size
 
 def test_interleaved_1f1b_equals_the_prediction(shared_trace: SharedTraces) -> None:
     """tiny-llama cut to 4 layers on 2 ranks x 2 virtual stages (torchtitan's split: 1, 2, 1, 0 layers): rank 0
-    holds stages 0 and 2, rank 1 stages 1 and 3 (the head alone); ledger equal, activations within 1% beside the
-    stage outputs the rank sends: this schedule keeps every send's Work, and so what it sent, to the step's end,
-    which core.pipeline_memory does not yet count."""
+    holds stages 0 and 2, rank 1 stages 1 and 3 (the head alone); ledger equal, peak equal within 0.05%: this
+    schedule keeps every send's Work, and so what it sent, to the step's end (core.engines.fsdp2_pipeline_states
+    `_held_sends`)."""
     scenario = _interleaved()
     result = _replay(shared_trace, scenario)
     predicted = pipeline_memory(scenario).per_stage
@@ -144,7 +144,12 @@ def test_interleaved_1f1b_equals_the_prediction(shared_trace: SharedTraces) -> N
         assert entry.per_rank.parameters_bytes == expected.per_rank.parameters_bytes
         sent = 4 * SENT_OUTPUT * sum(1 for stage in entry.stages if stage != "head")  # 4 micro-batches a stage
         activations, prediction = entry.per_rank.activations_bytes, expected.per_rank.activations_bytes
-        assert prediction * 0.99 <= activations <= prediction * 1.01 + sent
+        # the peak within 0.05% (traced 2,888,780 and 2,968,024 B, predicted 2,887,776 and 2,968,028; before the
+        # core counted the held sends, 2,846,816 and 2,943,452); the trace files some of the tensors the Works hold
+        # under other categories than activations
+        tensors = expected.per_rank.peak_bytes - expected.per_rank.overhead_bytes
+        assert entry.per_rank.peak_bytes == pytest.approx(tensors, rel=0.0005)
+        assert prediction - sent <= activations <= prediction
         traced = sorted((row.phase, row.op, row.payload_bytes, row.count) for row in entry.ledger if row.group == "pp")
         assert traced == sorted(
             (row.phase, row.op, row.payload_bytes, row.count) for row in pipeline_ledger(scenario, entry.pipeline_rank)

@@ -25,7 +25,7 @@ FullestActions = tuple[tuple[ActionState, int, int], ...]
 
 
 HELD_SEND = -1
-"""The key, among the stages in flight, of a micro-batch's output that Schedule1F1B keeps past its backward."""
+"""The key, among the stages in flight, of the stage outputs and input gradients send Works keep (`_held_sends`)."""
 
 
 def fullest_actions(
@@ -33,7 +33,7 @@ def fullest_actions(
 ) -> FullestActions:
     """For each state an action of the schedule starts in, in the step's order: the most activations in flight it
     meets (its own forward's included, `weights` per micro-batch of each stage, the step's own not, and the output
-    of `output_bytes` that torch's Schedule1F1B holds in a send: `_held_send`), and the micro-batch of the first
+    of `output_bytes` each send Work holds: `_held_sends`), and the micro-batch of the first
     action that meets them: every moment grows with the activations alone, so these actions hold each moment's
     largest. Kept per shape and weights: the planner's scenarios that differ in how the data-parallel ranks shard
     their states share them."""
@@ -74,19 +74,34 @@ def _action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
 _states_kept: dict[tuple[RankSchedule, bool], _StatesMet] = {}
 
 
-def _held_send(schedule: RankSchedule) -> tuple[int, int]:
-    """(the place of the backward after which a micro-batch's output outlives it, the place of the last action it
-    lives through), or (-1, -1) where none does. torch 2.13's Schedule1F1B (torch/distributed/pipelining/
-    schedules.py, `_step_microbatches`) keeps the Works of the warm-up's second-to-last forward send in `send_work`
-    until its 1B1F phase ends, and a Work holds the tensor it sent (gloo's, measured by tests/distributed/
-    test_torch_pipeline_run.py; the trace holds them under every backend, NCCL's not measured yet): on a stage of
-    w >= 2 warm-up forwards (w = min(micro-batches, pp - stage)), micro-batch w - 2's output lives from its backward
-    to the backward of micro-batch m - w, the phase's last (docs/trace.md, the pipeline section)."""
-    warmup = min(schedule.micro_batches, schedule.pp - schedule.rank)
-    if schedule.schedule != "1f1b" or warmup < 2:
-        return -1, -1
-    backwards = {action.micro_batch: place for place, action in enumerate(schedule.actions) if action.backward}
-    return backwards[warmup - 2], backwards[schedule.micro_batches - warmup]
+def _held_sends(schedule: RankSchedule) -> tuple[int, ...]:
+    """How many stage outputs and input gradients the rank's send Works keep alive, beyond what the moments count
+    already (a micro-batch's output while it is in flight; the input gradient a backward sends while the stage's
+    next backward runs), as each of its actions starts. A Work holds the tensor it sent until it is dropped (gloo's,
+    measured by tests/distributed/test_torch_pipeline_run.py; the trace holds them under every backend, NCCL's not
+    measured yet), and torch 2.13's schedules (torch/distributed/pipelining/schedules.py) drop them:
+    - Schedule1F1B: its `send_work` keeps the warm-up's second-to-last forward send until the 1B1F phase ends, so on
+      a stage of w >= 2 warm-ups (w = min(micro-batches, pp - stage)) micro-batch w - 2's output outlives its
+      backward up to the backward of micro-batch m - w, the phase's last; its backward sends are dropped at once;
+    - ScheduleGPipe and ScheduleInterleaved1F1B: only as the step ends (`fwd_sends_to_wait`, `bwd_sends_to_wait`;
+      `send_ops`), so each output a stage sent outlives its micro-batch's backward and each input gradient its own."""
+    actions, last = schedule.actions, schedule.pp * schedule.virtual - 1
+    if schedule.schedule == "1f1b":
+        warmup = min(schedule.micro_batches, schedule.pp - schedule.rank)
+        if warmup < 2:
+            return (0,) * len(actions)
+        backwards = {action.micro_batch: place for place, action in enumerate(actions) if action.backward}
+        start, end = backwards[warmup - 2], backwards[schedule.micro_batches - warmup]
+        return tuple(1 if start < place <= end else 0 for place in range(len(actions)))
+    held, sent, backwarded = [], 0, set()
+    for action in actions:
+        # the stage's previous input gradient is the backward's own `sending` term (core.engines.fsdp2_pipeline)
+        counted = 1 if action.backward and action.stage in backwarded and action.stage > 0 else 0
+        held.append(sent - counted)
+        if action.backward:
+            sent += (action.stage < last) + (action.stage > 0)  # its output, now past its backward; its gradient
+            backwarded.add(action.stage)
+    return tuple(held)
 
 
 def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
@@ -94,10 +109,9 @@ def _walk_action_states(schedule: RankSchedule, reshards: bool) -> _StatesMet:
     gathered = backwarded = 0
     in_flight: dict[int, int] = {}
     seen: dict[tuple[ActionState, tuple[tuple[int, int], ...]], tuple[int, int]] = {}
-    held_from, held_to = _held_send(schedule)
-    for place, action in enumerate(schedule.actions):
+    for place, (action, held) in enumerate(zip(schedule.actions, _held_sends(schedule), strict=True)):
         index = action.stage
-        in_flight[HELD_SEND] = 1 if held_from < place <= held_to else 0
+        in_flight[HELD_SEND] = held
         if not action.backward:
             in_flight[index] = in_flight.get(index, 0) + 1
         state = ((action.backward, index, gathered, backwarded), tuple(sorted(in_flight.items())))
