@@ -142,6 +142,10 @@ def test_bad_capacity_factors_name_the_value(fields: dict[str, object], words: s
             ["report", "--model", "mixtral-8x7b", "--global-batch-tokens", "4M", "--capacity-factor", "1.25"],
             "plans are searched for dropless routing only",
         ),
+        (
+            ["plan", "--model", "mixtral-8x7b", "--global-batch-tokens", "4M", "--tp", "1,2", "--capacity-factor", "1"],
+            "--capacity-factor 1 with --tp 1,2",
+        ),
     ],
 )
 def test_the_flag_refuses_in_one_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,3 +161,19 @@ def test_estimate_reports_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--capacity-factor", "1.25"]) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["model"]["capacity_factor"] == 1.25
+
+
+def test_plan_searches_data_and_expert_parallelism_under_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import jsonschema
+
+    from shardscope.schemas import load_schema
+
+    argv = ["plan", "--model", "mixtral-8x7b", "--seq-len", "4096", "--global-batch-tokens", "4M", "--ep", "1,8"]
+    assert main([*argv, "--capacity-factor", "1.25", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    jsonschema.validate(document, load_schema(document["schema"]))
+    assert document["model"]["capacity_factor"] == 1.25
+    meshes = [plan["parallelism"] for plan in document["plans"]]
+    assert meshes and all(mesh["tp"] == mesh["cp"] == mesh["pp"] == 1 for mesh in meshes)

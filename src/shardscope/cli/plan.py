@@ -12,6 +12,7 @@ from shardscope.choices import OFFLOADS, PIPELINE_SCHEDULES, Word, parse_choice
 from shardscope.cli.arg_types import positive_int
 from shardscope.cli.errors import CliError
 from shardscope.cli.scenario_args import (
+    add_capacity_argument,
     add_gpu_arguments,
     add_model_arguments,
     add_rules_arguments,
@@ -31,6 +32,9 @@ from shardscope.planner.request import CHECKPOINTING_ORDER
 from shardscope.planner.result import PLAN_SCHEMA
 from shardscope.specs import SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
+
+DEFAULT_TP = "1,2,4,8"
+"""Tensor parallel degrees searched when --tp is not given (and the model routes dropless)."""
 
 EXAMPLES = """examples:
   shardscope plan --model llama-3-70b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M
@@ -99,9 +103,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", default="all", help=f"to search: {', '.join(CHECKPOINTING_ORDER)}, or all")
     parser.add_argument(
         "--tp",
-        default="1,2,4,8",
-        help="tensor parallel degrees to search, a comma list (default %(default)s; those above a node or not "
-        "dividing the model's heads, KV heads, FFN width or vocabulary are skipped)",
+        default=None,
+        help=f"tensor parallel degrees to search, a comma list (default {DEFAULT_TP}, or 1 under --capacity-factor; "
+        "those above a node or not dividing the model's heads, KV heads, FFN width or vocabulary are skipped)",
     )
     parser.add_argument(
         "--cp",
@@ -132,6 +136,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="expert parallel degrees to search on a mixture-of-experts model, a comma list, e.g. 1,2,4,8 (default 1; "
         "those not dividing the experts or the data-parallel shard x cp are skipped)",
     )
+    add_capacity_argument(parser)
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
     parser.add_argument("--min-gpus", action="store_true", help="find the fewest GPUs that can train the model")
     parser.add_argument("--top", type=positive_int, default=5, help="plans to show (default 5)")
@@ -169,6 +174,14 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     expert_parallel = _degrees(args.ep, "--ep")
     if expert_parallel != (1,) and model.family != "moe":
         raise CliError(f"--ep {args.ep}: expert parallelism splits mixture-of-experts layers; {model.name} has none")
+    tensor_parallel = _degrees(args.tp or ("1" if model.capacity_factor else DEFAULT_TP), "--tp")
+    model_parallel = {"--tp": tensor_parallel, "--cp": _degrees(args.cp, "--cp"), "--pp": _degrees(args.pp, "--pp")}
+    split = [f"{flag} {','.join(map(str, degrees))}" for flag, degrees in model_parallel.items() if degrees != (1,)]
+    if model.capacity_factor and split:
+        raise CliError(
+            f"--capacity-factor {model.capacity_factor:g} with {' '.join(split)}: the capacity rule is modelled with "
+            "data and expert parallelism only; search --tp 1 (the default under it), --cp 1 and --pp 1"
+        )
     return PlanRequest(
         model=model,
         gpu=gpu,
@@ -184,9 +197,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         offloads=_choices(args.offload, OFFLOADS, "--offload"),
         checkpointing=_choices(args.checkpointing, CHECKPOINTING_ORDER, "--checkpointing"),
         max_micro_batch=args.max_micro_batch,
-        tensor_parallel=_degrees(args.tp, "--tp"),
-        context_parallel=_degrees(args.cp, "--cp"),
-        pipeline_parallel=_degrees(args.pp, "--pp"),
+        tensor_parallel=tensor_parallel,
+        context_parallel=model_parallel["--cp"],
+        pipeline_parallel=model_parallel["--pp"],
         pipeline_schedules=_choices(args.pp_schedule, PIPELINE_SCHEDULES, "--pp-schedule"),
         virtual_stages=_virtual_stages(args.pp_virtual_stages),
         expert_parallel=expert_parallel,
@@ -207,8 +220,10 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
         if request.global_batch_tokens
         else "one sequence per GPU"
     )
+    routing = f", capacity factor {request.model.capacity_factor:g}" if request.model.capacity_factor else ""
     lines = [
-        f"{request.model.name} ({format_count(count_parameters(request.model))} parameters) on {request.gpu.name}, "
+        f"{request.model.name} ({format_count(count_parameters(request.model))} parameters{routing}) on "
+        f"{request.gpu.name}, "
         f"sequence {request.sequence_length}, {batch}; budget {format_bytes(request.budget_bytes, units)} per GPU "
         f"({request.headroom:.0%} headroom), up to {request.max_gpus} GPUs",
         f"searched {stats.candidates} candidates: {stats.memory_evaluations} memory estimates, {stats.fitting} fit, "

@@ -192,14 +192,7 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         "data-parallel shard x cp GPUs, or ddp's replicas (default 1; estimated, and run by --engine paper without "
         "tp, cp or pp)",
     )
-    parser.add_argument(
-        "--capacity-factor",
-        type=float,
-        default=0.0,
-        metavar="F",
-        help="MoE models: each expert takes ceil(F x seq-len x top-k / experts) rows per sequence, padded, and drops "
-        "the routed tokens past them (GShard's capacity rule); 0, the default, routes dropless",
-    )
+    add_capacity_argument(parser)
     parser.add_argument(
         "--pp",
         type=positive_int,
@@ -224,6 +217,18 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,...",
         help="transformer layers of each pipeline stage, first to last (default: torchtitan's split, which counts "
         "the embeddings and the output head as one layer each)",
+    )
+
+
+def add_capacity_argument(parser: argparse.ArgumentParser) -> None:
+    """--capacity-factor: an MoE model's capacity rule (ModelSpec.capacity_factor), applied by model_from_args."""
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="MoE models: each expert takes ceil(F x seq-len x top-k / experts) rows per sequence, padded, and drops "
+        "the routed tokens past them (GShard's capacity rule); 0, the default, routes dropless",
     )
 
 
