@@ -281,32 +281,20 @@ def _build(
 
 
 def merged_runs(block: ModelParallelTasks, first: int) -> ModelParallelTasks:
-    """`block` (its first task at index `first`) with each run of calls that follow one another at one place (a
-    stage's tensor-parallel calls, a dozen per block) as one task, its calls' durations kept in `runs`: the timeline
-    adds them to the run's start one by one, so the step comes out the same to the last bit from a graph of half
-    the tasks. Each call of a run starts when the one before it ends (it starts after it, on the same stream, and
-    comes next in issue order: same key, next index); what waits for one call of a run waits for the next one too,
-    and no part of either is hidden (ring attention's, which a waiting stage subtracts from the call's end), so
-    what followed or waited for the run's calls waits for its end. Its costs stay one per call."""
+    """`block` (its first task at index `first`) with each run of calls at one place (a stage's tensor-parallel
+    calls, a dozen per block) as one task, its calls' durations kept in `runs`: the timeline adds them to the run's
+    start one by one, so the step comes out the same to the last bit from a graph of half the tasks. A call made at
+    the place of the call before it starts after it (`timeline_tasks._comm_order` chains them), and shares its issue
+    key, its stream ('model_parallel', every model-parallel group's), the compute task that waits for it and the
+    tasks it starts after (`timeline_tasks._placement`): so it comes next in issue order and starts when the one
+    before it ends, and the run ends at its first call's start plus their durations. Calls with a part hidden (ring
+    attention's, which a waiting stage subtracts from each call's end) stay apart. Its costs stay one per call."""
     tasks, hidden = block.tasks, block.hidden
-    waiters: dict[int, set[int]] = {}
-    for consumer, positions in block.waits:
-        for position in positions:
-            waiters.setdefault(position, set()).add(consumer)
     runs: list[list[int]] = []  # block indices, a run each
     for index, task in enumerate(tasks):
         position = first + index
-        before = tasks[index - 1]
-        if (
-            index
-            and task.key == before.key
-            and task.stream == before.stream
-            and task.after[-1:] == (position - 1,)
-            and set(task.after[:-1]) <= set(before.after)
-            and waiters.get(position - 1, set()) <= waiters.get(position, set())
-            and position - 1 not in hidden
-            and position not in hidden
-        ):
+        chained = index and task.after[-1:] == (position - 1,)
+        if chained and position - 1 not in hidden and position not in hidden:
             runs[-1].append(index)
         else:
             runs.append([index])
