@@ -253,8 +253,7 @@ class StepTotals(NamedTuple):
 
 def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
     """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run
-    from half the tasks (`core.step_graph.merged_runs`), summed in the same order (host copies in start order, as
-    TimeEstimate.host_copy_s reads its schedule)."""
+    from half the tasks (`core.step_graph.merged_runs`), summed in the same order (host copies in start order)."""
     run = _run(scenario, profile, merged=True)
     step, compute_busy, comm, wire = _totals(run)
     tasks, starts = run.tasks, run.starts
