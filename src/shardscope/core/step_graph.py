@@ -167,7 +167,7 @@ def _issued_before(key: float, tasks: list[Task], first: int) -> Iterator[int]:
 
 
 _KEY = itemgetter(0)  # Task.key
-_DURATION = itemgetter(4)  # Task.duration_s
+_DURATION, _PAYLOAD = itemgetter(4), itemgetter(5)  # Task.duration_s, Task.payload_bytes
 
 
 class ModelParallelTasks(NamedTuple):
@@ -290,33 +290,32 @@ def merged_runs(block: ModelParallelTasks, first: int) -> ModelParallelTasks:
     before it ends, and the run ends at its first call's start plus their durations. Calls with a part hidden (ring
     attention's, which a waiting stage subtracts from each call's end) stay apart. Its costs stay one per call."""
     tasks, hidden = block.tasks, block.hidden
-    runs: list[list[int]] = []  # block indices, a run each
-    for index, task in enumerate(tasks):
-        position = first + index
-        chained = index and task.after[-1:] == (position - 1,)
-        if chained and position - 1 not in hidden and position not in hidden:
-            runs[-1].append(index)
-        else:
-            runs.append([index])
-    merged_at = {first + index: first + run_index for run_index, run in enumerate(runs) for index in run}
+    starts = [  # where each run starts: a call not chained to the one before it, or either with a part hidden
+        index
+        for index, task in enumerate(tasks)
+        if not (index and task.after and task.after[-1] == first + index - 1)
+        or (hidden and (first + index - 1 in hidden or first + index in hidden))
+    ]
+    bounds = list(zip(starts, [*starts[1:], len(tasks)], strict=True))
+    merged_at = {first + index: first + run for run, (start, end) in enumerate(bounds) for index in range(start, end)}
+    durations = [tuple(map(_DURATION, tasks[start:end])) for start, end in bounds]
+    merged = []
+    for (start, end), seconds in zip(bounds, durations, strict=True):
+        task = tasks[start]
+        after = task.after  # compute tasks, then the call it is chained to (hidden, or the data-parallel ones')
+        if after and after[-1] >= first:
+            after = (*after[:-1], merged_at[after[-1]])
+        payload = sum(map(_PAYLOAD, tasks[start:end]))
+        merged.append(Task(task.key, task.name, task.stream, task.category, sum(seconds), payload, after))
 
     def moved(positions: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(merged_at.get(position, position) for position in positions))
+        return tuple(dict.fromkeys(map(merged_at.__getitem__, positions)))
 
-    durations = [tuple(tasks[index].duration_s for index in run) for run in runs]
-    merged = tuple(
-        tasks[run[0]]._replace(
-            duration_s=sum(seconds),
-            payload_bytes=sum(tasks[index].payload_bytes for index in run),
-            after=moved(tasks[run[0]].after),
-        )
-        for run, seconds in zip(runs, durations, strict=True)
-    )
     return block._replace(
-        tasks=merged,
+        tasks=tuple(merged),
         waits=tuple((consumer, moved(positions)) for consumer, positions in block.waits),
         before_optimizer=moved(block.before_optimizer),
         hidden={merged_at[index]: seconds for index, seconds in hidden.items()},
-        runs={first + run_index: seconds for run_index, seconds in enumerate(durations) if len(seconds) > 1},
+        runs={first + run: seconds for run, seconds in enumerate(durations) if len(seconds) > 1},
         call_seconds=tuple(map(_DURATION, tasks)),
     )
