@@ -88,8 +88,8 @@ def test_the_planner_runs_each_run_of_model_parallel_calls_as_one_task(case: Sce
     calls = every.tasks[every.computes :]
     assert merged.tasks[: merged.computes] == every.tasks[: every.computes]
     assert len(merged.tasks) - len(merged.runs) + sum(map(len, merged.runs.values())) == len(every.tasks)
-    assert merged.call_seconds == tuple(task.duration_s for task in calls)
     if case.strategy.tp > 1:  # a stage's tensor-parallel calls follow one another; ring attention's stay apart
         assert len(merged.tasks) < 0.8 * len(every.tasks)
+        assert merged.call_seconds == tuple(task.duration_s for task in calls)
     else:
-        assert merged.tasks == every.tasks and not merged.runs
+        assert merged.tasks == every.tasks and not merged.runs and not merged.call_seconds

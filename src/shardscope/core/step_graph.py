@@ -63,8 +63,8 @@ class StepGraph(NamedTuple):
     """Of a merged graph (`merged_runs`), the durations of the calls each task that stands for a run of calls runs,
     in order, by task index; empty otherwise."""
     call_seconds: tuple[float, ...]
-    """Of a merged graph, every call's duration in the order of the graph of every call (what the step's
-    communication time sums, in that order); empty otherwise."""
+    """Of a graph with `runs`, every call's duration in the order of the graph of every call (what the step's
+    communication time sums, in that order); empty otherwise (every task is one call)."""
 
 
 EventPlacement = Callable[[Scenario, tuple[CommEvent, ...]], tuple[CommEvent, ...]]
@@ -126,7 +126,7 @@ def step_graph(
         hidden=shared.hidden,
         runs=shared.runs,
         call_seconds=tuple(chain(map(_DURATION, before.tasks), shared.call_seconds, map(_DURATION, after.tasks)))
-        if merged
+        if shared.runs
         else (),
     )
 
