@@ -35,9 +35,12 @@ SERIAL = dataclasses.replace(  # no overlap, a wait at every blocking call, comp
 )
 
 
-def rebuilt(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepGraph:
+def rebuilt(
+    scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None, merged: bool = False
+) -> StepGraph:
     """The step's task graph with every call and compute task built again, the calls in one run of
-    `comm_events` (the data-parallel ones as a pipeline rank's `placement` places them)."""
+    `comm_events` (the data-parallel ones as a pipeline rank's `placement` places them); never `merged`, so the
+    planner's steps (`step_totals`, which merges runs of calls: `merged_runs`) are held to the graph of every call."""
     model_parallel_comm._calls.clear()
     timeline_tasks._stage_tasks.clear()
     timeline_tasks._comm_orders.clear()
@@ -56,7 +59,7 @@ def rebuilt(scenario: Scenario, profile: HardwareProfile, placement: EventPlacem
     optimizer = where[("optimizer", 0, -1)]
     waits[optimizer] = [computes + index for index, task in enumerate(built.tasks) if task.key < optimizer]
     hidden = {computes + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()}
-    return StepGraph(events, costs, compute, compute_tasks + built.tasks, computes, waits, hidden)
+    return StepGraph(events, costs, compute, compute_tasks + built.tasks, computes, waits, hidden, {}, ())
 
 
 CASES = [

@@ -78,3 +78,18 @@ def test_the_run_issues_by_key_then_index_and_starts_each_task_when_its_stream_a
         assert run.starts[index] == max([free[stream], *ready])
         free[stream] = run.finish[index]
         assert run.finish[index] == run.starts[index] + task.duration_s
+
+
+@pytest.mark.parametrize("case", CASES[8:], ids=lambda case: f"{case.model.name}-{case.strategy.label}")
+def test_the_planner_runs_each_run_of_model_parallel_calls_as_one_task(case: Scenario) -> None:
+    # `step_totals` runs the merged graph (`core.step_graph.merged_runs`), which the tests above hold to `simulate`:
+    # it stands for every call, in the same order, with far fewer tasks to run
+    merged, every = step_graph(case, H100, merged=True), step_graph(case, H100)
+    calls = every.tasks[every.computes :]
+    assert merged.tasks[: merged.computes] == every.tasks[: every.computes]
+    assert len(merged.tasks) - len(merged.runs) + sum(map(len, merged.runs.values())) == len(every.tasks)
+    if case.strategy.tp > 1:  # a stage's tensor-parallel calls follow one another; ring attention's stay apart
+        assert len(merged.tasks) < 0.8 * len(every.tasks)
+        assert merged.call_seconds == tuple(task.duration_s for task in calls)
+    else:
+        assert merged.tasks == every.tasks and not merged.runs and not merged.call_seconds

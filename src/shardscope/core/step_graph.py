@@ -17,7 +17,7 @@ place of the last one: a call at the same place waits for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from itertools import compress, count, repeat
+from itertools import chain, compress, count, repeat
 from operator import attrgetter, itemgetter, lt
 from typing import NamedTuple, get_args
 
@@ -59,14 +59,24 @@ class StepGraph(NamedTuple):
     """The calls each compute task waits for (the optimizer step every call issued before it)."""
     hidden: dict[int, float]
     """Seconds of each ring-attention call hidden behind its attention, by task index."""
+    runs: dict[int, tuple[float, ...]]
+    """Of a merged graph (`merged_runs`), the durations of the calls each task that stands for a run of calls runs,
+    in order, by task index; empty otherwise."""
+    call_seconds: tuple[float, ...]
+    """Of a graph with `runs`, every call's duration in the order of the graph of every call (what the step's
+    communication time sums, in that order); empty otherwise (every task is one call)."""
 
 
 EventPlacement = Callable[[Scenario, tuple[CommEvent, ...]], tuple[CommEvent, ...]]
 """What a pipeline rank makes of the data-parallel calls of its model without a pipeline (`core.pipeline_time`)."""
 
 
-def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> StepGraph:
-    """The scenario's step as tasks for the timeline, its data-parallel calls as `placement` places them."""
+def step_graph(
+    scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None, merged: bool = False
+) -> StepGraph:
+    """The scenario's step as tasks for the timeline, its data-parallel calls as `placement` places them; `merged`:
+    each run of model-parallel calls at one place as one task (`merged_runs`: the same step in exact
+    arithmetic, from a graph of half the tasks, so its events and costs no longer match its tasks one to one)."""
     data_parallel, model_parallel, offload = comm_event_parts(scenario)  # refuses a model without a shape first
     if placement is not None:
         data_parallel = placement(scenario, data_parallel)
@@ -83,7 +93,9 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
     before = build_comm_tasks(
         data_parallel, own_costs[:split], where, sync_wait_s, asynchronous[:split], waits, computes
     )
-    shared = model_parallel_tasks(scenario, profile, compute, model_parallel, where, computes + split, before.previous)
+    shared = model_parallel_tasks(
+        scenario, profile, compute, model_parallel, where, computes + split, before.previous, merged
+    )
     for consumer, positions in shared.waits:
         waits.setdefault(consumer, []).extend(positions)
     offload_first = computes + split + len(shared.tasks)
@@ -112,6 +124,10 @@ def step_graph(scenario: Scenario, profile: HardwareProfile, placement: EventPla
         computes=computes,
         waits=waits,
         hidden=shared.hidden,
+        runs=shared.runs,
+        call_seconds=tuple(chain(map(_DURATION, before.tasks), shared.call_seconds, map(_DURATION, after.tasks)))
+        if shared.runs
+        else (),
     )
 
 
@@ -151,6 +167,7 @@ def _issued_before(key: float, tasks: list[Task], first: int) -> Iterator[int]:
 
 
 _KEY = itemgetter(0)  # Task.key
+_DURATION, _PAYLOAD = itemgetter(4), itemgetter(5)  # Task.duration_s, Task.payload_bytes
 
 
 class ModelParallelTasks(NamedTuple):
@@ -166,6 +183,10 @@ class ModelParallelTasks(NamedTuple):
     """Seconds of each ring-attention call hidden behind its attention, by task index."""
     previous: Place | None
     """The place of the last call."""
+    runs: dict[int, tuple[float, ...]]
+    """The durations of the calls of each task that stands for a run of them (`merged_runs`), by task index."""
+    call_seconds: tuple[float, ...]
+    """Every call's duration, in order, once merged (`merged_runs`); empty before."""
 
 
 _built: dict[tuple[object, ...], dict[int, ModelParallelTasks]] = {}
@@ -180,14 +201,16 @@ def model_parallel_tasks(
     where: dict[tuple[str, int, int], int],
     first: int,
     previous: Place | None,
+    merged: bool = False,
 ) -> ModelParallelTasks:
     """The tasks of `events` (the scenario's `model_parallel_calls`), the first at index `first`, after a call at
     `previous`; `where` places the step's compute tasks (`build_compute_tasks`). Kept per shape: the key holds
     everything they read of the scenario (the shape of the calls, which fixes the compute tasks' places, and what
     prices them: the GPU, the backend, the ranks on a node and the hardware profile); a shape placed at another
-    index is moved there (`_moved`), not built again."""
+    index is moved there (`_moved`), not built again. `merged`: each run of calls at one place as one task
+    (`merged_runs`), kept apart from the tasks of every call."""
     if not events:
-        return ModelParallelTasks((), (), (), (), {}, previous)
+        return ModelParallelTasks((), (), (), (), {}, previous, {}, ())
     opening = events[0]
     rules = rules_for(scenario)
     cluster = scenario.cluster
@@ -198,6 +221,7 @@ def model_parallel_tasks(
         cluster.ranks_per_node,
         profile,
         previous == (opening.micro_batch, opening.stage, opening.trigger),
+        merged,
     )
     placed = kept(_built, key, dict, CACHED_SHAPES)
     found = placed.get(first)
@@ -207,6 +231,8 @@ def model_parallel_tasks(
             found = _moved(block, first - known, where[("optimizer", 0, -1)] + 1)
         else:
             found = _build(scenario, profile, compute, events, where, first, previous)
+            if merged:
+                found = merged_runs(found, first)
         placed[first] = found
     return found
 
@@ -224,6 +250,7 @@ def _moved(block: ModelParallelTasks, by: int, computes: int) -> ModelParallelTa
         waits=tuple((consumer, tuple(position + by for position in positions)) for consumer, positions in block.waits),
         before_optimizer=tuple(position + by for position in block.before_optimizer),
         hidden={index + by: seconds for index, seconds in block.hidden.items()},
+        runs={index + by: durations for index, durations in block.runs.items()},
     )
 
 
@@ -248,4 +275,47 @@ def _build(
         before_optimizer=tuple(first + index for index, task in enumerate(built.tasks) if task.key < optimizer),
         hidden={first + index: s for index, s in hidden_exchange(scenario, compute, events, costs).items()},
         previous=built.previous,
+        runs={},
+        call_seconds=(),
+    )
+
+
+def merged_runs(block: ModelParallelTasks, first: int) -> ModelParallelTasks:
+    """`block` (its first task at index `first`) with each run of calls at one place (a stage's tensor-parallel
+    calls, a dozen per block) as one task, its calls' durations kept in `runs`: the timeline adds them to the run's
+    start one by one, so the step comes out the same to the last bit from a graph of half the tasks. A call made at
+    the place of the call before it starts after it (`timeline_tasks._comm_order` chains them), and shares its issue
+    key, its stream ('model_parallel', every model-parallel group's), the compute task that waits for it and the
+    tasks it starts after (`timeline_tasks._placement`): so it comes next in issue order and starts when the one
+    before it ends, and the run ends at its first call's start plus their durations. Calls with a part hidden (ring
+    attention's, which a waiting stage subtracts from each call's end) stay apart. Its costs stay one per call."""
+    tasks, hidden = block.tasks, block.hidden
+    starts = [  # where each run starts: a call not chained to the one before it, or either with a part hidden
+        index
+        for index, task in enumerate(tasks)
+        if not (index and task.after and task.after[-1] == first + index - 1)
+        or (hidden and (first + index - 1 in hidden or first + index in hidden))
+    ]
+    bounds = list(zip(starts, [*starts[1:], len(tasks)], strict=True))
+    merged_at = {first + index: first + run for run, (start, end) in enumerate(bounds) for index in range(start, end)}
+    durations = [tuple(map(_DURATION, tasks[start:end])) for start, end in bounds]
+    merged = []
+    for (start, end), seconds in zip(bounds, durations, strict=True):
+        task = tasks[start]
+        after = task.after  # compute tasks, then the call it is chained to (hidden, or the data-parallel ones')
+        if after and after[-1] >= first:
+            after = (*after[:-1], merged_at[after[-1]])
+        payload = sum(map(_PAYLOAD, tasks[start:end]))
+        merged.append(Task(task.key, task.name, task.stream, task.category, sum(seconds), payload, after))
+
+    def moved(positions: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(map(merged_at.__getitem__, positions)))
+
+    return block._replace(
+        tasks=tuple(merged),
+        waits=tuple((consumer, moved(positions)) for consumer, positions in block.waits),
+        before_optimizer=moved(block.before_optimizer),
+        hidden={merged_at[index]: seconds for index, seconds in hidden.items()},
+        runs={first + run: seconds for run, seconds in enumerate(durations) if len(seconds) > 1},
+        call_seconds=tuple(map(_DURATION, tasks)),
     )

@@ -149,12 +149,15 @@ class _Run(NamedTuple):
     order: list[int]  # issue order
     starts: list[float]  # start of each task, by index
     finish: list[float]  # end of each task, by index
+    call_seconds: tuple[float, ...]  # `StepGraph.call_seconds`
 
 
-def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None) -> _Run:
-    """Run the step's tasks through the streams."""
-    graph = step_graph(scenario, profile, placement)
-    tasks, computes, waits, hidden = graph.tasks, graph.computes, graph.waits, graph.hidden
+def _run(
+    scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None, merged: bool = False
+) -> _Run:
+    """Run the step's tasks through the streams (`merged`: its graph with runs of calls as one task, `step_graph`)."""
+    graph = step_graph(scenario, profile, placement, merged)
+    tasks, computes, waits, hidden, runs = graph.tasks, graph.computes, graph.waits, graph.hidden, graph.runs
     # Issue order: by key, then by index (the sort is stable), so compute, listed first, before communication
     # issued at the same key. The keys as floats (compute tasks' are ints, exact as floats): a sort of one type
     # compares floats directly, one of ints and floats goes through the generic comparison, a third slower.
@@ -181,8 +184,13 @@ def _run(scenario: Scenario, profile: HardwareProfile, placement: EventPlacement
                 if ready > start:
                     start = ready
         starts[index] = start
-        finish[index] = free[stream] = start + duration
-    return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish)
+        if runs and index in runs:  # a run of calls: each call's duration added in turn, as its own task would
+            for duration in runs[index]:
+                start += duration
+            finish[index] = free[stream] = start
+        else:
+            finish[index] = free[stream] = start + duration
+    return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish, graph.call_seconds)
 
 
 def _totals(run: _Run) -> tuple[float, float, float, int]:
@@ -190,7 +198,7 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
     tasks, computes = run.tasks, run.computes
     step = max(run.finish, default=0.0)
     compute_busy = sum(map(_DURATION, tasks[:computes]))  # summed in task order, as every total of the step
-    comm = sum(map(_DURATION, tasks[computes:]))
+    comm = sum(run.call_seconds or map(_DURATION, tasks[computes:]))  # every call's own, as `simulate` sums them
     return step, compute_busy, comm, round(sum(map(_WIRE_BYTES, run.costs)))
 
 
@@ -244,9 +252,9 @@ class StepTotals(NamedTuple):
 
 
 def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
-    """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run,
-    summed in the same order (host copies in start order, as TimeEstimate.host_copy_s reads its schedule)."""
-    run = _run(scenario, profile)
+    """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run
+    from half the tasks (`core.step_graph.merged_runs`), summed in the same order (host copies in start order)."""
+    run = _run(scenario, profile, merged=True)
     step, compute_busy, comm, wire = _totals(run)
     tasks, starts = run.tasks, run.starts
     # The host copies in index order, filtered at C speed (a step has a thousand tasks and a few copies), then in
