@@ -29,7 +29,12 @@ from shardscope.choices import (
     require_int,
 )
 from shardscope.mesh import MeshError, Parallelism, data_parallel_mesh
-from shardscope.strategy import Strategy, require_expert_shape, require_pipeline_shape
+from shardscope.strategy import (
+    Strategy,
+    require_expert_shape,
+    require_model_parallel_shape,
+    require_pipeline_shape,
+)
 
 __all__ = [
     "ClusterSpec",
@@ -339,7 +344,7 @@ class Scenario:
         )
         object.__setattr__(self, "parallelism", mesh)
         if tp > 1 or cp > 1:
-            _require_model_parallel_shape(self.model, self.training, strategy)
+            require_model_parallel_shape(self.model, self.training.sequence_length, strategy)
         if pp > 1 or strategy.pp_layers:
             require_pipeline_shape(self.model, self.training.grad_accum_steps, strategy)
         if strategy.ep > 1:
@@ -393,29 +398,3 @@ class Scenario:
                 f"inter-node link",
             )
         return ()
-
-
-def _require_model_parallel_shape(model: ModelSpec, training: TrainingSpec, strategy: Strategy) -> None:
-    """SpecError naming the values when tp does not divide the heads, the KV heads, the FFN width or the
-    vocabulary, or cp does not split the sequence into 2 x cp equal chunks (load-balanced ring attention)."""
-    if not model.has_shape:
-        raise SpecError(
-            f"Strategy.tp={strategy.tp}, cp={strategy.cp} needs the model's shape; {model.name!r} has only a "
-            f"parameter count (give --model or --config)"
-        )
-    tp = strategy.tp
-    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
-        value = getattr(model, name)
-        if value % tp:
-            raise SpecError(f"Strategy.tp={tp} must divide {model.name}'s {name}={value}")
-    cp, sequence = strategy.cp, training.sequence_length
-    if sequence % (2 * cp):
-        raise SpecError(
-            f"Strategy.cp={cp} must split sequence_length={sequence} into 2 x cp = {2 * cp} equal chunks "
-            f"(load-balanced ring attention)"
-        )
-    if strategy.uses_sequence_parallel and sequence % (tp * cp):
-        raise SpecError(
-            f"sequence parallelism splits each rank's {sequence // cp} tokens over tp={tp}: sequence_length={sequence} "
-            f"must be a multiple of cp x tp = {cp * tp}"
-        )

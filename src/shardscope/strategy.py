@@ -180,6 +180,32 @@ def _require_pipeline(strategy: Strategy) -> None:
         )
 
 
+def require_model_parallel_shape(model: ModelSpec, sequence_length: int, strategy: Strategy) -> None:
+    """SpecError naming the values when tp does not divide the heads, the KV heads, the FFN width or the
+    vocabulary, or cp does not split the sequence into 2 x cp equal chunks (load-balanced ring attention)."""
+    if not model.has_shape:
+        raise SpecError(
+            f"Strategy.tp={strategy.tp}, cp={strategy.cp} needs the model's shape; {model.name!r} has only a "
+            f"parameter count (give --model or --config)"
+        )
+    tp = strategy.tp
+    for name in ("num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"):
+        value = getattr(model, name)
+        if value % tp:
+            raise SpecError(f"Strategy.tp={tp} must divide {model.name}'s {name}={value}")
+    cp, sequence = strategy.cp, sequence_length
+    if sequence % (2 * cp):
+        raise SpecError(
+            f"Strategy.cp={cp} must split sequence_length={sequence} into 2 x cp = {2 * cp} equal chunks "
+            f"(load-balanced ring attention)"
+        )
+    if strategy.uses_sequence_parallel and sequence % (tp * cp):
+        raise SpecError(
+            f"sequence parallelism splits each rank's {sequence // cp} tokens over tp={tp}: sequence_length={sequence} "
+            f"must be a multiple of cp x tp = {cp * tp}"
+        )
+
+
 def require_pipeline_shape(model: ModelSpec, micro_batches: int, strategy: Strategy) -> None:
     """SpecError naming the values when the model's layers cannot fill the pipeline's stages, `pp_layers` does not
     add up to them, or the micro-batches (the gradient accumulation steps) break a constraint that torch's schedule
