@@ -86,17 +86,19 @@ def test_autocast_over_fp32_weights(model_name: str, attention: str, checkpointi
     ("top_k", "factor", "precision", "autocast", "checkpointing"),
     [
         (top_k, factor, precision, autocast, checkpointing)
-        for top_k, factor in ((2, 1.25), (1, 0.75))
+        for top_k, factor in ((2, 1.25), (1, 0.75), (1, 0.0))
         for precision, autocast in (("fp32", False), ("bf16-mixed", False), ("bf16-mixed", True))
         for checkpointing in ("none", "full", "selective", "every:2")
     ],
 )
-def test_the_capacity_rule(top_k: int, factor: float, precision: str, autocast: bool, checkpointing: str) -> None:
+def test_top_1_and_the_capacity_rule(
+    top_k: int, factor: float, precision: str, autocast: bool, checkpointing: str
+) -> None:
     # tiny-moe under GShard's capacity rule, top-2 (4 experts x 2 sequences x ceil(1.25 x 32 x 2 / 4) = 20 padded
     # rows each) and top-1 with tokens dropped (4 x 2 x ceil(0.75 x 32 / 4) = 6 rows each, of 16 an even share
-    # would bring)
+    # would bring); and top-1 dropless (64 rows in all, which routing shares out)
     spec = replace(model_preset("tiny-moe"), experts_per_token=top_k, capacity_factor=factor)
     training = TrainingSpec(micro_batch_size=2, sequence_length=32, precision=precision, checkpointing=checkpointing)
-    assert spec.expert_rows(2, 32) == {2: 160, 1: 48}[top_k]
+    assert spec.expert_rows(2, 32) == {(2, 1.25): 160, (1, 0.75): 48, (1, 0.0): 64}[(top_k, factor)]
     predicted = estimate_activations(spec, training, autocast=autocast).saved_bytes
     assert predicted == saved_bytes(spec, training, autocast=autocast)

@@ -251,16 +251,12 @@ def _autocast_extra(model: ModelSpec, training: TrainingSpec, sizes: Sizes, shar
     rope = 2 * training.sequence_length // share.cp * model.head_dim * widen if keeps_rope else 0
     # Checkpointing the attention core also keeps the 16-bit casts of its rotated q and k (measured).
     selective = sizes.query + sizes.kv if training.checkpointing == "selective" else 0
-    # MoE: each routed token's output is weighted in fp32 (measured: 1.5 bytes more per element per widened byte).
-    routed = sizes.tokens * model.experts_per_token * model.hidden_size * 3 * widen // 2
-    if model.capacity_factor:
-        # The capacity rule: each expert's gate and up projections cast its rows to 16 bits apart (two copies, one
-        # counted), and the routed copies' outputs are read back from the buffer in fp32; in a block, one tokens x
-        # hidden 16-bit tensor fewer than the MoE layer alone holds (measured with saved_tensors_hooks, both ways:
-        # tests/validate/test_activation_accounting.py holds the block's count).
-        copies = sizes.tokens * model.experts_per_token
-        routed = (sizes.expert_rows - sizes.tokens) * model.hidden_size * sizes.element
-        routed += copies * model.hidden_size * widen
+    # MoE: each expert's gate and up projections cast its rows to 16 bits apart (two copies, one counted), and each
+    # routed copy's output is weighted in fp32; in a block, one tokens x hidden 16-bit tensor fewer than the MoE
+    # layer alone holds (measured with saved_tensors_hooks, both ways; tests/validate/test_activation_accounting.py
+    # holds the block's count for top-1 and top-2, dropless and under the capacity rule).
+    routed = (sizes.expert_rows - sizes.tokens) * model.hidden_size * sizes.element if model.num_experts else 0
+    routed += sizes.tokens * model.experts_per_token * model.hidden_size * widen
     # Three more tokens x hidden 16-bit tensors around the rotated q and k: split with the heads.
     rotary = 3 * sizes.tokens * (model.hidden_size // share.tp) * sizes.element
     return block_weights + rotary + selective + routed, boundary, head_weight + rope
