@@ -27,7 +27,7 @@ from shardscope.choices import checkpointed_blocks
 from shardscope.core.compute import ComputeModel, head_matrices, rank_stage_flops
 from shardscope.core.op_checkpointing import recomputed_linears
 from shardscope.core.params import ParamTensor, param_layout
-from shardscope.core.rank_share import WHOLE, RankShare, rank_share
+from shardscope.core.rank_share import RankShare, rank_share
 from shardscope.presets.kernels import KernelCeilings
 from shardscope.specs import ModelSpec, Scenario
 
@@ -96,13 +96,13 @@ def attention_core_s(scenario: Scenario, compute: ComputeModel, ceilings: Kernel
     return forward + scores_bytes / streaming, backward + 2 * scores_bytes / streaming
 
 
-def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare = WHOLE, expert_rows: int = 0) -> float:
+def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare, expert_rows: int) -> float:
     """Bytes the memory-bound ops of one block move in forward: two norms (read and write h), two residual adds
     (read 2h, write h), and the MLP's activation (GELU: read and write the ffn width; SwiGLU: read gate and up,
     write one); llama-family blocks add rotary embeddings on q and k, and MoE blocks run the activation once per
     routed expert and combine the experts' outputs. `tokens` are the rank's; its norms and residual adds run on
     1/tp of them under sequence parallelism, and its activation and rotary embeddings on 1/tp of the widths.
-    `expert_rows`: the rows an MoE layer's experts run on (ModelSpec.expert_rows; tokens x top-k when 0)."""
+    `expert_rows`: the rows an MoE layer's experts run on (ModelSpec.expert_rows)."""
     hidden, ffn, tp = model.hidden_size, model.ffn_hidden_size // share.tp, share.tp
     boundary = (4 * hidden + 6 * hidden) * (tokens // share.boundary_split)
     elements = 0
@@ -110,7 +110,7 @@ def block_elementwise_bytes(model: ModelSpec, tokens: int, share: RankShare = WH
         elements += 2 * ffn * tokens
     else:
         elements += 2 * (model.num_heads // tp + model.num_kv_heads // tp) * model.head_dim * tokens
-        activation_rows = (expert_rows or tokens * model.experts_per_token) if model.num_experts else tokens
+        activation_rows = expert_rows if model.num_experts else tokens
         elements += 3 * ffn * activation_rows
         if model.num_experts:
             elements += (model.experts_per_token + 1) * hidden * tokens
@@ -125,7 +125,8 @@ def _linears_s(
     model, tokens = scenario.model, scenario.training.tokens_per_micro_batch // scenario.strategy.cp
     routed = math.ceil(tokens * model.experts_per_token / max(1, model.num_experts))
     if model.capacity_factor:  # each expert runs on its padded capacity rows
-        routed = scenario.training.micro_batch_size * model.expert_capacity(scenario.training.sequence_length)
+        training = scenario.training
+        routed = model.expert_rows(training.micro_batch_size, training.sequence_length) // model.num_experts
     forward = backward = 0.0
     for tensor in tensors:
         if len(tensor.shape) == 2:
