@@ -265,13 +265,14 @@ CASES: list[tuple[list[str], str]] = [
     ),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp", "2,x"], "--pp '2,x' must be"),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--pp-schedule", "2f2b"], "'2f2b' is not known"),
-    # expert parallelism: validated; predicted by estimate, run by the paper engine inside the data-parallel
-    # strategies (without tp, cp or pp), refused by the commands that do not take it yet
+    # expert parallelism: validated; predicted by estimate, timeline and report, run by the paper engine inside the
+    # data-parallel strategies (without tp, cp or pp), refused by trace (torch has no engine for it to replay)
     (["estimate", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
     (["estimate", "--model", "mixtral-8x7b", "--strategy", "hsdp", "--shard-group", "1", "--ep", "2"], "shard group 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "32", "--strategy", "fsdp", "--ep", "16"], "num_experts=8"),
-    (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "trace comes later"),
-    (["timeline", "--model", "mixtral-8x7b", "--strategy", "fsdp", "--ep", "2"], "timeline comes later"),
+    (["trace", "--model", "tiny-moe", "--gpus", "4", "--strategy", "fsdp", "--ep", "2"], "no expert parallelism"),
+    (["timeline", "--model", "llama-3-8b", "--strategy", "fsdp", "--ep", "2"], "'llama-3-8b' is a 'llama' model"),
+    (["report", "--model", "mixtral-8x7b", "--gpus", "8", "--ep", "16"], "ep 16 must divide"),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "1M", "--ep", "1,2"], "llama-3-8b has none"),
     (
         ["run", "--model", "tiny-moe", "--world-size", "4", "--ep", "2", "--cp", "2"],

@@ -54,7 +54,7 @@ def test_the_readme_shows_each_command_it_explains() -> None:
 
 def test_the_guide_shows_its_examples() -> None:
     guide = [example.subcommand for example in SCRIPT.find_examples(DOCUMENT_LINES["guide.md"])]
-    assert guide.count("estimate") == 11 and guide.count("plan") == 4 and guide.count("run") == 4
+    assert guide.count("estimate") == 11 and guide.count("plan") == 5 and guide.count("run") == 4
     assert guide.count("timeline") == 2 and guide.count("report") == 2
     # the guide's loops over schedules, ep degrees and capacity factors, and its two jq over the ledger
     assert len(SHELL_EXAMPLES) == 5

@@ -37,8 +37,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     are not imported), which keeps a command's start-up to its own imports."""
     parser = OneLineParser(
         prog="shardscope",
-        description="Per-rank memory, communication and step time of DDP, ZeRO-1/2/3, FSDP and HSDP: "
-        "predicted, replayed on fake tensors, and measured on torch.distributed.",
+        description="Per-rank memory, communication and step time of DDP, ZeRO-1/2/3, FSDP and HSDP, with tensor, "
+        "context, pipeline and expert parallelism: predicted, replayed on fake tensors, and measured on "
+        "torch.distributed.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, module in COMMANDS.items():

@@ -112,7 +112,7 @@ def render_times(times: list[TimeEstimate]) -> str:
     """The --time table: one row per strategy."""
     rows = [
         [
-            t.scenario.strategy.name,
+            t.scenario.strategy.label,
             f"{t.step_time_s * 1e3:.2f}",
             f"{t.comm_time_s * 1e3:.2f}",
             f"{t.exposed_comm_s * 1e3:.2f}",

@@ -30,7 +30,7 @@ from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
 from shardscope.planner.request import CHECKPOINTING_ORDER
 from shardscope.planner.result import PLAN_SCHEMA
-from shardscope.specs import SpecError, Strategy
+from shardscope.specs import ModelSpec, SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
 DEFAULT_TP = "1,2,4,8"
@@ -43,7 +43,8 @@ EXAMPLES = """examples:
   shardscope plan --model llama-3-8b --gpu a100-40gb --seq-len 8192 --min-gpus
   shardscope plan --model llama-3.1-405b --gpu h100-80gb --seq-len 8192 --global-batch-tokens 16M \
       --max-gpus 1024 --pp 1,4,8,16
-  shardscope plan --model mixtral-8x7b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M --ep 1,2,4,8
+  shardscope plan --model mixtral-8x7b --gpu h100-80gb --seq-len 4096 --global-batch-tokens 4M --ep 1,8 \
+      --capacity-factor 1.25
 
 exit status: 0 when the search ran, also when nothing fits (that is an answer: the families that do not fit are
 listed with what breaks the budget and by how much); 2 on bad input.
@@ -132,9 +133,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ep",
-        default="1",
-        help="expert parallel degrees to search on a mixture-of-experts model, a comma list, e.g. 1,2,4,8 (default 1; "
-        "those not dividing the experts or the data-parallel shard x cp are skipped)",
+        default=None,
+        help="expert parallel degrees to search on a mixture-of-experts model, a comma list, e.g. 1,2,4,8 (default: 1 "
+        "and the powers of 2 up to a node's GPUs that divide the experts, 1,2,4,8 for mixtral-8x7b; 1 for a model "
+        "without experts; those not dividing the data-parallel shard x cp are skipped)",
     )
     add_capacity_argument(parser)
     parser.add_argument("--max-micro-batch", type=positive_int, default=32, help="largest micro-batch (default 32)")
@@ -171,7 +173,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         raise CliError("--global-batch-tokens is needed to rank plans (e.g. 4M); only --min-gpus works without it")
     model = model_from_args(args)
     training = step_from_args(args, model)
-    expert_parallel = _degrees(args.ep, "--ep")
+    expert_parallel = _degrees(args.ep, "--ep") if args.ep else default_expert_degrees(model, args.gpus_per_node)
     if expert_parallel != (1,) and model.family != "moe":
         raise CliError(f"--ep {args.ep}: expert parallelism splits mixture-of-experts layers; {model.name} has none")
     tensor_parallel = _degrees(args.tp or ("1" if model.capacity_factor else DEFAULT_TP), "--tp")
@@ -210,6 +212,16 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         min_gpus=args.min_gpus,
         hardware=hardware_from_args(args, gpu),
     )
+
+
+def default_expert_degrees(model: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
+    """The expert parallel degrees `plan` searches unless --ep names them: 1, and on a mixture-of-experts model every
+    power of 2 up to a node's GPUs that divides its experts (an expert group inside a node, where the all-to-alls run
+    over its links)."""
+    degrees = [1]
+    while model.family == "moe" and degrees[-1] * 2 <= gpus_per_node and model.num_experts % (degrees[-1] * 2) == 0:
+        degrees.append(degrees[-1] * 2)
+    return tuple(degrees)
 
 
 def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:

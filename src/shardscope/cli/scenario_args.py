@@ -189,8 +189,8 @@ def add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="expert parallel degree (MoE models): GPUs that split each MoE layer's experts, borrowed from the "
-        "data-parallel shard x cp GPUs, or ddp's replicas (default 1; estimated, and run by --engine paper without "
-        "tp, cp or pp)",
+        "data-parallel shard x cp GPUs, or ddp's replicas (default 1; predicted by estimate, timeline and report, run "
+        "by --engine paper without tp, cp or pp; trace has no torch engine to replay it)",
     )
     add_capacity_argument(parser)
     parser.add_argument(
@@ -379,8 +379,11 @@ def scenarios_from_args(args: argparse.Namespace, names: Sequence[StrategyName] 
         scenarios.append(
             Scenario(model=model, cluster=cluster, training=training, strategy=strategy, overheads=overheads)
         )
-    if args.ep > 1 and args.command != "estimate":  # the scenarios are valid: their errors came first
-        raise CliError(f"--ep {args.ep}: expert parallelism is predicted by estimate only; {args.command} comes later")
+    if args.ep > 1 and args.command == "trace":  # the scenarios are valid: their errors came first
+        raise CliError(
+            f"--ep {args.ep}: trace replays torch's own engines, which have no expert parallelism; estimate, timeline "
+            "and report predict it, and run --engine paper runs it"
+        )
     for warning in scenarios[0].warnings:
         print(f"shardscope {args.command}: warning: {warning}", file=sys.stderr)
     if args.shard_group and not any(scenario.strategy.preset.groups_replicate for scenario in scenarios):

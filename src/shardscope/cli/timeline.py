@@ -136,8 +136,9 @@ def render_summary(estimate: TimeEstimate) -> str:
         for (phase, op, group, size, payload), (count, wire, seconds) in ledger_costs(scenario, net).items()
     ]
     header = (
-        f"{scenario.model.name}, {scenario.strategy.name} ({scenario.strategy.engine}) on {scenario.cluster.world_size}"
-        f" ranks, {scenario.cluster.ranks_per_node} per node; hardware: {estimate.hardware.name}"
+        f"{scenario.model.name}, {scenario.strategy.label} ({scenario.strategy.engine}) on "
+        f"{scenario.cluster.world_size} ranks, {scenario.cluster.ranks_per_node} per node; hardware: "
+        f"{estimate.hardware.name}"
     )
     lines = [
         header,

@@ -42,6 +42,7 @@ COLORS = {
     "reduce_scatter": "#da8bc3",
     "all_gather": "#64b5cd",
     "broadcast": "#ccb974",
+    "all_to_all": "#e377c2",
     "send": "#b07aa1",
     "recv": "#9c755f",
     "host_to_device": "#8c8c8c",

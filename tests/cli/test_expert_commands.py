@@ -1,0 +1,61 @@
+"""`--ep` on timeline and report: the same step as `estimate --ep --time`, with the expert all-to-alls in its ledger,
+its Chrome trace and its page (trace refuses it in one line: tests/adversarial/bad_inputs.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardscope.cli import main
+from shardscope.core.timeline import estimate_time
+from shardscope.presets import gpu_preset, model_preset
+from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
+
+MIXTRAL = ["--model", "mixtral-8x7b", "--gpus", "16", "--strategy", "fsdp", "--ep", "2"]
+
+
+def mixtral_ep2(strategy: str = "fsdp") -> Scenario:
+    """What MIXTRAL describes: `strategy` with the experts split over 2 GPUs, 16 H100s, the default batch."""
+    return Scenario(
+        model=model_preset("mixtral-8x7b"),
+        cluster=ClusterSpec(gpu=gpu_preset("h100-80gb"), world_size=16),
+        training=TrainingSpec(),
+        strategy=Strategy(name=strategy, ep=2),
+    )
+
+
+def test_timeline_prices_the_expert_all_to_alls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    expected = estimate_time(mixtral_ep2())
+    out = tmp_path / "trace.json"
+    assert main(["timeline", *MIXTRAL, "--trace", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("mixtral-8x7b, fsdp+ep2 (pytorch) on 16 ranks")
+    assert f"step time           {expected.step_time_s * 1e3:10.3f} ms" in printed
+    dispatches = [line for line in printed.splitlines() if re.match(r"\s*(forward|backward)\s+all_to_all\s+ep 2", line)]
+    sent = {(row.phase, row.count) for row in expected.ledger if row.op == "all_to_all" and row.group_size == 2}
+    assert len(dispatches) == len(sent) == 3  # the counts swap, then dispatch and combine, forward and backward
+    names = {event["name"] for event in json.loads(out.read_text())["traceEvents"]}
+    assert any("all_to_all" in name for name in names)
+
+    assert main(["timeline", *MIXTRAL, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["step_time_s"] == expected.step_time_s
+    ledger = document["communication"]["ledger"]
+    assert {(row["phase"], row["count"]) for row in ledger if row["op"] == "all_to_all"} == sent
+
+
+def test_report_shows_the_expert_parallel_strategies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "experts.html"
+    assert main(["report", *MIXTRAL[:4], "--ep", "2", "-o", str(page)]) == 0
+    assert f"wrote {page}" in capsys.readouterr().out
+    html = page.read_text(encoding="utf-8")
+    for label in ("ddp+ep2", "zero1+ep2", "zero2+ep2", "zero3+ep2", "hsdp(8)+ep2"):  # every strategy compared
+        assert label in html, label
+    assert re.search(r'<figure class="chart" id="communication"><svg', html)
+    assert "all-to-all" in html  # the communication chart's legend
+    row = re.search(r"zero3\+ep2 \(chosen\)</td>(.*?)</tr>", html, re.S)
+    assert row is not None
+    assert f"<td>{estimate_time(mixtral_ep2('zero3')).step_time_s:.3f}</td>" in row.group(1)
