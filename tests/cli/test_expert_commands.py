@@ -59,3 +59,13 @@ def test_report_shows_the_expert_parallel_strategies(tmp_path: Path, capsys: pyt
     row = re.search(r"zero3\+ep2 \(chosen\)</td>(.*?)</tr>", html, re.S)
     assert row is not None
     assert f"<td>{estimate_time(mixtral_ep2('zero3')).step_time_s:.3f}</td>" in row.group(1)
+
+
+def test_report_plans_with_the_experts_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --ep N plans expert parallelism of N ways, as --pp N plans pipelines of N stages
+    page = tmp_path / "planned.html"
+    argv = ["report", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-tokens", "1M", "--ep", "8"]
+    assert main([*argv, "-o", str(page)]) == 0
+    capsys.readouterr()
+    chosen = re.search(r"<td>([a-z0-9()+]+) \(chosen\)</td>", page.read_text(encoding="utf-8"))
+    assert chosen is not None and chosen.group(1).endswith("+ep8")

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             pipeline_parallel=(args.pp,),  # --pp N plans pipelines of N stages (the schedule --pp-schedule's)
             pipeline_schedules=(args.pp_schedule,),
             virtual_stages=(args.pp_virtual_stages or DEFAULT_VIRTUAL_STAGES,),
+            expert_parallel=(args.ep,),  # --ep N plans experts split N ways, as --pp N plans pipelines
             overheads=overheads_from_args(args),
             rank_by="cost" if price is not None else "step-time",
             price_per_gpu_hour=price,
