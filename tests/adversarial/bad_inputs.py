@@ -144,6 +144,13 @@ CASES: list[tuple[list[str], str]] = [
     (["plan", "--model", "gpt2", "--seq-len", "4096", "--global-batch-tokens", "4M"], "--seq-len 4096"),
     (["plan", "--params", "7B", "--global-batch-tokens", "4M"], "--params"),
     (["plan", "--model", "llama-3-8b", "--global-batch-tokens", "100"], "global_batch_tokens=100"),
+    # degrees that leave nothing to search: named, not "nothing fits" (which would blame the memory budget)
+    ([*PLAN, "--tp", "3"], "nothing to search: tp 3 does not divide llama-3-8b's 32 attention heads"),
+    ([*PLAN, "--tp", "16"], "tp 16 is more than a node's 8 GPUs"),
+    ([*PLAN, "--cp", "3"], "cp 3 does not cut the 2048-token sequence into 2 x 3 chunks"),
+    ([*PLAN, "--pp", "64"], "pp 64 is more stages than llama-3-8b's 32 layers"),
+    ([*PLAN, "--max-gpus", "4", "--tp", "1", "--pp", "8"], "no GPU count up to 4 holds a model replica of pp 8"),
+    (["plan", "--model", "mixtral-8x7b", "--global-batch-tokens", "1M", "--ep", "3"], "ep 3 does not divide"),
     (["plan", "--config", "{deep.json}", "--global-batch-tokens", "4M"], "deep.json is nested too deeply"),
     # timeline
     ([*TL[:3], "--strategy", "zero4"], "'zero4'"),

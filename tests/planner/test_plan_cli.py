@@ -123,6 +123,15 @@ def test_nothing_fits_is_an_answer(capsys: pytest.CaptureFixture[str]) -> None:
     assert document["plans"] == [] and {entry["family"] for entry in document["rejected"]} >= {"ddp", "zero3"}
 
 
+def test_skipped_degrees_are_named_under_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "tiny-llama", "--seq-len", "64", "--global-batch-tokens", "64K", "--max-gpus", "16"]
+    assert main([*args, "--tp", "1,2,16", "--cp", "1,3"]) == 0
+    out = capsys.readouterr().out
+    assert "\nnot searched: tp 16 is more than a node's 8 GPUs; cp 3 does not cut the 64-token sequence" in out
+    assert main([*args, "--tp", "1,2"]) == 0
+    assert "\nnot searched:" not in capsys.readouterr().out
+
+
 def test_plan_and_estimate_share_their_defaults() -> None:
     """plan's shared flags come from estimate's helpers, so their defaults cannot drift apart (--seq-len was 4096)."""
     from shardscope.cli import build_parser

@@ -30,6 +30,7 @@ from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
 from shardscope.planner.request import CHECKPOINTING_ORDER
 from shardscope.planner.result import PLAN_SCHEMA
+from shardscope.planner.unsearched import nothing_to_search, skipped_degrees
 from shardscope.specs import ModelSpec, SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
@@ -47,7 +48,8 @@ EXAMPLES = """examples:
       --capacity-factor 1.25
 
 exit status: 0 when the search ran, also when nothing fits (that is an answer: the families that do not fit are
-listed with what breaks the budget and by how much); 2 on bad input.
+listed with what breaks the budget and by how much); 2 on bad input, and where the degrees asked for leave nothing to
+search (each degree the model, a node or the sequence rules out is named, under the answer when others remain).
 """
 
 
@@ -273,6 +275,9 @@ def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:
                 f"offload {closest.strategy.offload}, checkpointing {closest.training.checkpointing}, micro-batch "
                 f"{closest.training.micro_batch_size})"
             )
+    skipped = skipped_degrees(request)
+    if skipped:
+        lines += ["", "not searched: " + "; ".join(why for _, why in skipped)]
     if request.pipeline_parallel == (1,):
         lines += ["", "pipelines were not searched: --pp 1,2,4,8 adds them (a slower search)"]
     return "\n".join(lines)
@@ -320,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     if sys.stderr.isatty() and not args.json:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    if not result.stats.candidates:  # the degrees asked for leave no plan to weigh: not the budget's doing
+        raise CliError(nothing_to_search(request))
     if args.json:
         print(json.dumps(with_source(result.to_json(), args), indent=2))
     else:
