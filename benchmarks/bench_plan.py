@@ -4,7 +4,8 @@ parallelism alone stops at 2048 GPUs; the fastest plan must go wider with tensor
 and the same over up to 16384 GPUs, ranked by step time and by cost (issue 20 item 5: both under 2 s), and the two
 405B questions again searching pipelines too (`--pp 1,2,4,8,16`, 1F1B and interleaved 1F1B: issue 20), and the 70B cost
 question searching pipelines (`--pp 1,2,4,8`: cost-ranked pipelines on few GPUs run many micro-batches, the
-planner's slowest kind of question).
+planner's slowest kind of question), and mixtral-8x7b's questions with the expert parallelism `plan` searches by
+default and without it (`--ep 1`).
 
 Each figure is the median of fresh processes, so every cache starts cold, as it does for a user's command:
 - plan(): the search alone, imports excluded;
@@ -38,6 +39,7 @@ GOAL_QUESTIONS = ("step-time", "cost", "405b-wide", "405b-16k", "405b-cost")
 searching pipelines have no stated goal and are printed for comparison."""
 WIDE_405B = ["--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--seq-len", "8192", "--global-batch-tokens", "16M"]
 BASE = ["--model", "llama-3-70b", "--gpu", "h100-80gb", "--seq-len", "4096", "--max-gpus", "1024"]
+MIXTRAL = ["--model", "mixtral-8x7b", "--gpu", "h100-80gb", "--seq-len", "4096", "--global-batch-tokens", "4M"]
 QUESTIONS = {
     "step-time": [*BASE, "--global-batch-tokens", "4M"],
     "cost": [*BASE, "--global-batch-tokens", "4M", "--price-per-gpu-hour", "2.5"],
@@ -51,6 +53,11 @@ QUESTIONS = {
     "405b-pp": [*WIDE_405B, "--max-gpus", "8192", "--pp", "1,2,4,8,16"],
     "405b-16k-pp": [*WIDE_405B, "--max-gpus", "16384", "--pp", "1,2,4,8,16"],
     "cost-pp": [*BASE, "--global-batch-tokens", "4M", "--price-per-gpu-hour", "2.5", "--pp", "1,2,4,8"],
+    # mixtral-8x7b: expert parallelism searched by default (ep 1,2,4,8), and without it (--ep 1)
+    "mixtral": [*MIXTRAL, "--max-gpus", "256"],
+    "mixtral-ep1": [*MIXTRAL, "--max-gpus", "256", "--ep", "1"],
+    "mixtral-cost": [*MIXTRAL, "--max-gpus", "1024", "--price-per-gpu-hour", "2.5"],
+    "mixtral-cost-ep1": [*MIXTRAL, "--max-gpus", "1024", "--price-per-gpu-hour", "2.5", "--ep", "1"],
 }
 
 IN_PROCESS = """
@@ -157,14 +164,14 @@ def report(runs: int, asked: list[str], env: dict[str, str]) -> int:
     with open("/proc/loadavg") as file:
         print(f"load average at start: {file.read().split()[0]}")
     print(f"shardscope plan QUESTION: median of {runs} fresh processes; 70B questions: {' '.join(BASE)} ...\n")
-    widths = {"question": -11, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
+    widths = {"question": -16, "plan() s": 9, "CLI s": 7, "candidates": 11, "memory": 7, "fit": 5, "simulated": 10}
     print(" ".join(name.ljust(-width) if width < 0 else name.rjust(width) for name, width in widths.items()))
     commands: dict[str, float] = {}
     for name, question in ((name, QUESTIONS[name]) for name in asked):
         search, command, counts = measure(question, runs, env)
         commands[name] = command
         print(
-            f"{name:<11} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
+            f"{name:<16} {search:9.3f} {command:7.3f} {counts['candidates']:11.0f} {counts['memory']:7.0f} "
             f"{counts['fitting']:5.0f} {counts['simulated']:10.0f}  fastest: {counts['best']}"
         )
     print(
