@@ -9,6 +9,7 @@ from functools import lru_cache
 from shardscope.choices import Checkpointing, Offload, PipelineSchedule, StrategyName
 from shardscope.mesh import DATA_PARALLEL_PRESETS
 from shardscope.planner.request import CHECKPOINTING_ORDER, OFFLOAD_ORDER, PlanRequest
+from shardscope.planner.unsearched import cp_ruled_out, ep_ruled_out, pp_ruled_out, tp_ruled_out
 from shardscope.specs import ClusterSpec, GpuSpec, Scenario, Strategy, TrainingSpec
 
 
@@ -76,15 +77,10 @@ def model_parallel_degrees(request: PlanRequest) -> tuple[tuple[int, int], ...]:
     """The (tp, cp) pairs the request searches that the model and sequence allow: tp within a node, dividing the
     heads, the KV heads, the FFN width and the vocabulary; cp splitting the sequence into 2 x cp chunks (and, with
     sequence parallelism, into cp x tp pieces). Smallest product first."""
-    model, sequence = request.model, request.sequence_length
-    widths = (model.num_heads, model.num_kv_heads, model.ffn_hidden_size, model.vocab_size)
-    tps = [tp for tp in request.tensor_parallel if tp <= request.gpus_per_node and not any(w % tp for w in widths)]
-    pairs = [
-        (tp, cp)
-        for tp in tps
-        for cp in request.context_parallel
-        if sequence % (2 * cp) == 0 and sequence % (tp * cp) == 0
-    ]
+    sequence = request.sequence_length
+    tps = [tp for tp in request.tensor_parallel if not tp_ruled_out(request, tp)]
+    cps = [cp for cp in request.context_parallel if not cp_ruled_out(request, cp)]
+    pairs = [(tp, cp) for tp in tps for cp in cps if sequence % (tp * cp) == 0]
     return tuple(sorted(pairs, key=lambda pair: (pair[0] * pair[1], pair)))
 
 
@@ -135,8 +131,7 @@ def batch_shapes(request: PlanRequest) -> tuple[BatchShape, ...]:
 def pipeline_degrees(request: PlanRequest) -> tuple[int, ...]:
     """The pipeline degrees the request searches that the model's layers fill: pp (x virtual stages, for
     interleaved-1f1b) stages of at least one layer each. Smallest first."""
-    layers = request.model.num_layers
-    return tuple(pp for pp in request.pipeline_parallel if pp == 1 or pp <= layers)
+    return tuple(pp for pp in request.pipeline_parallel if not pp_ruled_out(request, pp))
 
 
 def micro_batches(request: PlanRequest, sequences_per_rank: int) -> tuple[int, ...]:
@@ -209,9 +204,7 @@ def expert_degrees(request: PlanRequest, variant: Variant, data_parallel: int) -
     preset = DATA_PARALLEL_PRESETS[variant.family]
     shard = variant.shard_group if preset.groups_replicate else data_parallel if preset.shards else 1
     borrowed = shard * variant.cp
-    return tuple(
-        ep for ep in request.expert_parallel if ep == 1 or (model.num_experts % ep == 0 and borrowed % ep == 0)
-    )
+    return tuple(ep for ep in request.expert_parallel if not ep_ruled_out(request, ep) and borrowed % ep == 0)
 
 
 def offloads_for(request: PlanRequest, family: StrategyName) -> tuple[Offload, ...]:

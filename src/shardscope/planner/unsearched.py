@@ -1,46 +1,58 @@
-"""The degrees a plan request asks for that no plan can use, and why (`skipped_degrees`), and why a search that
-found no candidate at all had nothing to search (`nothing_to_search`): `shardscope plan` names the first beside its
-answer and refuses the second in one line, where "nothing fits" would blame the memory budget."""
+"""Which degrees a plan request asks for can split its model (the rules `planner.space` searches by, stated once
+here), why the others cannot (`skipped_degrees`), and why a search that found no candidate at all had nothing to
+search (`nothing_to_search`): `shardscope plan` names the first beside its answer and refuses the second in one line,
+where "nothing fits" would blame the memory budget."""
 
 from __future__ import annotations
 
 from shardscope.planner.request import PlanRequest
 
 
-def skipped_degrees(request: PlanRequest) -> list[tuple[str, str]]:
-    """(axis, why) of each tensor, context, pipeline and expert parallel degree of the request that the model, a node
-    or the sequence rules out (`planner.space` leaves them out of the search)."""
-    model, sequence, node = request.model, request.sequence_length, request.gpus_per_node
+def tp_ruled_out(request: PlanRequest, tp: int) -> str:
+    """Why tensor parallelism of `tp` splits no plan of the request ('' when it may): it stays within a node and
+    divides the heads, the KV heads, the FFN width and the vocabulary."""
+    model, node = request.model, request.gpus_per_node
+    if tp > node:
+        return f"tp {tp} is more than a node's {node} GPUs"
     widths = (
         ("attention heads", model.num_heads),
         ("KV heads", model.num_kv_heads),
         ("FFN width", model.ffn_hidden_size),
         ("vocabulary", model.vocab_size),
     )
-    skipped = []
-    for tp in request.tensor_parallel:
-        undivided = [f"{width:,} {what}" for what, width in widths if width % tp]
-        if tp > node:
-            skipped.append(("tp", f"tp {tp} is more than a node's {node} GPUs"))
-        elif undivided:
-            skipped.append(("tp", f"tp {tp} does not divide {model.name}'s {undivided[0]}"))
-    skipped += [
-        ("cp", f"cp {cp} does not cut the {sequence}-token sequence into 2 x {cp} chunks")
-        for cp in request.context_parallel
-        if sequence % (2 * cp)
-    ]
-    skipped += [
-        ("pp", f"pp {pp} is more stages than {model.name}'s {model.num_layers} layers")
-        for pp in request.pipeline_parallel
-        if pp > model.num_layers
-    ]
-    if model.family == "moe":
-        skipped += [
-            ("ep", f"ep {ep} does not divide {model.name}'s {model.num_experts} experts")
-            for ep in request.expert_parallel
-            if model.num_experts % ep
-        ]
-    return skipped
+    undivided = [f"{width:,} {what}" for what, width in widths if width % tp]
+    return f"tp {tp} does not divide {model.name}'s {undivided[0]}" if undivided else ""
+
+
+def cp_ruled_out(request: PlanRequest, cp: int) -> str:
+    """Why context parallelism of `cp` splits no plan ('' when it may): it cuts the sequence into 2 x cp chunks."""
+    sequence = request.sequence_length
+    return f"cp {cp} does not cut the {sequence}-token sequence into 2 x {cp} chunks" if sequence % (2 * cp) else ""
+
+
+def pp_ruled_out(request: PlanRequest, pp: int) -> str:
+    """Why a pipeline of `pp` ranks splits no plan ('' when it may): each of its stages holds a layer at least."""
+    model = request.model
+    return f"pp {pp} is more stages than {model.name}'s {model.num_layers} layers" if pp > model.num_layers else ""
+
+
+def ep_ruled_out(request: PlanRequest, ep: int) -> str:
+    """Why expert parallelism of `ep` splits no plan of a mixture-of-experts model ('' when it may): it divides the
+    experts (the GPUs it borrows are the space's to check, per strategy and GPU count)."""
+    model = request.model
+    return f"ep {ep} does not divide {model.name}'s {model.num_experts} experts" if model.num_experts % ep else ""
+
+
+def skipped_degrees(request: PlanRequest) -> list[tuple[str, str]]:
+    """(axis, why) of each tensor, context, pipeline and expert parallel degree of the request that the model, a node
+    or the sequence rules out."""
+    rules = (
+        ("tp", request.tensor_parallel, tp_ruled_out),
+        ("cp", request.context_parallel, cp_ruled_out),
+        ("pp", request.pipeline_parallel, pp_ruled_out),
+        ("ep", request.expert_parallel if request.model.family == "moe" else (), ep_ruled_out),
+    )
+    return [(axis, why) for axis, degrees, rule in rules for degree in degrees if (why := rule(request, degree))]
 
 
 def nothing_to_search(request: PlanRequest) -> str:
