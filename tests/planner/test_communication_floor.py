@@ -1,5 +1,6 @@
-"""The communication floor counts each distinct call once and multiplies; it equals the floor that sums every call
-of the step one by one (written out below as the reference), and stays under the simulated step, for every engine,
+"""The communication floor counts each distinct call once and multiplies (a ZeRO-3, FSDP or HSDP step's from models of
+one and two blocks); it equals the floor that sums every call of the step one by one (written out below as the
+reference), and stays under the simulated step, for every engine,
 data-parallel strategy, offload, hsdp shard group, micro-batch count, overlap, a gloo-like host profile and a
 data-parallel group of one rank."""
 
@@ -44,10 +45,15 @@ STRATEGIES = [
 
 
 def _scenario(
-    strategy: Strategy, engine: EngineName, world: int, micro_batches: int, backend: str = "nccl"
+    strategy: Strategy,
+    engine: EngineName,
+    world: int,
+    micro_batches: int,
+    backend: str = "nccl",
+    model: str = "llama-3-8b",
 ) -> Scenario:
     return Scenario(
-        model=model_preset("llama-3-8b"),
+        model=model_preset(model),
         cluster=ClusterSpec(gpu=GPU, world_size=world, gpus_per_node=8, backend=backend),
         training=TrainingSpec(
             micro_batch_size=1,
@@ -126,6 +132,29 @@ def test_the_counted_floor_equals_every_call_summed(
     hardware = dataclasses.replace(default_profile(GPU), overlap=overlap)
     floor, reference = communication_floor(scenario, hardware), _reference_floor(scenario, hardware)
     assert reference.edges_s + reference.before_step_s > 0
+    assert dataclasses.astuple(floor) == pytest.approx(dataclasses.astuple(reference), rel=1e-12, abs=0)
+
+
+SPLIT = [
+    Strategy(name="zero3", ep=8),
+    Strategy(name="hsdp", shard_group=8, ep=4, offload="optimizer"),
+    Strategy(name="fsdp", cp=2, ep=2, offload="optimizer+params"),
+    Strategy(name="zero3", cp=2, tp=2),
+]
+
+
+@pytest.mark.parametrize("strategy", SPLIT)
+@pytest.mark.parametrize("engine", ["pytorch", "paper"])
+@pytest.mark.parametrize(("world", "micro_batches"), [(16, 1), (64, 5)])
+def test_the_floor_of_experts_and_context_parallelism_equals_every_call_summed(
+    strategy: Strategy, engine: EngineName, world: int, micro_batches: int
+) -> None:
+    """mixtral-8x7b: a ZeRO-3, FSDP or HSDP step's calls from a model of one and two blocks (planner.timing
+    `_stream_sums`), the experts' units and the context-parallel ranks' included."""
+    scenario = _scenario(strategy, engine, world, micro_batches, model="mixtral-8x7b")
+    hardware = default_profile(GPU)
+    floor, reference = communication_floor(scenario, hardware), _reference_floor(scenario, hardware)
+    assert reference.before_step_s > 0
     assert dataclasses.astuple(floor) == pytest.approx(dataclasses.astuple(reference), rel=1e-12, abs=0)
 
 

@@ -183,15 +183,60 @@ class CommunicationFloor:
         return (max(chain_s + self.edges_s, self.before_step_s) + self.tail_s) * (1.0 - ROUNDING_MARGIN)
 
 
+StreamSums = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]
+"""Seconds per 'comm' and 'host' stream of a step's data-parallel calls and host copies: all of them, those before
+the first forward, those after the last backward, those after the optimizer step."""
+
+
+def _stream_sums(scenario: Scenario, seconds: Callable[[CommEvent], float], host_only: bool) -> StreamSums:
+    """The step's `StreamSums`. A ZeRO-3, FSDP or HSDP step without a pipeline makes the same calls for every block
+    (one unit each, `core.sharded_calls`), so its calls are those of the model cut to one block plus n - 1 times
+    what a second block adds, and its edges (the root's calls) are the one-block model's; optimizer offload's copies
+    hold the whole shard, so they are the scenario's own. tests/planner/test_communication_floor.py holds this to the
+    whole step's sums."""
+    layers = scenario.model.num_layers
+    if scenario.strategy.stage != 3 or scenario.strategy.pp > 1 or layers < 3:
+        return _tallied_sums(_data_parallel_events(scenario), scenario, seconds, host_only)
+    short = [
+        dataclasses.replace(scenario, model=dataclasses.replace(scenario.model, num_layers=blocks)) for blocks in (1, 2)
+    ]
+    (one, first, last, after), (two, *_) = (
+        _tallied_sums(rules_for(cut).step_events(cut), cut, seconds, host_only) for cut in short
+    )
+    busy = {stream: one.get(stream, 0.0) + (layers - 1) * (two[stream] - one.get(stream, 0.0)) for stream in two}
+    if scenario.strategy.offload != "optimizer":
+        return busy, first, last, after
+    copies = _tallied_sums(_offload_events(scenario), scenario, seconds, host_only)
+    return _added(busy, copies[0]), _added(first, copies[1]), _added(last, copies[2]), _added(after, copies[3])
+
+
+def _tallied_sums(
+    events: list[CommEvent], scenario: Scenario, seconds: Callable[[CommEvent], float], host_only: bool
+) -> StreamSums:
+    """`StreamSums` of `events`, a step of the scenario's micro-batches."""
+    tally = _CallTally.of(events, scenario.training.grad_accum_steps - 1)
+    busy, first, last, after = (
+        tally.stream_seconds(counts, seconds, host_only)
+        for counts in (tally.every, tally.first, tally.last, tally.after_step)
+    )
+    return busy, first, last, after
+
+
+def _added(sums: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    return {stream: sums.get(stream, 0.0) + more.get(stream, 0.0) for stream in {*sums, *more}}
+
+
+def _offload_events(scenario: Scenario) -> list[CommEvent]:
+    rules = rules_for(scenario)
+    return optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
+
+
 def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
     """The events of `core.comm.comm_events` that the floor may count, without building the tensor-parallel calls
     (the costly part, and priced by the tp floor instead); `_CallTally.stream_seconds` keeps those of the 'comm'
     and 'host' streams."""
-    rules = rules_for(scenario)
-    events = rules.step_events(scenario)
-    if scenario.strategy.offload == "optimizer":
-        events += optimizer_offload_events(scenario, rules.grad_comm_bytes(scenario), rules.param_comm_bytes(scenario))
-    return events
+    events = rules_for(scenario).step_events(scenario)
+    return events + _offload_events(scenario) if scenario.strategy.offload == "optimizer" else events
 
 
 _STAGE = attrgetter("stage")
@@ -281,22 +326,16 @@ def communication_floor(
         return found
 
     simulated = min(steps, SIMULATED_MICRO_BATCHES)
-    asked = _with_micro_batches(scenario, simulated)
     # Each stream's whole step and its edges: the gathers before the first forward (micro-batch 0, stage 0,
     # 'before_forward'), the reductions after the last backward (the last micro-batch, stage 0, 'after_backward')
     # and the calls after the optimizer step ('after_step').
-    tally = _CallTally.of(_data_parallel_events(asked), simulated - 1)
-    busy = tally.stream_seconds(tally.every, seconds, host_only)
+    busy, first, last, after = _stream_sums(_with_micro_batches(scenario, simulated), seconds, host_only)
     if steps > simulated:
-        once = _CallTally.of(_data_parallel_events(_with_micro_batches(scenario, 1)), 0)
-        one = once.stream_seconds(once.every, seconds, host_only)
+        one = _stream_sums(_with_micro_batches(scenario, 1), seconds, host_only)[0]
         busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
     optimizer = optimizer_s if optimizer_s is not None else optimizer_floor_s(scenario, hardware)
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), before_step_s=0.0, tail_s=optimizer)
-    first, last, after = (
-        tally.stream_seconds(counts, seconds, host_only) for counts in (tally.first, tally.last, tally.after_step)
-    )
     before = (total - after.get(stream, 0.0) for stream, total in busy.items())
     return CommunicationFloor(
         edges_s=max(first.values(), default=0.0) + max(last.values(), default=0.0),
