@@ -223,7 +223,8 @@ def _tallied_sums(
 
 
 def _added(sums: dict[str, float], more: dict[str, float]) -> dict[str, float]:
-    return {stream: sums.get(stream, 0.0) + more.get(stream, 0.0) for stream in {*sums, *more}}
+    """Per stream, the two sums added (in a fixed order of streams: the floor without overlap sums them)."""
+    return {stream: sums.get(stream, 0.0) + more.get(stream, 0.0) for stream in dict.fromkeys([*sums, *more])}
 
 
 def _offload_events(scenario: Scenario) -> list[CommEvent]:
