@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shardscope.cli import main
+from shardscope.cli import build_parser, main
+from shardscope.cli.plan import request_from_args
 from shardscope.core.timeline import estimate_time
+from shardscope.planner import plan
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
 
@@ -62,10 +64,17 @@ def test_report_shows_the_expert_parallel_strategies(tmp_path: Path, capsys: pyt
 
 
 def test_report_plans_with_the_experts_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # --ep N plans expert parallelism of N ways, as --pp N plans pipelines of N stages
+    # --ep N plans expert parallelism of N ways, as --pp N plans pipelines of N stages; without it, report plans over
+    # the degrees plan searches by default, and chooses plan's best
     page = tmp_path / "planned.html"
-    argv = ["report", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-tokens", "1M", "--ep", "8"]
-    assert main([*argv, "-o", str(page)]) == 0
-    capsys.readouterr()
-    chosen = re.search(r"<td>([a-z0-9()+]+) \(chosen\)</td>", page.read_text(encoding="utf-8"))
-    assert chosen is not None and chosen.group(1).endswith("+ep8")
+    argv = ["report", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch-tokens", "1M"]
+    chosen = []
+    for extra in (["--ep", "8"], []):
+        assert main([*argv, *extra, "-o", str(page)]) == 0
+        capsys.readouterr()
+        found = re.search(r"<td>([a-z0-9()+]+) \(chosen\)</td>", page.read_text(encoding="utf-8"))
+        assert found is not None
+        chosen.append(found.group(1))
+    planned = ["plan", "--model", "mixtral-8x7b", "--max-gpus", "64", "--global-batch-tokens", "1M"]
+    best = plan(request_from_args(build_parser().parse_args(planned))).plans[0]
+    assert chosen[0].endswith("+ep8") and chosen[1] == best.label and best.memory.scenario.strategy.ep > 1

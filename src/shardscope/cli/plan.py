@@ -30,8 +30,8 @@ from shardscope.mesh import STRATEGY_ALIASES
 from shardscope.planner import FAMILIES, RANKINGS, PlanRequest, PlanResult, plan
 from shardscope.planner.request import CHECKPOINTING_ORDER
 from shardscope.planner.result import PLAN_SCHEMA
-from shardscope.planner.unsearched import nothing_to_search, skipped_degrees
-from shardscope.specs import ModelSpec, SpecError, Strategy
+from shardscope.planner.unsearched import default_expert_degrees, nothing_to_search, skipped_degrees
+from shardscope.specs import SpecError, Strategy
 from shardscope.units import format_bytes, format_count, parse_bytes, parse_count
 
 DEFAULT_TP = "1,2,4,8"
@@ -214,16 +214,6 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         min_gpus=args.min_gpus,
         hardware=hardware_from_args(args, gpu),
     )
-
-
-def default_expert_degrees(model: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
-    """The expert parallel degrees `plan` searches unless --ep names them: 1, and on a mixture-of-experts model every
-    power of 2 up to a node's GPUs that divides its experts (an expert group inside a node, where the all-to-alls run
-    over its links)."""
-    degrees = [1]
-    while model.family == "moe" and degrees[-1] * 2 <= gpus_per_node and model.num_experts % (degrees[-1] * 2) == 0:
-        degrees.append(degrees[-1] * 2)
-    return tuple(degrees)
 
 
 def render_plan(result: PlanResult, units: str, elapsed_s: float) -> str:

@@ -20,6 +20,7 @@ from shardscope.cli.scenario_args import (
 )
 from shardscope.cli.timeline import add_hardware_arguments, hardware_from_args
 from shardscope.planner import PlanRequest, plan
+from shardscope.planner.unsearched import default_expert_degrees
 from shardscope.specs import Strategy
 from shardscope.strategy import DEFAULT_VIRTUAL_STAGES
 from shardscope.units import parse_count
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             pipeline_parallel=(args.pp,),  # --pp N plans pipelines of N stages (the schedule --pp-schedule's)
             pipeline_schedules=(args.pp_schedule,),
             virtual_stages=(args.pp_virtual_stages or DEFAULT_VIRTUAL_STAGES,),
-            expert_parallel=(args.ep,),  # --ep N plans experts split N ways, as --pp N plans pipelines
+            # --ep N plans experts split N ways; without it, the degrees `plan` searches by default
+            expert_parallel=(args.ep,) if args.ep > 1 else default_expert_degrees(model, args.gpus_per_node),
             overheads=overheads_from_args(args),
             rank_by="cost" if price is not None else "step-time",
             price_per_gpu_hour=price,

@@ -1,11 +1,23 @@
-"""Which degrees a plan request asks for can split its model (the rules `planner.space` searches by, stated once
-here), why the others cannot (`skipped_degrees`), and why a search that found no candidate at all had nothing to
-search (`nothing_to_search`): `shardscope plan` names the first beside its answer and refuses the second in one line,
-where "nothing fits" would blame the memory budget."""
+"""The expert parallel degrees a plan searches by default (`default_expert_degrees`), which degrees a plan request asks
+for can split its model (the rules `planner.space` searches by, stated once here), why the others cannot
+(`skipped_degrees`), and why a search that found no candidate at all had nothing to search (`nothing_to_search`):
+`shardscope plan` names the skipped degrees beside its answer and refuses an empty search in one line, where "nothing
+fits" would blame the memory budget."""
 
 from __future__ import annotations
 
 from shardscope.planner.request import PlanRequest
+from shardscope.specs import ModelSpec
+
+
+def default_expert_degrees(model: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
+    """The expert parallel degrees `plan` and `report`'s planning search unless --ep names them: 1, and on a
+    mixture-of-experts model every power of 2 up to a node's GPUs that divides its experts (an expert group inside a
+    node, where the all-to-alls run over its links)."""
+    degrees = [1]
+    while model.family == "moe" and degrees[-1] * 2 <= gpus_per_node and model.num_experts % (degrees[-1] * 2) == 0:
+        degrees.append(degrees[-1] * 2)
+    return tuple(degrees)
 
 
 def tp_ruled_out(request: PlanRequest, tp: int) -> str:
