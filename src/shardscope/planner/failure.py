@@ -18,7 +18,7 @@ from shardscope.core.rank_share import rank_share
 from shardscope.core.result import MemoryEstimate
 from shardscope.planner.request import PlanRequest
 from shardscope.planner.timing import PlanTiming
-from shardscope.specs import Scenario
+from shardscope.specs import Scenario, SpecError
 from shardscope.units import format_bytes
 
 # Thresholds: below these fractions a risk is too small to name.
@@ -140,17 +140,26 @@ def _zero3_cross_node(
     data_parallel = scenario.parallelism.data_parallel
     group = per_node  # data-parallel ranks per shard group: whole nodes of them
     while group < data_parallel:
-        if data_parallel % group == 0:
-            strategy = dataclasses.replace(scenario.strategy, name="hsdp", shard_group=group)
-            alternative = dataclasses.replace(scenario, strategy=strategy)
-            if memory_of(alternative).per_rank.peak_bytes <= request.budget_bytes:
-                other = timing_of(alternative)
-                message += f"; hsdp with shard group {group} would take {other.step_time_s:.3f} s"
-                break
+        alternative = _hsdp(scenario, group) if data_parallel % group == 0 else None
+        if alternative is not None and memory_of(alternative).per_rank.peak_bytes <= request.budget_bytes:
+            other = timing_of(alternative)
+            message += f"; hsdp with shard group {group} would take {other.step_time_s:.3f} s"
+            break
         group += per_node
     else:
         message += "; no hsdp shard group smaller than the world fits"
     return FailureMode(kind="zero3-cross-node", severity=share, message=message)
+
+
+def _hsdp(scenario: Scenario, group: int) -> Scenario | None:
+    """The scenario under hsdp with shard groups of `group` data-parallel ranks, or None where its split does not fit
+    such groups (expert parallelism borrows GPUs of the shard group)."""
+    try:
+        return dataclasses.replace(
+            scenario, strategy=dataclasses.replace(scenario.strategy, name="hsdp", shard_group=group)
+        )
+    except SpecError:
+        return None
 
 
 def _offload(

@@ -80,7 +80,8 @@ def _row(scenario: Scenario, hardware: HardwareProfile | None) -> Row:
 
 
 def _siblings(scenario: Scenario) -> list[Scenario]:
-    """The chosen scenario under every family, at the same GPUs and batch shape (offload kept where allowed)."""
+    """The chosen scenario under every family that can take its split, at the same GPUs and batch shape (offload
+    kept where allowed)."""
     cluster, chosen = scenario.cluster, scenario.strategy
     found = []
     for name in comparable_strategies(grouped=cluster.num_nodes > 1 or chosen.preset.groups_replicate):
@@ -91,8 +92,10 @@ def _siblings(scenario: Scenario) -> list[Scenario]:
         group = chosen.shard_group or max(cluster.ranks_per_node // (chosen.tp * chosen.cp), 1)
         if scenario.parallelism.data_parallel % group:
             continue
-        strategy = chosen.sibling(name, group)
-        found.append(dataclasses.replace(scenario, strategy=strategy))
+        try:
+            found.append(dataclasses.replace(scenario, strategy=chosen.sibling(name, group)))
+        except SpecError:  # a family that cannot take the chosen plan's split (ep beyond the GPUs it would borrow)
+            continue
     return found
 
 
