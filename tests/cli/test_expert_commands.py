@@ -92,3 +92,12 @@ def test_the_comparison_leaves_out_a_family_that_cannot_take_the_split() -> None
     )
     compared = [scenario.strategy.label for scenario in _siblings(chosen)]
     assert compared == ["ddp+tp2+ep8", "zero1+tp2+ep8", "zero2+tp2+ep8", "zero3+tp2+ep8"]
+
+
+def test_plan_advises_hsdp_only_where_its_groups_hold_the_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    # 16 GPUs on 2 nodes: a zero3+ep8 plan's advice weighs hsdp within a node, whose shard groups (4 ranks under
+    # tp 2) cannot lend ep 8 its GPUs; the plan used to fail with "ep 8 must divide dp_shard 4" (exit 2)
+    argv = ["plan", "--model", "mixtral-8x7b", "--max-gpus", "16", "--global-batch-tokens", "128K", "--json"]
+    assert main(argv) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert any(entry["parallelism"]["ep"] == 8 for entry in plans)
