@@ -1,5 +1,6 @@
 """`--ep` on timeline and report: the same step as `estimate --ep --time`, with the expert all-to-alls in its ledger,
-its Chrome trace and its page (trace refuses it in one line: tests/adversarial/bad_inputs.py)."""
+its Chrome trace and its page (trace refuses it in one line: tests/adversarial/bad_inputs.py); report's and plan's
+searches over expert parallel degrees, and what they compare an expert-parallel plan with."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from shardscope.cli import build_parser, main
-from shardscope.cli.plan import request_from_args
+import shardscope.cli.report as report_cli
+from shardscope.cli import main
 from shardscope.core.timeline import estimate_time
-from shardscope.planner import plan
+from shardscope.planner import PlanRequest, plan
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.report.content import _siblings
 from shardscope.specs import ClusterSpec, Scenario, Strategy, TrainingSpec
@@ -64,22 +65,22 @@ def test_report_shows_the_expert_parallel_strategies(tmp_path: Path, capsys: pyt
     assert f"<td>{estimate_time(mixtral_ep2('zero3')).step_time_s:.3f}</td>" in row.group(1)
 
 
-def test_report_plans_with_the_experts_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_plans_with_the_experts_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--ep N plans expert parallelism of N ways, as --pp N plans pipelines of N stages; without it, report plans over
-    the degrees plan searches by default, and chooses plan's best. (16 GPUs on 2 nodes: the planner's advice for a
-    zero3+ep8 plan, hsdp within a node, has shard groups of 4 that cannot hold ep 8, and is left out, not raised.)"""
+    the degrees plan searches by default (the request is read as report makes it, the page not drawn)."""
     page = tmp_path / "planned.html"
-    argv = ["report", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch-tokens", "128K"]
-    chosen = []
-    for extra in (["--ep", "2"], []):
-        assert main([*argv, *extra, "-o", str(page)]) == 0
-        capsys.readouterr()
-        found = re.search(r"<td>([a-z0-9()+]+) \(chosen\)</td>", page.read_text(encoding="utf-8"))
-        assert found is not None
-        chosen.append(found.group(1))
-    planned = ["plan", "--model", "mixtral-8x7b", "--max-gpus", "16", "--global-batch-tokens", "128K"]
-    best = plan(request_from_args(build_parser().parse_args(planned))).plans[0]
-    assert chosen[0].endswith("+ep2") and chosen[1] == best.label and best.memory.scenario.strategy.ep > 1
+    argv = ["report", "--model", "tiny-moe", "--gpus", "4", "--seq-len", "64", "--global-batch-tokens", "2K"]
+    assert main([*argv, "--ep", "2", "-o", str(page)]) == 0
+    found = re.search(r"<td>([a-z0-9()+]+) \(chosen\)</td>", page.read_text(encoding="utf-8"))
+    assert found is not None and found.group(1).endswith("+ep2")
+    asked: list[PlanRequest] = []
+    monkeypatch.setattr(report_cli, "plan", lambda request: asked.append(request) or plan(request))
+    monkeypatch.setattr(report_cli, "write_report_or_fail", lambda *args, **kwargs: page)
+    assert main(["report", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch-tokens", "128K"]) == 0
+    capsys.readouterr()
+    assert [request.expert_parallel for request in asked] == [(1, 2, 4, 8)]
 
 
 def test_the_comparison_leaves_out_a_family_that_cannot_take_the_split() -> None:
