@@ -1,7 +1,8 @@
-"""The tensor-parallel floor counts each distinct call once and multiplies: it equals every tensor-parallel call inside
-a stage of one micro-batch priced one by one (written out below as the reference), for tp 2, 4 and 8, with and
-without sequence parallelism, under every checkpointing, at one sequence and at the plan's micro-batch, under each
-engine's weights; and it reads none of the calls after backward (the gradient all-reduces of sequence parallelism's
+"""The tensor-parallel floor counts each distinct call once and multiplies (the calls of models of one and two blocks):
+it equals every tensor-parallel call inside a stage of one micro-batch of the whole model priced one by one (written
+out below as the reference), for tp 2, 4 and 8, with and without sequence parallelism, under every checkpointing, at
+one sequence and at the plan's micro-batch, under each engine's weights, beside context and expert parallelism; and
+it reads none of the calls after backward (the gradient all-reduces of sequence parallelism's
 replicated weights), which a reference counting them shows."""
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ GPU = gpu_preset("h100-80gb")
 HARDWARE = default_profile(GPU)
 
 
-def _scenario(tp: int, sequence_parallel: bool, checkpointing: str, engine: EngineName) -> Scenario:
+def _scenario(
+    tp: int, sequence_parallel: bool, checkpointing: str, engine: EngineName, model: str = "llama-3-8b", **split: int
+) -> Scenario:
     return Scenario(
-        model=model_preset("llama-3-8b"),
+        model=model_preset(model),
         cluster=ClusterSpec(gpu=GPU, world_size=64, gpus_per_node=8),
         training=TrainingSpec(
             micro_batch_size=2, sequence_length=2048, grad_accum_steps=3, checkpointing=checkpointing
         ),
-        strategy=Strategy(name="zero3", tp=tp, sequence_parallel=sequence_parallel, engine=engine),
+        strategy=Strategy(name="zero3", tp=tp, sequence_parallel=sequence_parallel, engine=engine, **split),
     )
 
 
@@ -64,6 +67,20 @@ def test_the_counted_floor_equals_every_call_summed(
         scenario = _scenario(tp, sequence_parallel, checkpointing, engine)
     except ValueError as error:  # a combination the engine does not model
         pytest.skip(str(error))
+    for size in (1, scenario.training.micro_batch_size):
+        floor = tensor_parallel_floor_s(scenario, HARDWARE, size)
+        assert floor > 0
+        assert floor == pytest.approx(_reference(scenario, HARDWARE, size, INSIDE_STAGE), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize(
+    ("model", "split"), [("llama-3-8b", {"cp": 2}), ("mixtral-8x7b", {"ep": 4}), ("mixtral-8x7b", {"cp": 2, "ep": 2})]
+)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_floor_beside_context_and_expert_parallelism_equals_every_call_summed(
+    model: str, split: dict[str, int], tp: int
+) -> None:
+    scenario = _scenario(tp, True, "full", "pytorch", model, **split)
     for size in (1, scenario.training.micro_batch_size):
         floor = tensor_parallel_floor_s(scenario, HARDWARE, size)
         assert floor > 0

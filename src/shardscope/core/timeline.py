@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from itertools import compress, count, repeat
-from operator import attrgetter, eq, itemgetter
+from operator import and_, attrgetter, eq, itemgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
@@ -206,6 +206,7 @@ _KEY = itemgetter(0)  # Task.key
 _STREAM = itemgetter(2)  # Task.stream
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
+_MICRO_BATCH, _GROUP = attrgetter("micro_batch"), attrgetter("group")
 
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
@@ -254,7 +255,11 @@ class StepTotals(NamedTuple):
 def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
     """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run
     from half the tasks (`core.step_graph.merged_runs`), summed in the same order (host copies in start order)."""
-    run = _run(scenario, profile, merged=True)
+    return _step_totals_of(_run(scenario, profile, merged=True))
+
+
+def _step_totals_of(run: _Run) -> StepTotals:
+    """`step_totals` of a run."""
     step, compute_busy, comm, wire = _totals(run)
     tasks, starts = run.tasks, run.starts
     # The host copies in index order, filtered at C speed (a step has a thousand tasks and a few copies), then in
@@ -271,6 +276,30 @@ def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
         wire_bytes_per_rank=wire,
         peak_flops_per_s=run.compute.peak_flops_per_s,
     )
+
+
+def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> tuple[StepTotals, StepTotals]:
+    """`step_totals` of a step of two micro-batches or more, and what its first micro-batch adds to each total: the
+    step from the end of its last backward to the end of the next micro-batch's, the compute stream's busy time of
+    its tasks, and its calls' seconds, host copies and wire bytes. The planner extends a step of k micro-batches from
+    these in one run where every micro-batch repeats the same schedule (`planner.timing.plan_timing` says where);
+    tests/planner/test_timing_and_failure.py holds it there to the extension from runs of one and two micro-batches."""
+    run = _run(scenario, profile, merged=True)
+    totals = _step_totals_of(run)
+    per_micro_batch = (run.computes - 1) // scenario.training.grad_accum_steps  # the optimizer step is the last
+    first = list(map(eq, map(_MICRO_BATCH, run.events), repeat(0)))
+    seconds = run.call_seconds or tuple(map(_DURATION, run.tasks[run.computes :]))
+    host = map(and_, first, map(eq, map(_GROUP, run.events), repeat("host")))
+    added = StepTotals(
+        step_time_s=run.finish[2 * per_micro_batch - 1] - run.finish[per_micro_batch - 1],
+        compute_time_s=sum(map(_DURATION, run.tasks[:per_micro_batch])),
+        comm_time_s=sum(compress(seconds, first)),
+        exposed_comm_s=0.0,
+        host_copy_s=sum(compress(seconds, host)),
+        wire_bytes_per_rank=round(sum(map(_WIRE_BYTES, compress(run.costs, first)))),
+        peak_flops_per_s=totals.peak_flops_per_s,
+    )
+    return totals, added
 
 
 def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -> TimeEstimate:
@@ -397,4 +426,5 @@ __all__ = [
     "step_calls",
     "step_runs",
     "step_totals",
+    "step_totals_and_increment",
 ]

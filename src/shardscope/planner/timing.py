@@ -2,7 +2,9 @@
 
 A step of k micro-batches repeats the same work k times, so the simulated step time grows linearly in k after the
 first: the planner simulates one and two micro-batches and extends the line (T(k) = T(2) + (k - 2)(T(2) - T(1))),
-instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation.
+instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation. Where every
+micro-batch repeats the same schedule (ZeRO-3, FSDP and HSDP on a GPU), T(2) - T(1) is what the run of two's first
+micro-batch adds, so one run serves (`plan_timing`).
 
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
 compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets
@@ -19,16 +21,22 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import and_, attrgetter, eq
+from operator import and_, attrgetter, eq, sub
 
 from shardscope.core.comm_events import CallKey, CommEvent, call_keys, optimizer_offload_events
 from shardscope.core.compute import compute_model, model_flops_per_step
 from shardscope.core.engines import rules_for
 from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import model_parallel_calls
-from shardscope.core.network import event_cost, network_model
+from shardscope.core.network import NetworkModel, event_cost, network_model
 from shardscope.core.result import CollectiveRow
-from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP, step_totals
+from shardscope.core.timeline import (
+    INSIDE_STAGE,
+    STREAM_OF_GROUP,
+    StepTotals,
+    step_totals,
+    step_totals_and_increment,
+)
 from shardscope.core.timeline_tasks import optimizer_task_s
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -68,7 +76,13 @@ def _with_micro_batches(scenario: Scenario, count: int) -> Scenario:
 
 
 def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
-    """Simulate at most two micro-batches and extend the line to the plan's count."""
+    """Simulate at most two micro-batches and extend the line to the plan's count: from runs of one and two, or
+    from one run of two by what its first micro-batch adds (`core.timeline.step_totals_and_increment`), where every
+    micro-batch repeats the same schedule: a ZeRO-3, FSDP or HSDP step (every micro-batch gathers and reduces each
+    unit again, and its compute waits for the gathers queued behind the reductions before, so no stream falls
+    further behind from one micro-batch to the next) with overlap and no compute slowed beside asynchronous calls
+    (every GPU profile). Not under DDP or ZeRO-1/2: reductions that no compute waits for can pile up on their
+    stream, micro-batch after micro-batch, and only the runs of one and two see the step grow with them."""
     steps = scenario.training.grad_accum_steps
     model_flops = model_flops_per_step(scenario)
     tokens = scenario.tokens_per_step
@@ -85,22 +99,22 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
             mfu=model_flops / (exact.step_time_s * exact.peak_flops_per_s),
             simulated_micro_batches=steps,
         )
-    one = step_totals(_with_micro_batches(scenario, 1), hardware)
-    two = step_totals(_with_micro_batches(scenario, 2), hardware)
+    if scenario.strategy.stage == 3 and hardware.overlap and not hardware.host_terms.async_compute_slowdown:
+        two, added = step_totals_and_increment(_with_micro_batches(scenario, 2), hardware)
+    else:
+        one = step_totals(_with_micro_batches(scenario, 1), hardware)
+        two = step_totals(_with_micro_batches(scenario, 2), hardware)
+        added = StepTotals._make(map(sub, two, one))
     extra = steps - 2
-
-    def extend(first: float, second: float) -> float:
-        return second + extra * (second - first)
-
-    step = extend(one.step_time_s, two.step_time_s)
-    compute = extend(one.compute_time_s, two.compute_time_s)
+    step = two.step_time_s + extra * added.step_time_s
+    compute = two.compute_time_s + extra * added.compute_time_s
     return PlanTiming(
         step_time_s=step,
         compute_time_s=compute,
-        comm_time_s=extend(one.comm_time_s, two.comm_time_s),
+        comm_time_s=two.comm_time_s + extra * added.comm_time_s,
         exposed_comm_s=max(0.0, step - compute),
-        host_copy_s=extend(one.host_copy_s, two.host_copy_s),
-        wire_bytes_per_rank=round(extend(one.wire_bytes_per_rank, two.wire_bytes_per_rank)),
+        host_copy_s=two.host_copy_s + extra * added.host_copy_s,
+        wire_bytes_per_rank=round(two.wire_bytes_per_rank + extra * added.wire_bytes_per_rank),
         tokens_per_s=tokens / step,
         mfu=model_flops / (step * two.peak_flops_per_s),
         simulated_micro_batches=SIMULATED_MICRO_BATCHES,
@@ -124,7 +138,9 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro
     """A floor under one micro-batch's tensor-parallel calls inside its stages: the time model puts each on the
     critical path (a stage waits for it), so they add to the compute stream's time. Priced at `micro_batch_size`
     sequences per micro-batch: at one (the default) the floor holds for every micro-batch size (a call's time grows
-    with its payload) and one value serves them all; at the scenario's own size it is the exact sum."""
+    with its payload) and one value serves them all; at the scenario's own size it is the exact sum. Every block
+    makes the same calls, so a model of three blocks or more sums those of the model cut to one block plus n - 1
+    times what a second block adds (tests/planner/test_communication_floor.py holds it to the whole model's sum)."""
     if scenario.strategy.tp == 1:
         return 0.0
     once = dataclasses.replace(
@@ -132,18 +148,30 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro
         training=dataclasses.replace(scenario.training, micro_batch_size=micro_batch_size, grad_accum_steps=1),
     )
     net = network_model(hardware)
-    # the calls the simulation of the plan's first micro-batch makes (kept per shape, so it finds them made): the
-    # weights' element size reaches only the gradient all-reduces after backward, which the floor leaves out
-    events = model_parallel_calls(once, rules_for(once).param_comm_bytes(once))
+    layers = once.model.num_layers
+    if layers < 3:
+        return _tensor_parallel_sum(once, net)
+    one, two = (
+        _tensor_parallel_sum(dataclasses.replace(once, model=dataclasses.replace(once.model, num_layers=blocks)), net)
+        for blocks in (1, 2)
+    )
+    return one + (layers - 1) * (two - one)
+
+
+def _tensor_parallel_sum(scenario: Scenario, net: NetworkModel) -> float:
+    """Seconds of the tensor-parallel calls inside the stages of one micro-batch of `scenario`, each distinct call
+    priced once."""
+    # the weights' element size reaches only the gradient all-reduces after backward, which the floor leaves out
+    events = model_parallel_calls(scenario, rules_for(scenario).param_comm_bytes(scenario))
     in_tp_group = map(eq, map(_GROUP, events), repeat("tp"))
     inside = map(and_, in_tp_group, map(INSIDE_STAGE.__contains__, map(_TRIGGER, events)))
-    chosen = list(compress(events, inside))  # filtered and counted at C speed: a 70B step has thousands
+    chosen = list(compress(events, inside))  # filtered and counted at C speed
     rows = list(map(_ROW, chosen))
     keys = list(zip(map(_OP, rows), map(_PAYLOAD, rows), strict=True))
     counts = Counter(keys)
     # each distinct call priced once: its last call, counted where the first came, as a dict filled call by call
     calls = {key: (event, counts[key]) for key, event in dict(zip(keys, chosen, strict=True)).items()}
-    return sum(event_cost(event, once, net).time_s * count for event, count in calls.values())
+    return sum(event_cost(event, scenario, net).time_s * count for event, count in calls.values())
 
 
 ROUNDING_MARGIN = 1e-9
