@@ -211,9 +211,9 @@ class CommunicationFloor:
         return (max(chain_s + self.edges_s, self.before_step_s) + self.tail_s) * (1.0 - ROUNDING_MARGIN)
 
 
-StreamSums = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]
+StreamSums = tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float], dict[str, float]]
 """Seconds per 'comm' and 'host' stream of a step's data-parallel calls and host copies: all of them, those before
-the first forward, those after the last backward, those after the optimizer step."""
+the first forward, those after the last backward, those after the optimizer step, those of micro-batch 0."""
 
 
 def _stream_sums(scenario: Scenario, seconds: Callable[[CommEvent], float], host_only: bool) -> StreamSums:
@@ -228,14 +228,23 @@ def _stream_sums(scenario: Scenario, seconds: Callable[[CommEvent], float], host
     short = [
         dataclasses.replace(scenario, model=dataclasses.replace(scenario.model, num_layers=blocks)) for blocks in (1, 2)
     ]
-    (one, first, last, after), (two, *_) = (
+    (one, first, last, after, one_first), (two, _, _, _, two_first) = (
         _tallied_sums(rules_for(cut).step_events(cut), cut, seconds, host_only) for cut in short
     )
-    busy = {stream: one.get(stream, 0.0) + (layers - 1) * (two[stream] - one.get(stream, 0.0)) for stream in two}
+    busy, first_micro_batch = (
+        {stream: low.get(stream, 0.0) + (layers - 1) * (high[stream] - low.get(stream, 0.0)) for stream in high}
+        for low, high in ((one, two), (one_first, two_first))
+    )
     if scenario.strategy.offload != "optimizer":
-        return busy, first, last, after
+        return busy, first, last, after, first_micro_batch
     copies = _tallied_sums(_offload_events(scenario), scenario, seconds, host_only)
-    return _added(busy, copies[0]), _added(first, copies[1]), _added(last, copies[2]), _added(after, copies[3])
+    return (
+        _added(busy, copies[0]),
+        _added(first, copies[1]),
+        _added(last, copies[2]),
+        _added(after, copies[3]),
+        _added(first_micro_batch, copies[4]),
+    )
 
 
 def _tallied_sums(
@@ -243,11 +252,11 @@ def _tallied_sums(
 ) -> StreamSums:
     """`StreamSums` of `events`, a step of the scenario's micro-batches."""
     tally = _CallTally.of(events, scenario.training.grad_accum_steps - 1)
-    busy, first, last, after = (
+    busy, first, last, after, first_micro_batch = (
         tally.stream_seconds(counts, seconds, host_only)
-        for counts in (tally.every, tally.first, tally.last, tally.after_step)
+        for counts in (tally.every, tally.first, tally.last, tally.after_step, tally.first_micro_batch)
     )
-    return busy, first, last, after
+    return busy, first, last, after, first_micro_batch
 
 
 def _added(sums: dict[str, float], more: dict[str, float]) -> dict[str, float]:
@@ -268,7 +277,7 @@ def _data_parallel_events(scenario: Scenario) -> list[CommEvent]:
     return events + _offload_events(scenario) if scenario.strategy.offload == "optimizer" else events
 
 
-_STAGE = attrgetter("stage")
+_STAGE, _MICRO_BATCH = attrgetter("stage"), attrgetter("micro_batch")
 _GROUP, _TRIGGER, _ROW = attrgetter("group"), attrgetter("trigger"), attrgetter("row")
 _OP, _PAYLOAD = attrgetter("op"), attrgetter("payload_bytes")
 _AT_STAGE_ZERO_OR_STEP = (1).__gt__  # stage 0 or -1 (the optimizer step's: 'after_step')
@@ -291,6 +300,8 @@ class _CallTally:
     """Of them, after the last backward: the last micro-batch, stage 0, 'after_backward'."""
     after_step: dict[CallKey, int]
     """Of them, after the optimizer step: the last micro-batch, stage -1, 'after_step'."""
+    first_micro_batch: dict[CallKey, int]
+    """Of them, micro-batch 0's."""
 
     @classmethod
     def of(cls, events: list[CommEvent], last_micro_batch: int) -> _CallTally:
@@ -309,9 +320,13 @@ class _CallTally:
                 last[key] += 1
             elif event.trigger == "after_step":
                 after_step[key] += 1
-        every = Counter(keys)
         return cls(
-            calls=dict(zip(keys, events, strict=True)), every=every, first=first, last=last, after_step=after_step
+            calls=dict(zip(keys, events, strict=True)),
+            every=Counter(keys),
+            first=first,
+            last=last,
+            after_step=after_step,
+            first_micro_batch=Counter(compress(keys, map(eq, map(_MICRO_BATCH, events), repeat(0)))),
         )
 
     def stream_seconds(
@@ -339,9 +354,10 @@ def optimizer_floor_s(scenario: Scenario, hardware: HardwareProfile) -> float:
 def communication_floor(
     scenario: Scenario, hardware: HardwareProfile, optimizer_s: float | None = None
 ) -> CommunicationFloor:
-    """The floor for the scenario's micro-batch count, from one and two micro-batches extended as plan_timing does
-    (each further micro-batch issues the same calls as the second; the optimizer step and the calls after it come
-    once a step). `optimizer_s`: the scenario's `optimizer_floor_s` where the caller has it."""
+    """The floor for the scenario's micro-batch count, from a step of two micro-batches extended as plan_timing does
+    (each further micro-batch issues micro-batch 0's calls; the last micro-batch's own and the calls after the
+    optimizer step come once a step: tests/planner/test_communication_floor.py holds it to steps of one and two
+    summed call by call). `optimizer_s`: the scenario's `optimizer_floor_s` where the caller has it."""
     net = network_model(hardware)
     steps = scenario.training.grad_accum_steps
     priced: dict[tuple[str, str, int, int], float] = {}
@@ -358,10 +374,13 @@ def communication_floor(
     # Each stream's whole step and its edges: the gathers before the first forward (micro-batch 0, stage 0,
     # 'before_forward'), the reductions after the last backward (the last micro-batch, stage 0, 'after_backward')
     # and the calls after the optimizer step ('after_step').
-    busy, first, last, after = _stream_sums(_with_micro_batches(scenario, simulated), seconds, host_only)
+    # A step of k micro-batches makes those of two plus k - 2 times micro-batch 0's (a step of one makes those of two
+    # less micro-batch 0's: the calls of the last micro-batch and after the step come once).
+    busy, first, last, after, first_micro_batch = _stream_sums(
+        _with_micro_batches(scenario, simulated), seconds, host_only
+    )
     if steps > simulated:
-        one = _stream_sums(_with_micro_batches(scenario, 1), seconds, host_only)[0]
-        busy = {stream: total + (steps - 2) * (total - one.get(stream, 0.0)) for stream, total in busy.items()}
+        busy = {stream: total + (steps - 2) * first_micro_batch.get(stream, 0.0) for stream, total in busy.items()}
     optimizer = optimizer_s if optimizer_s is not None else optimizer_floor_s(scenario, hardware)
     if not hardware.overlap:
         return CommunicationFloor(edges_s=sum(busy.values()), before_step_s=0.0, tail_s=optimizer)
