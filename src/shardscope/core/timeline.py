@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from itertools import compress, count, repeat
-from operator import and_, attrgetter, eq, itemgetter
+from operator import and_, attrgetter, eq, itemgetter, not_
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
@@ -206,7 +206,8 @@ _KEY = itemgetter(0)  # Task.key
 _STREAM = itemgetter(2)  # Task.stream
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
-_MICRO_BATCH, _GROUP = attrgetter("micro_batch"), attrgetter("group")
+_MICRO_BATCH, _GROUP, _TRIGGER = attrgetter("micro_batch"), attrgetter("group"), attrgetter("trigger")
+_FLOOR_STREAMS = ("comm", "host")  # the data-parallel calls' stream and the host copies'
 
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
@@ -278,16 +279,32 @@ def _step_totals_of(run: _Run) -> StepTotals:
     )
 
 
-def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> tuple[StepTotals, StepTotals]:
-    """`step_totals` of a step of two micro-batches or more, and what its first micro-batch adds to each total: the
-    step from the end of its last backward to the end of the next micro-batch's, the compute stream's busy time of
-    its tasks, and its calls' seconds, host copies and wire bytes. The planner extends a step of k micro-batches from
-    these in one run where every micro-batch repeats the same schedule (`planner.timing.plan_timing` says where);
-    tests/planner/test_timing_and_failure.py holds it there to the extension from runs of one and two micro-batches."""
+def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> tuple[StepTotals, StepTotals | None]:
+    """`step_totals` of a step of two micro-batches or more, and what its first micro-batch adds to each total where
+    every micro-batch repeats the same schedule (None elsewhere): the step from the end of its last backward to the end
+    of the next micro-batch's, the compute stream's busy time of its tasks, and its calls' seconds, host copies and
+    wire bytes. The planner extends a step of k micro-batches from these (`planner.timing.plan_timing`).
+
+    The schedule repeats with overlap and no compute slowed beside asynchronous calls, where no stream can fall further
+    behind from one micro-batch to the next: a ZeRO-3, FSDP or HSDP step (each micro-batch's compute waits for gathers
+    queued behind the reductions before them), or a step whose micro-batch 0 makes no data-parallel call or copy after
+    its backward (DDP and ZeRO-1 reduce in the last micro-batch only). Not under ZeRO-2, nor the paper's DDP beside
+    context parallelism: reductions after every backward that no compute waits for can pile up on their stream, and
+    the step grows by them, not by the compute. tests/planner/test_one_run_extension.py holds it to the extension from
+    runs of one and two micro-batches."""
     run = _run(scenario, profile, merged=True)
     totals = _step_totals_of(run)
+    if not profile.overlap or profile.host_terms.async_compute_slowdown:
+        return totals, None
+    first = list(map(not_, map(_MICRO_BATCH, run.events)))  # micro-batch 0's calls
+    if scenario.strategy.stage != 3:
+        after_backward = map(eq, map(_TRIGGER, run.events), repeat("after_backward"))
+        own_streams = map(
+            _FLOOR_STREAMS.__contains__, map(STREAM_OF_GROUP.get, map(_GROUP, run.events), repeat("comm"))
+        )
+        if any(compress(map(and_, after_backward, own_streams), first)):
+            return totals, None
     per_micro_batch = (run.computes - 1) // scenario.training.grad_accum_steps  # the optimizer step is the last
-    first = list(map(eq, map(_MICRO_BATCH, run.events), repeat(0)))
     seconds = run.call_seconds or tuple(map(_DURATION, run.tasks[run.computes :]))
     host = map(and_, first, map(eq, map(_GROUP, run.events), repeat("host")))
     added = StepTotals(

@@ -3,8 +3,8 @@
 A step of k micro-batches repeats the same work k times, so the simulated step time grows linearly in k after the
 first: the planner simulates one and two micro-batches and extends the line (T(k) = T(2) + (k - 2)(T(2) - T(1))),
 instead of simulating k x (blocks + 2) stages. A test holds the extension to the full simulation. Where every
-micro-batch repeats the same schedule (ZeRO-3, FSDP and HSDP on a GPU), T(2) - T(1) is what the run of two's first
-micro-batch adds, so one run serves (`plan_timing`).
+micro-batch repeats the same schedule (ZeRO-3, FSDP, HSDP, DDP and ZeRO-1 on a GPU), T(2) - T(1) is what the run of
+two's first micro-batch adds, so one run serves (`plan_timing`).
 
 A lower bound comes first and costs almost nothing: the compute stream's busy time. No step is shorter than its
 compute, so a plan whose bound is already worse than the plans kept is never simulated. A plan that passes it meets
@@ -76,13 +76,9 @@ def _with_micro_batches(scenario: Scenario, count: int) -> Scenario:
 
 
 def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
-    """Simulate at most two micro-batches and extend the line to the plan's count: from runs of one and two, or
-    from one run of two by what its first micro-batch adds (`core.timeline.step_totals_and_increment`), where every
-    micro-batch repeats the same schedule: a ZeRO-3, FSDP or HSDP step (every micro-batch gathers and reduces each
-    unit again, and its compute waits for the gathers queued behind the reductions before, so no stream falls
-    further behind from one micro-batch to the next) with overlap and no compute slowed beside asynchronous calls
-    (every GPU profile). Not under DDP or ZeRO-1/2: reductions that no compute waits for can pile up on their
-    stream, micro-batch after micro-batch, and only the runs of one and two see the step grow with them."""
+    """Simulate at most two micro-batches and extend the line to the plan's count: from one run of two by what its
+    first micro-batch adds, where every micro-batch repeats the same schedule (`core.timeline.step_totals_and_increment`
+    says where), else from runs of one and two."""
     steps = scenario.training.grad_accum_steps
     model_flops = model_flops_per_step(scenario)
     tokens = scenario.tokens_per_step
@@ -99,12 +95,9 @@ def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
             mfu=model_flops / (exact.step_time_s * exact.peak_flops_per_s),
             simulated_micro_batches=steps,
         )
-    if scenario.strategy.stage == 3 and hardware.overlap and not hardware.host_terms.async_compute_slowdown:
-        two, added = step_totals_and_increment(_with_micro_batches(scenario, 2), hardware)
-    else:
-        one = step_totals(_with_micro_batches(scenario, 1), hardware)
-        two = step_totals(_with_micro_batches(scenario, 2), hardware)
-        added = StepTotals._make(map(sub, two, one))
+    two, added = step_totals_and_increment(_with_micro_batches(scenario, 2), hardware)
+    if added is None:
+        added = StepTotals._make(map(sub, two, step_totals(_with_micro_batches(scenario, 1), hardware)))
     extra = steps - 2
     step = two.step_time_s + extra * added.step_time_s
     compute = two.compute_time_s + extra * added.compute_time_s
