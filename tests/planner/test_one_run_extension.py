@@ -1,4 +1,4 @@
-"""A step of k micro-batches extended from one run of two (`core.timeline.step_totals_and_increment`) equals the
+"""A step of k micro-batches extended from one run of two (`core.step_totals.step_totals_and_increment`) equals the
 extension from runs of one and two, total by total: ZeRO-3, FSDP and HSDP steps for every engine, offload, hsdp shard
 group, tensor, context and expert parallel degree, DDP and ZeRO-1 steps (which reduce in the last micro-batch only),
 on a GPU's profile and on one that waits for the later rank. Where one run would miss the step's growth (ZeRO-2's
@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 from shardscope.choices import EngineName
-from shardscope.core.timeline import StepTotals, estimate_time, step_totals, step_totals_and_increment
+from shardscope.core.step_totals import StepTotals, step_totals, step_totals_and_increment
+from shardscope.core.timeline import estimate_time
 from shardscope.planner.timing import plan_timing
 from shardscope.presets import gpu_preset, model_preset
 from shardscope.presets.hardware import HardwareProfile, HostOverheads, default_profile

@@ -1,4 +1,4 @@
-"""The planner's fast path (`core.timeline.step_totals`) gives `simulate`'s numbers to the last bit: the same run of
+"""The planner's fast path (`core.step_totals.step_totals`) gives `simulate`'s numbers to the last bit: the same run of
 the streams, read without building the ledger and the spans; and that run is the schedule as the timeline defines it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 from timecases import scenario
 
 from shardscope.core.step_graph import step_graph
-from shardscope.core.timeline import STREAMS, _run, simulate, step_totals
+from shardscope.core.step_totals import step_totals
+from shardscope.core.timeline import STREAMS, run_step, simulate
 from shardscope.presets import gpu_preset
 from shardscope.presets.hardware import HardwareProfile, default_profile
 from shardscope.specs import Scenario
@@ -66,7 +67,7 @@ def test_the_run_issues_by_key_then_index_and_starts_each_task_when_its_stream_a
     # `_run` sorts int and float keys as floats and skips lookups it does not need; the schedule is still the plain
     # definition: issue order by (key, index), each task starting at the latest of its stream's free time, the ends
     # of its inputs and those of the calls it waits for (less what ring attention hides).
-    run, graph = _run(case, profile), step_graph(case, profile)
+    run, graph = run_step(case, profile), step_graph(case, profile)
     tasks = graph.tasks
     assert run.order == sorted(range(len(tasks)), key=lambda index: (tasks[index].key, index))
     free = dict.fromkeys(STREAMS, 0.0)

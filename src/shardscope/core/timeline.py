@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from itertools import compress, count, repeat
-from operator import and_, attrgetter, eq, itemgetter, not_
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from shardscope.core.comm import CommEvent, collective_ledger, with_micro_batches
@@ -138,8 +137,8 @@ class TimeEstimate:
         }
 
 
-class _Run(NamedTuple):
-    """A step's tasks run through the streams: what `simulate` and `step_totals` read."""
+class StepRun(NamedTuple):
+    """A step's tasks run through the streams: what `simulate` and `core.step_totals` read."""
 
     events: tuple[CommEvent, ...]
     costs: tuple[CollectiveCost, ...]
@@ -152,9 +151,9 @@ class _Run(NamedTuple):
     call_seconds: tuple[float, ...]  # `StepGraph.call_seconds`
 
 
-def _run(
+def run_step(
     scenario: Scenario, profile: HardwareProfile, placement: EventPlacement | None = None, merged: bool = False
-) -> _Run:
+) -> StepRun:
     """Run the step's tasks through the streams (`merged`: its graph with runs of calls as one task, `step_graph`)."""
     graph = step_graph(scenario, profile, placement, merged)
     tasks, computes, waits, hidden, runs = graph.tasks, graph.computes, graph.waits, graph.hidden, graph.runs
@@ -190,10 +189,10 @@ def _run(
             finish[index] = free[stream] = start
         else:
             finish[index] = free[stream] = start + duration
-    return _Run(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish, graph.call_seconds)
+    return StepRun(graph.events, graph.costs, graph.compute, tasks, computes, order, starts, finish, graph.call_seconds)
 
 
-def _totals(run: _Run) -> tuple[float, float, float, int]:
+def run_totals(run: StepRun) -> tuple[float, float, float, int]:
     """(step time, compute stream's busy time, communication time, wire bytes per rank) of a run."""
     tasks, computes = run.tasks, run.computes
     step = max(run.finish, default=0.0)
@@ -203,22 +202,19 @@ def _totals(run: _Run) -> tuple[float, float, float, int]:
 
 
 _KEY = itemgetter(0)  # Task.key
-_STREAM = itemgetter(2)  # Task.stream
 _DURATION = attrgetter("duration_s")
 _WIRE_BYTES = attrgetter("wire_bytes")
-_MICRO_BATCH, _GROUP, _TRIGGER = attrgetter("micro_batch"), attrgetter("group"), attrgetter("trigger")
-_FLOOR_STREAMS = ("comm", "host")  # the data-parallel calls' stream and the host copies'
 
 
 def simulate(scenario: Scenario, profile: HardwareProfile) -> TimeEstimate:
     """Run the step's tasks through the streams and measure what comes out."""
-    return _measured(scenario, profile, _run(scenario, profile))
+    return _measured(scenario, profile, run_step(scenario, profile))
 
 
-def _measured(scenario: Scenario, profile: HardwareProfile, run: _Run) -> TimeEstimate:
+def _measured(scenario: Scenario, profile: HardwareProfile, run: StepRun) -> TimeEstimate:
     """`simulate`'s answer from its run."""
     tasks, starts = run.tasks, run.starts
-    step, compute_busy, comm, wire = _totals(run)
+    step, compute_busy, comm, wire = run_totals(run)
     schedule = [
         (task.name, task.stream, task.category, starts[index], task.duration_s, task.payload_bytes)
         for index in run.order
@@ -240,85 +236,6 @@ def _measured(scenario: Scenario, profile: HardwareProfile, run: _Run) -> TimeEs
     )
 
 
-class StepTotals(NamedTuple):
-    """The numbers of `simulate`'s TimeEstimate that the planner ranks by, without the ledger and the schedule it
-    reads none of (merging the ledger and building a thousand spans cost as much as the scheduling)."""
-
-    step_time_s: float
-    compute_time_s: float
-    comm_time_s: float
-    exposed_comm_s: float
-    host_copy_s: float
-    wire_bytes_per_rank: int
-    peak_flops_per_s: float
-
-
-def step_totals(scenario: Scenario, profile: HardwareProfile) -> StepTotals:
-    """`simulate(scenario, profile)`'s totals, equal to the last bit (tests/time/test_step_totals.py): the same run
-    from half the tasks (`core.step_graph.merged_runs`), summed in the same order (host copies in start order)."""
-    return _step_totals_of(_run(scenario, profile, merged=True))
-
-
-def _step_totals_of(run: _Run) -> StepTotals:
-    """`step_totals` of a run."""
-    step, compute_busy, comm, wire = _totals(run)
-    tasks, starts = run.tasks, run.starts
-    # The host copies in index order, filtered at C speed (a step has a thousand tasks and a few copies), then in
-    # issue order (run.order's: by key, then by index), then by start (stable, as the schedule's sort by start).
-    host = list(compress(count(), map(eq, map(_STREAM, tasks), repeat("host"))))
-    host.sort(key=lambda index: tasks[index].key)
-    host.sort(key=starts.__getitem__)
-    return StepTotals(
-        step_time_s=step,
-        compute_time_s=compute_busy,
-        comm_time_s=comm,
-        exposed_comm_s=max(0.0, step - compute_busy),
-        host_copy_s=sum(tasks[index].duration_s for index in host),
-        wire_bytes_per_rank=wire,
-        peak_flops_per_s=run.compute.peak_flops_per_s,
-    )
-
-
-def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> tuple[StepTotals, StepTotals | None]:
-    """`step_totals` of a step of two micro-batches or more, and what its first micro-batch adds to each total where
-    every micro-batch repeats the same schedule (None elsewhere): the step from the end of its last backward to the end
-    of the next micro-batch's, the compute stream's busy time of its tasks, and its calls' seconds, host copies and
-    wire bytes. The planner extends a step of k micro-batches from these (`planner.timing.plan_timing`).
-
-    The schedule repeats with overlap and no compute slowed beside asynchronous calls, where no stream can fall further
-    behind from one micro-batch to the next: a ZeRO-3, FSDP or HSDP step (each micro-batch's compute waits for gathers
-    queued behind the reductions before them), or a step whose micro-batch 0 makes no data-parallel call or copy after
-    its backward (DDP and ZeRO-1 reduce in the last micro-batch only). Not under ZeRO-2, nor the paper's DDP beside
-    context parallelism: reductions after every backward that no compute waits for can pile up on their stream, and
-    the step grows by them, not by the compute. tests/planner/test_one_run_extension.py holds it to the extension from
-    runs of one and two micro-batches."""
-    run = _run(scenario, profile, merged=True)
-    totals = _step_totals_of(run)
-    if not profile.overlap or profile.host_terms.async_compute_slowdown:
-        return totals, None
-    first = list(map(not_, map(_MICRO_BATCH, run.events)))  # micro-batch 0's calls
-    if scenario.strategy.stage != 3:
-        after_backward = map(eq, map(_TRIGGER, run.events), repeat("after_backward"))
-        own_streams = map(
-            _FLOOR_STREAMS.__contains__, map(STREAM_OF_GROUP.get, map(_GROUP, run.events), repeat("comm"))
-        )
-        if any(compress(map(and_, after_backward, own_streams), first)):
-            return totals, None
-    per_micro_batch = (run.computes - 1) // scenario.training.grad_accum_steps  # the optimizer step is the last
-    seconds = run.call_seconds or tuple(map(_DURATION, run.tasks[run.computes :]))
-    host = map(and_, first, map(eq, map(_GROUP, run.events), repeat("host")))
-    added = StepTotals(
-        step_time_s=run.finish[2 * per_micro_batch - 1] - run.finish[per_micro_batch - 1],
-        compute_time_s=sum(map(_DURATION, run.tasks[:per_micro_batch])),
-        comm_time_s=sum(compress(seconds, first)),
-        exposed_comm_s=0.0,
-        host_copy_s=sum(compress(seconds, host)),
-        wire_bytes_per_rank=round(sum(map(_WIRE_BYTES, compress(run.costs, first)))),
-        peak_flops_per_s=totals.peak_flops_per_s,
-    )
-    return totals, added
-
-
 def estimate_time(scenario: Scenario, hardware: HardwareProfile | None = None) -> TimeEstimate:
     """Step time, communication and throughput of a scenario; the GPU preset's datasheet profile by default.
 
@@ -337,8 +254,8 @@ class StepRuns(NamedTuple):
     """The runs `estimate_time` measures a step without a pipeline from: the whole step (`last`, `before` None), or
     EXACT_MICRO_BATCHES - 1 and EXACT_MICRO_BATCHES micro-batches of a longer one."""
 
-    before: _Run | None
-    last: _Run
+    before: StepRun | None
+    last: StepRun
 
 
 def run_micro_batches(micro_batches: int) -> tuple[int, ...]:
@@ -354,8 +271,8 @@ def step_runs(scenario: Scenario, profile: HardwareProfile, placement: EventPlac
     proxy with its data-parallel calls as `placement` places them."""
     counts = run_micro_batches(scenario.training.grad_accum_steps)
     if len(counts) == 1:
-        return StepRuns(None, _run(scenario, profile, placement))
-    before, last = (_run(with_micro_batches(scenario, count), profile, placement) for count in counts)
+        return StepRuns(None, run_step(scenario, profile, placement))
+    before, last = (run_step(with_micro_batches(scenario, count), profile, placement) for count in counts)
     return StepRuns(before, last)
 
 
@@ -392,9 +309,9 @@ def exposed_and_optimizer_s(scenario: Scenario, runs: StepRuns) -> tuple[float, 
     """`estimate_from_runs(...)`'s exposed_comm_s and its optimizer step's duration, equal to the last bit
     (tests/core/test_pipeline_speed.py), without its ledger and schedule: what a pipeline rank does after its last
     backward (`core.pipeline_time`), asked of every pipeline rank."""
-    step, compute, _, _ = _totals(runs.last)
+    step, compute, _, _ = run_totals(runs.last)
     if runs.before is not None:
-        earlier_step, earlier_compute, _, _ = _totals(runs.before)
+        earlier_step, earlier_compute, _, _ = run_totals(runs.before)
         step, compute = _extend(scenario, earlier_step, step), _extend(scenario, earlier_compute, compute)
     optimizer = runs.last.tasks[runs.last.computes - 1]  # the last compute task (build_compute_tasks)
     return max(0.0, step - compute), optimizer.duration_s
@@ -413,11 +330,11 @@ class StepCalls(NamedTuple):
 
 def step_calls(scenario: Scenario, runs: StepRuns) -> StepCalls:
     """The calls of a step without a pipeline, measured from `step_runs`."""
-    _, _, comm, wire = _totals(runs.last)
+    _, _, comm, wire = run_totals(runs.last)
     peak = runs.last.compute.peak_flops_per_s
     if runs.before is None:
         return StepCalls(merge_ledger([event.row for event in runs.last.events]), wire, comm, peak)
-    _, _, earlier_comm, earlier_wire = _totals(runs.before)
+    _, _, earlier_comm, earlier_wire = run_totals(runs.before)
     extended_wire = round(_extend(scenario, earlier_wire, wire))
     return StepCalls(collective_ledger(scenario), extended_wire, _extend(scenario, earlier_comm, comm), peak)
 
@@ -430,8 +347,8 @@ __all__ = [
     "STREAM_OF_GROUP",
     "Span",
     "StepCalls",
+    "StepRun",
     "StepRuns",
-    "StepTotals",
     "TimeEstimate",
     "compute_model",
     "estimate_from_runs",
@@ -439,9 +356,9 @@ __all__ = [
     "exposed_and_optimizer_s",
     "network_model",
     "run_micro_batches",
+    "run_step",
+    "run_totals",
     "simulate",
     "step_calls",
     "step_runs",
-    "step_totals",
-    "step_totals_and_increment",
 ]

@@ -30,13 +30,8 @@ from shardscope.core.kernels import stage_seconds
 from shardscope.core.model_parallel_comm import model_parallel_calls
 from shardscope.core.network import NetworkModel, event_cost, network_model
 from shardscope.core.result import CollectiveRow
-from shardscope.core.timeline import (
-    INSIDE_STAGE,
-    STREAM_OF_GROUP,
-    StepTotals,
-    step_totals,
-    step_totals_and_increment,
-)
+from shardscope.core.step_totals import StepTotals, step_totals, step_totals_and_increment
+from shardscope.core.timeline import INSIDE_STAGE, STREAM_OF_GROUP
 from shardscope.core.timeline_tasks import optimizer_task_s
 from shardscope.presets.hardware import HardwareProfile
 from shardscope.specs import Scenario
@@ -77,8 +72,8 @@ def _with_micro_batches(scenario: Scenario, count: int) -> Scenario:
 
 def plan_timing(scenario: Scenario, hardware: HardwareProfile) -> PlanTiming:
     """Simulate at most two micro-batches and extend the line to the plan's count: from one run of two by what its
-    first micro-batch adds, where every micro-batch repeats the same schedule (`core.timeline.step_totals_and_increment`
-    says where), else from runs of one and two."""
+    first micro-batch adds, where every micro-batch repeats the same schedule
+    (`core.step_totals.step_totals_and_increment` says where), else from runs of one and two."""
     steps = scenario.training.grad_accum_steps
     model_flops = model_flops_per_step(scenario)
     tokens = scenario.tokens_per_step
