@@ -2,8 +2,8 @@
 extension from runs of one and two, total by total: ZeRO-3, FSDP and HSDP steps for every engine, offload, hsdp shard
 group, tensor, context and expert parallel degree, DDP and ZeRO-1 steps (which reduce in the last micro-batch only),
 on a GPU's profile and on one that waits for the later rank. Where one run would miss the step's growth (ZeRO-2's
-reductions and the paper's DDP's after every backward, piling up on their stream), the planner runs one micro-batch
-too, and a profile without overlap always does."""
+reductions and the paper's DDP's beside context parallelism, after every backward, piling up on their stream), the
+planner runs one micro-batch too, and a profile without overlap always does."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def tensor_parallel_floor_s(scenario: Scenario, hardware: HardwareProfile, micro
     sequences per micro-batch: at one (the default) the floor holds for every micro-batch size (a call's time grows
     with its payload) and one value serves them all; at the scenario's own size it is the exact sum. Every block
     makes the same calls, so a model of three blocks or more sums those of the model cut to one block plus n - 1
-    times what a second block adds (tests/planner/test_communication_floor.py holds it to the whole model's sum)."""
+    times what a second block adds (tests/planner/test_tensor_parallel_floor.py holds it to the whole model's sum)."""
     if scenario.strategy.tp == 1:
         return 0.0
     once = dataclasses.replace(
