@@ -54,7 +54,7 @@ def _step_totals_of(run: StepRun) -> StepTotals:
 
 
 def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> tuple[StepTotals, StepTotals | None]:
-    """`step_totals` of a step of two micro-batches or more, and what its first micro-batch adds to each total where
+    """`step_totals` of a step of two micro-batches, and what its first micro-batch adds to each total where
     every micro-batch repeats the same schedule (None elsewhere): the step from the end of its last backward to the end
     of the next micro-batch's, the compute stream's busy time of its tasks, and its calls' seconds, host copies and
     wire bytes. The planner extends a step of k micro-batches from these (`planner.timing.plan_timing`).
@@ -74,7 +74,7 @@ def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> t
     if scenario.strategy.stage != 3:
         after_backward = map(eq, map(_TRIGGER, run.events), repeat("after_backward"))
         own_streams = map(
-            _FLOOR_STREAMS.__contains__, map(STREAM_OF_GROUP.get, map(_GROUP, run.events), repeat("comm"))
+            _DATA_PARALLEL_STREAMS.__contains__, map(STREAM_OF_GROUP.get, map(_GROUP, run.events), repeat("comm"))
         )
         if any(compress(map(and_, after_backward, own_streams), first)):
             return totals, None
@@ -96,4 +96,4 @@ def step_totals_and_increment(scenario: Scenario, profile: HardwareProfile) -> t
 _STREAM = itemgetter(2)  # Task.stream
 _DURATION, _WIRE_BYTES = attrgetter("duration_s"), attrgetter("wire_bytes")
 _MICRO_BATCH, _GROUP, _TRIGGER = attrgetter("micro_batch"), attrgetter("group"), attrgetter("trigger")
-_FLOOR_STREAMS = ("comm", "host")  # the data-parallel calls' stream and the host copies'
+_DATA_PARALLEL_STREAMS = ("comm", "host")  # the data-parallel calls' stream and the host copies'
